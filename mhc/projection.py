@@ -1,0 +1,404 @@
+"""The Birkhoff projection ``Π_B(exp(R))``: the exact doubly stochastic ``H_res``.
+
+``T = Π_B(exp(R))`` is the unique doubly stochastic matrix of the form
+``T_ij = exp(R_ij + a_i + b_j)`` (design.md §2). This module holds the
+pure-PyTorch solver, which is the CPU implementation and the float64 ground
+truth for the fused CUDA kernels:
+
+* ``method="newton"`` (default): batched Newton on the (n-1)-dimensional dual
+  ``f(b) = Σ_i logsumexp_j(R_ij + b_j) - Σ_j b_j`` with ``b_n = 0``, an Armijo
+  line search, and a log-domain Sinkhorn sweep wherever the Newton step fails
+  (near-permutation solutions make the Hessian nearly singular). It runs until
+  every matrix meets ``tol``; its backward is the implicit-function gradient,
+  which needs only ``T``.
+* ``method="sinkhorn"``: classic fixed-step Sinkhorn-Knopp, differentiated
+  through its iterations, kept for comparison with the mHC paper.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "birkhoff_project",
+    "marginal_error",
+    "ProjectionInfo",
+    "ConvergenceWarning",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ARMIJO_C1 = 1e-4
+_MAX_HALVINGS = 30
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """Some matrices did not reach the requested tolerance."""
+
+
+@dataclass
+class ProjectionInfo:
+    """Per-matrix solver report, returned by ``birkhoff_project(..., return_info=True)``.
+
+    Attributes:
+        iterations: ``[...]`` int32, solver steps each matrix took.
+        error: ``[...]`` float64, ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` of the compute-precision
+            result (NaN for non-finite input).
+        converged: ``[...]`` bool, whether the matrix met the tolerance.
+        tol: the tolerance actually enforced (``tol`` raised to the rounding
+            floor of the compute dtype, see :func:`birkhoff_project`).
+    """
+
+    iterations: Tensor
+    error: Tensor
+    converged: Tensor
+    tol: float
+
+    @property
+    def num_unconverged(self) -> int:
+        """Matrices with finite input that missed the tolerance."""
+        return int((~self.converged & ~self.error.isnan()).sum())
+
+    @property
+    def num_nonfinite(self) -> int:
+        """Matrices whose input held NaN or Inf (returned as NaN)."""
+        return int(self.error.isnan().sum())
+
+
+def marginal_error(T: Tensor) -> Tensor:
+    """``‖T1 - 1‖₁ + ‖Tᵀ1 - 1‖₁`` per matrix, computed in float64.
+
+    Args:
+        T: ``[..., n, n]`` any floating dtype.
+
+    Returns:
+        ``[...]`` float64.
+    """
+    T = T.double()
+    return (T.sum(-1) - 1).abs().sum(-1) + (T.sum(-2) - 1).abs().sum(-1)
+
+
+def _check_logits(logits: Tensor) -> None:
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"birkhoff_project expects a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"birkhoff_project supports float16, bfloat16, float32 and float64 logits, got {logits.dtype}"
+        )
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(
+            f"birkhoff_project expects square matrices of shape [..., n, n], got {tuple(logits.shape)}"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("birkhoff_project needs n >= 1, got 0x0 matrices")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the solver runs in for ``dtype`` logits: float64 stays, the rest use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
+    """``tol`` raised to what a ``dtype`` matrix can represent.
+
+    Each of the 2n marginals of a rounded matrix carries about ``eps`` of
+    rounding, so no solver can promise less than ``2·n·eps`` in that dtype.
+    """
+    return max(float(tol), 2 * n * torch.finfo(compute_dtype(dtype)).eps)
+
+
+# ----------------------------------------------------------------------------
+# Dual pieces shared by the Newton solver and the implicit backward.
+# ----------------------------------------------------------------------------
+
+
+def _pad_last(b: Tensor) -> Tensor:
+    """``[B, n-1] -> [B, n]`` with ``b_n = 0`` (the dual's gauge)."""
+    return torch.nn.functional.pad(b, (0, 1))
+
+
+def _exclusive_row_sums(T: Tensor) -> Tensor:
+    """``Σ_{k≠j} T_ik`` without the cancellation of ``rowsum - T_ij``.
+
+    When ``T_ij`` is close to 1, ``1 - T_ij`` is below the dtype's resolution,
+    but the sum of the other entries is not: prefix plus suffix sums keep it.
+    """
+    zero = T.new_zeros(T.shape[:-1] + (1,))
+    before = torch.cat([zero, T.cumsum(-1)[..., :-1]], dim=-1)
+    after = torch.cat([T.flip(-1).cumsum(-1)[..., :-1].flip(-1), zero], dim=-1)
+    return before + after
+
+
+def dual_hessian(T: Tensor) -> Tensor:
+    """``diag(c) - TᵀT`` restricted to the first n-1 columns: ``[..., n, n] -> [..., n-1, n-1]``.
+
+    The diagonal ``Σ_i T_ij (1 - T_ij)`` is formed from the other entries of
+    each row, so it stays accurate as ``T`` approaches a permutation.
+    """
+    m = T.shape[-1] - 1
+    Tm = T[..., :m]
+    off = -(Tm.transpose(-1, -2) @ Tm)
+    diag = (T * _exclusive_row_sums(T)).sum(-2)[..., :m]
+    eye = torch.eye(m, dtype=torch.bool, device=T.device)
+    return torch.where(eye, torch.diag_embed(diag), off)
+
+
+def _spd_solve(H: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
+    """Solve ``H x = rhs`` for symmetric PSD ``H [B, m, m]``; returns ``(x, ok)``.
+
+    The Hessian is nearly singular when ``T`` nears a permutation. A ridge of
+    ``eps·max(diag)`` (eps of ``H``'s dtype) bounds the step along directions
+    that are singular only to rounding, and the factorisation runs in float64
+    so that fp32 rounding cannot make the ridged matrix indefinite. ``ok`` is
+    False where it still fails.
+    """
+    eps = torch.finfo(H.dtype).eps
+    H64 = H.double()
+    scale = H64.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(H.dtype).tiny)
+    eye = torch.eye(H.shape[-1], dtype=torch.float64, device=H.device)
+    L, info = torch.linalg.cholesky_ex(H64 + (eps * scale)[:, None, None] * eye)
+    x = torch.cholesky_solve(rhs.double().unsqueeze(-1), L).squeeze(-1).to(H.dtype)
+    ok = (info == 0) & x.isfinite().all(-1)
+    return x, ok
+
+
+# ----------------------------------------------------------------------------
+# Newton solver.
+# ----------------------------------------------------------------------------
+
+
+def _sinkhorn_sweep(L: Tensor) -> Tensor:
+    """One log-domain Sinkhorn step: normalise the columns of ``exp(L)``, then its rows.
+
+    Coordinate descent on the dual: it never stalls, however close ``T`` is
+    to a permutation, and in logs an all-underflowed column still moves.
+    """
+    return torch.log_softmax(L - torch.logsumexp(L, dim=-2, keepdim=True), dim=-1)
+
+
+def _newton_step(L: Tensor, T: Tensor) -> Tensor:
+    """One globalised Newton step for every log-plan ``L`` of the batch.
+
+    The dual variable is folded into ``L`` after every step, so the step
+    starts from ``b = 0``, ``f(0) = 0``, and the logits the solver adds to are
+    ``log T`` itself: small where ``T`` is not, which keeps the fp32 rounding
+    of ``L + b`` near ``eps`` instead of ``eps·|R|``.
+    """
+    n = L.shape[-1]
+    g = T.sum(-2)[:, : n - 1] - 1
+    d, ok = _spd_solve(dual_hessian(T), -g)
+    slope = (g * d).sum(-1)
+    ok &= slope < 0
+    d = _pad_last(d)
+    # f is near 0 here, so its rounding is a few eps per row; without this
+    # slack the quadratic finish would be rejected as "no descent".
+    slack = 8 * n * torch.finfo(L.dtype).eps
+
+    new_L = L.clone()
+    pending = ok.nonzero().squeeze(-1)
+    t = 1.0
+    for _ in range(_MAX_HALVINGS):
+        if pending.numel() == 0:
+            break
+        trial = L[pending] + t * d[pending].unsqueeze(-2)
+        lse = torch.logsumexp(trial, dim=-1, keepdim=True)
+        f1 = lse.squeeze(-1).sum(-1) - t * d[pending].sum(-1)
+        accept = f1 <= _ARMIJO_C1 * t * slope[pending] + slack
+        new_L[pending[accept]] = (trial - lse)[accept]
+        pending = pending[~accept]
+        t *= 0.5
+
+    failed = torch.cat([(~ok).nonzero().squeeze(-1), pending])
+    if failed.numel():
+        new_L[failed] = _sinkhorn_sweep(L[failed])
+    return new_L
+
+
+def _solve_newton(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Project finite ``R [B, n, n]``; returns ``(T, iterations, error)``."""
+    B = R.shape[0]
+    T_out = torch.empty_like(R)
+    iterations = torch.zeros(B, dtype=torch.int32, device=R.device)
+    error = torch.empty(B, dtype=torch.float64, device=R.device)
+
+    active = torch.arange(B, device=R.device)
+    L = _sinkhorn_sweep(torch.log_softmax(R, dim=-1))
+    for step in range(max_iter + 1):
+        T = L.exp()
+        err = marginal_error(T)
+        done = err <= tol
+        if step == max_iter:
+            done = torch.ones_like(done)
+        finished = active[done]
+        T_out[finished] = T[done]
+        error[finished] = err[done]
+        keep = ~done
+        active, L, T = active[keep], L[keep], T[keep]
+        if active.numel() == 0:
+            break
+        iterations[active] += 1
+        L = _newton_step(L, T)
+    return T_out, iterations, error
+
+
+# ----------------------------------------------------------------------------
+# Autograd: the implicit-function backward.
+# ----------------------------------------------------------------------------
+
+
+def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
+    """``∂L/∂R`` from ``T`` and ``G = ∂L/∂T`` alone (design.md §2).
+
+    Args:
+        T: ``[B, n, n]`` the projection's output, in compute precision.
+        grad_T: ``[B, n, n]`` same dtype as ``T``.
+
+    Returns:
+        ``[B, n, n]`` gradient with respect to the logits.
+    """
+    n = T.shape[-1]
+    if n == 1:
+        return torch.zeros_like(T)
+    gamma = grad_T * T
+    mu_r = gamma.sum(-1)
+    mu_c = gamma.sum(-2)[:, : n - 1]
+    Tm = T[..., : n - 1]
+    rhs = mu_c - (Tm.transpose(-1, -2) @ mu_r.unsqueeze(-1)).squeeze(-1)
+    w, _ = _spd_solve(dual_hessian(T), rhs)
+    # Where even the ridged Hessian fails, T is a permutation to rounding and
+    # ∂T/∂R is 0 there; any w gives that, so take w = 0 rather than NaN.
+    w = _pad_last(torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0))
+    v = mu_r - (T @ w.unsqueeze(-1)).squeeze(-1)
+    return T * (grad_T - v.unsqueeze(-1) - w.unsqueeze(-2))
+
+
+class _NewtonProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, R: Tensor, tol: float, max_iter: int):
+        T, iterations, error = _solve_finite(R, tol, max_iter)
+        ctx.save_for_backward(T)
+        ctx.mark_non_differentiable(iterations, error)
+        return T, iterations, error
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_T, _grad_iterations, _grad_error):
+        (T,) = ctx.saved_tensors
+        if grad_T is None:
+            return None, None, None
+        return birkhoff_backward(T, grad_T.to(T.dtype)), None, None
+
+
+def _solve_finite(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the solver on the finite matrices of ``R [B, n, n]``; the rest become NaN."""
+    B = R.shape[0]
+    finite = R.isfinite().all(-1).all(-1)
+    if bool(finite.all()):
+        return _solve_newton(R, tol, max_iter)
+    T = torch.full_like(R, math.nan)
+    iterations = torch.zeros(B, dtype=torch.int32, device=R.device)
+    error = torch.full((B,), math.nan, dtype=torch.float64, device=R.device)
+    idx = finite.nonzero().squeeze(-1)
+    if idx.numel():
+        T[idx], iterations[idx], error[idx] = _solve_newton(R[idx], tol, max_iter)
+    return T, iterations, error
+
+
+def _sinkhorn(R: Tensor, iters: int) -> Tensor:
+    """Classic Sinkhorn-Knopp: ``iters`` row-then-column normalisations of ``exp(R)``, in logs."""
+    log_T = R
+    for _ in range(iters):
+        log_T = log_T - torch.logsumexp(log_T, dim=-1, keepdim=True)
+        log_T = log_T - torch.logsumexp(log_T, dim=-2, keepdim=True)
+    return log_T.exp()
+
+
+# ----------------------------------------------------------------------------
+# Public entry point.
+# ----------------------------------------------------------------------------
+
+
+def birkhoff_project(
+    logits: Tensor,
+    *,
+    tol: float = 1e-6,
+    max_iter: int = 100,
+    method: str = "newton",
+    iters: int = 20,
+    return_info: bool = False,
+) -> Tensor | tuple[Tensor, ProjectionInfo]:
+    """Project ``exp(logits)`` onto the Birkhoff polytope (doubly stochastic matrices).
+
+    Args:
+        logits: ``[..., n, n]`` float16, bfloat16, float32 or float64; any
+            leading batch shape, contiguous or not. An empty batch gives an
+            empty result.
+        tol: target for ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` per matrix (Newton only). It is
+            raised to ``2·n·eps`` of the compute dtype, below which rounding
+            alone decides the error.
+        max_iter: Newton iterations (each with its line search or fallback
+            sweep) before giving up on a matrix.
+        method: ``"newton"`` (exact, implicit backward) or ``"sinkhorn"``
+            (``iters`` fixed Sinkhorn-Knopp steps, backward through the loop).
+        iters: Sinkhorn steps for ``method="sinkhorn"``.
+        return_info: also return a :class:`ProjectionInfo`.
+
+    Returns:
+        ``T`` with the shape and dtype of ``logits``. The solver runs in
+        float32 (float64 for float64 input). Matrices holding NaN or Inf come
+        back as NaN; the others are unaffected. Newton matrices that miss the
+        tolerance raise a :class:`ConvergenceWarning` and are flagged in the
+        info; they are never reported as converged.
+    """
+    _check_logits(logits)
+    if method not in ("newton", "sinkhorn"):
+        raise ValueError(f"method must be 'newton' or 'sinkhorn', got {method!r}")
+    if max_iter < 0 or iters < 0:
+        raise ValueError("max_iter and iters must be non-negative")
+
+    shape, n = logits.shape, logits.shape[-1]
+    R = logits.to(compute_dtype(logits.dtype)).reshape(-1, n, n)
+    tol = effective_tol(tol, n, logits.dtype)
+
+    if method == "sinkhorn":
+        T = _sinkhorn(R, iters)
+        T = torch.where(R.isfinite().all(-1, keepdim=True).all(-2, keepdim=True), T, math.nan)
+        info = None
+        if return_info:
+            error = marginal_error(T).detach()
+            info = ProjectionInfo(
+                iterations=torch.full_like(error, iters, dtype=torch.int32).reshape(shape[:-2]),
+                error=error.reshape(shape[:-2]),
+                converged=(error <= tol).reshape(shape[:-2]),
+                tol=tol,
+            )
+    else:
+        if R.shape[0] == 0:
+            T = R.clone()
+            iterations = torch.zeros(0, dtype=torch.int32, device=R.device)
+            error = torch.zeros(0, dtype=torch.float64, device=R.device)
+        else:
+            T, iterations, error = _NewtonProjection.apply(R, tol, max_iter)
+        converged = error <= tol
+        unconverged = int((~converged & ~error.isnan()).sum())
+        if unconverged:
+            warnings.warn(
+                f"birkhoff_project: {unconverged} of {R.shape[0]} matrices missed tol={tol:.1e} "
+                f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
+                "use return_info=True to find them",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
+        info = ProjectionInfo(
+            iterations=iterations.reshape(shape[:-2]),
+            error=error.reshape(shape[:-2]),
+            converged=converged.reshape(shape[:-2]),
+            tol=tol,
+        )
+
+    T = T.reshape(shape).to(logits.dtype)
+    return (T, info) if return_info else T
