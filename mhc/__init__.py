@@ -1,6 +1,19 @@
 """mhc: manifold-constrained hyper-connections (mHC) for PyTorch."""
 
+from . import diagnostics
+from .block import MHCBlock
 from .projection import ConvergenceWarning, ProjectionInfo, birkhoff_project, marginal_error
+from .streams import StreamReduce, expand_streams, reduce_streams
 
-__all__ = ["birkhoff_project", "marginal_error", "ProjectionInfo", "ConvergenceWarning"]
+__all__ = [
+    "birkhoff_project",
+    "marginal_error",
+    "ProjectionInfo",
+    "ConvergenceWarning",
+    "MHCBlock",
+    "expand_streams",
+    "reduce_streams",
+    "StreamReduce",
+    "diagnostics",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,216 @@
+"""``MHCBlock``: one hyper-connection site around one sublayer (design.md §1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .projection import birkhoff_project
+
+__all__ = ["MHCBlock", "MODES", "INITS"]
+
+MODES = ("mhc", "hc", "residual")
+INITS = ("identity", "paper")
+
+# H_res at the default init: this much mass on the diagonal. Any doubly
+# stochastic start preserves the function; a mostly-diagonal one lets streams
+# keep their own content while the projection still has gradient (T(1-T) > 0).
+_RES_INIT_DIAGONAL = 0.9
+
+
+def _pre_init_weights(n: int, layer_index: int) -> Tensor:
+    """Unequal ``H_pre`` that sums to one, peaked on stream ``layer_index mod n``.
+
+    Uniform weights would give every stream the same gradient forever, so n
+    streams would be one residual stream in disguise (design.md, "Break the
+    symmetry"). The peak rotates with depth, as in HC's one-hot init.
+    """
+    off = min(0.01, 0.5 / n)
+    w = torch.full((n,), off, dtype=torch.float64)
+    w[layer_index % n] = 1.0 - off * (n - 1)
+    return w
+
+
+class MHCBlock(nn.Module):
+    """One mHC site: ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` around a sublayer ``F``.
+
+    The coefficients are per token (dynamic) plus static biases, and are
+    computed in float32 whatever the streams' dtype:
+
+    * ``mode="mhc"``: flattened RMSNorm over all ``n·C`` values, one
+      ``nC × (n² + 2n)`` projection ``φ``, ``H_pre = σ(·)``,
+      ``H_post = 2σ(·)``, ``H_res = birkhoff_project(·)`` (doubly stochastic).
+    * ``mode="hc"``: unconstrained hyper-connections (Zhu et al.): per-stream
+      RMSNorm, ``H = α·tanh(x̃ θ) + b`` with a free ``H_res``.
+    * ``mode="residual"``: no parameters; ``x'_i = x_i + F(mean_i x_i)``,
+      which for ``n_streams=1`` is exactly ``x + F(x)``.
+
+    Args:
+        branch: the sublayer ``F``; called as ``branch(u, *args, **kwargs)`` with
+            ``u: [..., C]``. If it returns a tuple (as HF attention does), its
+            first element is mixed into the streams and the rest is returned
+            beside the new streams.
+        hidden_size: ``C``.
+        n_streams: ``n`` (default 4).
+        mode: ``"mhc"``, ``"hc"`` or ``"residual"``.
+        init: ``"identity"`` (default) starts with ``φ = 0``, so that on identical
+            streams every stream computes ``x + F(x)`` exactly (conversion of a
+            pretrained model keeps its outputs); ``"paper"`` draws ``φ`` at
+            random, as the mHC paper does, which is close to but not exactly
+            function-preserving.
+        layer_index: depth of this site; rotates the stream ``H_pre`` favours.
+        alpha_init: initial value of the three dynamic scales ``α``.
+        norm_eps: epsilon of the coefficient RMSNorm.
+        projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
+        tol: tolerance of the Newton projection.
+        sinkhorn_iters: steps for ``projection="sinkhorn"``.
+
+    Shapes:
+        ``forward(x: [..., n, C], *args, **kwargs) -> [..., n, C]`` (or a tuple
+        whose first element is that), in the dtype of ``x``.
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        hidden_size: int,
+        n_streams: int = 4,
+        *,
+        mode: str = "mhc",
+        init: str = "identity",
+        layer_index: int = 0,
+        alpha_init: float = 0.01,
+        norm_eps: float = 1e-6,
+        projection: str = "newton",
+        tol: float = 1e-6,
+        sinkhorn_iters: int = 20,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        if projection not in ("newton", "sinkhorn"):
+            raise ValueError(f"projection must be 'newton' or 'sinkhorn', got {projection!r}")
+        if hidden_size < 1 or n_streams < 1:
+            raise ValueError(f"hidden_size and n_streams must be >= 1, got {hidden_size}, {n_streams}")
+        self.branch = branch
+        self.hidden_size = hidden_size
+        self.n_streams = n_streams
+        self.mode = mode
+        self.init = init
+        self.layer_index = layer_index
+        self.norm_eps = norm_eps
+        self.projection = projection
+        self.tol = tol
+        self.sinkhorn_iters = sinkhorn_iters
+        self.alpha_init = alpha_init
+        if mode == "residual":
+            return
+
+        n, C = n_streams, hidden_size
+        # mhc reads all n·C values of a token at once; hc reads each stream alone.
+        fan_in, fan_out = (n * C, n * n + 2 * n) if mode == "mhc" else (C, n + 2)
+        self.phi = nn.Parameter(torch.empty(fan_out, fan_in))
+        self.alpha = nn.Parameter(torch.empty(3))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise the coefficient parameters (float32) as ``init`` says."""
+        if self.mode == "residual":
+            return
+        n = self.n_streams
+        with torch.no_grad():
+            if self.init == "identity":
+                self.phi.zero_()
+            else:
+                nn.init.normal_(self.phi, std=self.phi.shape[1] ** -0.5)
+            self.alpha.fill_(self.alpha_init)
+            pre = _pre_init_weights(n, self.layer_index)
+            if self.mode == "mhc":
+                # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal.
+                self.b_pre.copy_(torch.logit(pre.clamp(1e-6, 1 - 1e-6)))
+                self.b_post.zero_()
+                diag = math.log(_RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - _RES_INIT_DIAGONAL))
+                self.b_res.copy_(torch.eye(n) * diag)
+            else:
+                self.b_pre.copy_(pre)
+                self.b_post.fill_(1.0)
+                self.b_res.copy_(torch.eye(n))
+
+    def _check_streams(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise TypeError(f"MHCBlock expects a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.dim() < 2 or x.shape[-2:] != (self.n_streams, self.hidden_size):
+            raise ValueError(
+                f"MHCBlock expects streams of shape [..., {self.n_streams}, {self.hidden_size}], "
+                f"got {tuple(x.shape)}"
+            )
+        if self.mode != "residual" and x.device != self.phi.device:
+            raise ValueError(f"streams are on {x.device} but the block's parameters are on {self.phi.device}")
+
+    def coefficients(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The mixing coefficients for streams ``x: [..., n, C]``.
+
+        Returns:
+            ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, float32
+            (float64 if ``x`` is float64).
+        """
+        n = self.n_streams
+        acc = torch.promote_types(x.dtype, torch.float32)
+        if self.mode == "residual":
+            ones = x.new_ones(x.shape[:-1], dtype=acc)
+            return ones / n, ones, torch.eye(n, dtype=acc, device=x.device).expand(*x.shape[:-2], n, n)
+
+        a_pre, a_post, a_res = self.alpha.to(acc)
+        b_pre, b_post, b_res = self.b_pre.to(acc), self.b_post.to(acc), self.b_res.to(acc)
+        phi = self.phi.to(acc)
+        if self.mode == "mhc":
+            x_norm = F.rms_norm(x.flatten(-2).to(acc), (n * self.hidden_size,), eps=self.norm_eps)
+            pre, post, res = (x_norm @ phi.t()).split([n, n, n * n], dim=-1)
+            H_pre = torch.sigmoid(a_pre * pre + b_pre)
+            H_post = 2 * torch.sigmoid(a_post * post + b_post)
+            H_res = birkhoff_project(
+                a_res * res.unflatten(-1, (n, n)) + b_res,
+                tol=self.tol,
+                method=self.projection,
+                iters=self.sinkhorn_iters,
+            )
+            return H_pre, H_post, H_res
+
+        x_norm = F.rms_norm(x.to(acc), (self.hidden_size,), eps=self.norm_eps)
+        dyn = torch.tanh(x_norm @ phi.t())  # [..., n, n + 2]: row i is read off stream i
+        H_pre = a_pre * dyn[..., 0] + b_pre
+        H_post = a_post * dyn[..., 1] + b_post
+        H_res = a_res * dyn[..., 2:] + b_res
+        return H_pre, H_post, H_res
+
+    def forward(self, x: Tensor, *args, **kwargs):
+        self._check_streams(x)
+        H_pre, H_post, H_res = self.coefficients(x)
+        acc = H_pre.dtype
+        u = torch.einsum("...n,...nc->...c", H_pre, x.to(acc)).to(x.dtype)
+
+        out = self.branch(u, *args, **kwargs)
+        y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        if y.shape != u.shape:
+            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+
+        if self.mode == "residual":
+            x_new = x + y.unsqueeze(-2)
+        else:
+            mixed = H_res @ x.to(acc) + H_post.unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+            x_new = mixed.to(x.dtype)
+        return x_new if rest is None else (x_new, *rest)
+
+    def extra_repr(self) -> str:
+        s = f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, mode={self.mode!r}"
+        if self.mode != "residual":
+            s += f", init={self.init!r}, layer_index={self.layer_index}, projection={self.projection!r}"
+        return s
