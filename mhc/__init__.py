@@ -2,6 +2,7 @@
 
 from . import diagnostics
 from .block import MHCBlock
+from .hf import MHCConfig, MHCForCausalLM, convert_to_mhc
 from .projection import ConvergenceWarning, ProjectionInfo, birkhoff_project, marginal_error
 from .streams import StreamReduce, expand_streams, reduce_streams
 
@@ -15,5 +16,8 @@ __all__ = [
     "reduce_streams",
     "StreamReduce",
     "diagnostics",
+    "MHCConfig",
+    "MHCForCausalLM",
+    "convert_to_mhc",
 ]
 __version__ = "0.1.0"

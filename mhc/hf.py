@@ -1,0 +1,426 @@
+"""HuggingFace ``transformers`` integration: mHC around the decoder layers of a causal LM.
+
+Design (why it looks like this):
+
+* ``MHCForCausalLM`` *holds* an ordinary HF causal LM (``self.model``, built
+  from ``MHCConfig.base_config`` or handed over by :func:`convert_to_mhc`) and
+  delegates ``forward`` to it. Embeddings, padding/causal masks, rotary
+  embeddings, the KV cache, the LM head, the loss and ``generate()`` are all the
+  base model's own code, for every architecture and ``transformers`` version.
+* The only surgery: each decoder layer is replaced by :class:`MHCDecoderLayer`,
+  which keeps the layer's submodules under their original names (state-dict
+  keys of the base weights do not change) and adds two :class:`~mhc.MHCBlock`
+  sites (``attn_mhc``, ``mlp_mhc``) whose branches are "norm, then sublayer".
+  The base model's layer loop passes the hidden state through opaquely, so it
+  carries the ``[B, S, n, C]`` streams from layer to layer unchanged; the first
+  wrapped layer copies ``[B, S, C]`` into ``n`` streams and a forward pre-hook
+  on the final norm reduces them back to ``[B, S, C]``. Masks, rotary
+  embeddings and caches are built before the loop from the embeddings, so
+  they never see the streams.
+* The wrapper is a ``GradientCheckpointingLayer``, so
+  ``gradient_checkpointing_enable()`` checkpoints it exactly as it would the
+  original layer, and the attention module (with its ``layer_idx`` and KV
+  cache) is the original object.
+
+Only the layer's *named pieces* differ per architecture; they live in
+:mod:`mhc.adapters`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+
+try:
+    from transformers import PreTrainedConfig as _BaseConfig
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as _BaseConfig
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover - very old transformers
+    GradientCheckpointingLayer = nn.Module
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from .adapters import Adapter, get_adapter
+from .block import INITS, MODES, MHCBlock
+from .streams import StreamReduce, expand_streams
+
+__all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "convert_to_mhc", "added_parameter_count"]
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+# Base-config keys MHCConfig never exposes as its own attributes.
+_NOT_DELEGATED = frozenset(
+    {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype"}
+)
+
+
+class MHCConfig(_BaseConfig):
+    """Configuration of an mHC causal LM: a base model's config plus the mHC settings.
+
+    Args:
+        base_config: the wrapped model's config, as a ``PretrainedConfig`` or
+            a dict holding its ``model_type``. Stored as a plain dict, so it
+            serialises inside ``config.json``; :meth:`get_base_config` rebuilds
+            the config object. Its attributes (``hidden_size``, ``vocab_size``,
+            ``num_hidden_layers``, token ids, ...) read through on this config.
+        n_streams: number of residual streams ``n`` (default 4).
+        mode: ``"mhc"`` (doubly stochastic ``H_res``), ``"hc"`` (unconstrained
+            hyper-connections) or ``"residual"`` (no parameters; with
+            ``n_streams=1`` exactly the base model).
+        init: ``"identity"`` (function-preserving: a converted model keeps its
+            outputs) or ``"paper"`` (random ``φ``).
+        projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
+        tol: Newton tolerance on the marginal error.
+        sinkhorn_iters: steps for ``projection="sinkhorn"``.
+        alpha_init: initial dynamic scale ``α``.
+        norm_eps: epsilon of the coefficient RMSNorm.
+        expand: how the embedding enters the streams; ``"copy"`` (the only
+            one) puts the same hidden state in every stream.
+        reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
+            starting at ``1/n``) to merge the streams before the final norm.
+    """
+
+    model_type = "mhc"
+
+    def __init__(
+        self,
+        base_config: _BaseConfig | dict | None = None,
+        n_streams: int = 4,
+        mode: str = "mhc",
+        init: str = "identity",
+        projection: str = "newton",
+        tol: float = 1e-6,
+        sinkhorn_iters: int = 20,
+        alpha_init: float = 0.01,
+        norm_eps: float = 1e-6,
+        expand: str = "copy",
+        reduce: str = "mean",
+        **kwargs,
+    ):
+        if isinstance(base_config, _BaseConfig):
+            base_config = base_config.to_dict()
+        elif base_config is None:
+            base_config = {}
+        elif isinstance(base_config, dict):
+            base_config = copy.deepcopy(dict(base_config))
+        else:
+            raise TypeError(f"base_config must be a PretrainedConfig or a dict, got {type(base_config).__name__}")
+        base_config.pop("transformers_version", None)
+        if base_config and not base_config.get("model_type"):
+            raise ValueError("base_config needs its 'model_type' (e.g. 'llama')")
+        if base_config.get("model_type") == self.model_type:
+            raise ValueError("base_config is itself an MHCConfig; pass the wrapped model's config")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        if projection not in ("newton", "sinkhorn"):
+            raise ValueError(f"projection must be 'newton' or 'sinkhorn', got {projection!r}")
+        if expand != "copy":
+            raise ValueError(f"expand must be 'copy', got {expand!r}")
+        if reduce not in ("mean", "learned"):
+            raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
+        if int(n_streams) < 1:
+            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+        self.base_config = base_config
+        self.n_streams = int(n_streams)
+        self.mode = mode
+        self.init = init
+        self.projection = projection
+        self.tol = float(tol)
+        self.sinkhorn_iters = int(sinkhorn_iters)
+        self.alpha_init = float(alpha_init)
+        self.norm_eps = float(norm_eps)
+        self.expand = expand
+        self.reduce = reduce
+        super().__init__(**kwargs)
+
+    def get_base_config(self) -> _BaseConfig:
+        """A fresh config object of the wrapped architecture, built from ``base_config``."""
+        if not self.base_config:
+            raise ValueError("this MHCConfig has no base_config; pass the wrapped model's config")
+        data = copy.deepcopy(self.base_config)
+        model_type = data.pop("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"unknown base model_type {model_type!r}")
+        return CONFIG_MAPPING[model_type].from_dict(data)
+
+    def get_text_config(self, *args, **kwargs) -> _BaseConfig:
+        """The base config: what generation and caches read (layers, heads, vocabulary)."""
+        if not self.__dict__.get("base_config"):
+            return self
+        cached = self.__dict__.get("_mhc_base_cache")
+        if cached is None or cached[0] != id(self.base_config):
+            cached = (id(self.base_config), self.get_base_config())
+            self.__dict__["_mhc_base_cache"] = cached
+        return cached[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("_mhc_base_cache", None)
+        return out
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails: read the base model's fields through.
+        if not name.startswith("_") and name not in _NOT_DELEGATED:
+            base = self.__dict__.get("base_config")
+            if base and name in base:
+                return base[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def _positional_names(fn) -> tuple[str, ...]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)
+
+
+def _block_options(config: MHCConfig) -> dict[str, Any]:
+    return dict(
+        mode=config.mode,
+        init=config.init,
+        alpha_init=config.alpha_init,
+        norm_eps=config.norm_eps,
+        projection=config.projection,
+        tol=config.tol,
+        sinkhorn_iters=config.sinkhorn_iters,
+    )
+
+
+class MHCDecoderLayer(GradientCheckpointingLayer):
+    """A base decoder layer with its two residual sites replaced by mHC sites.
+
+    Holds the original layer's submodules under their original names (so
+    ``self_attn.q_proj.weight`` etc. keep their keys), plus ``attn_mhc`` and
+    ``mlp_mhc`` (:class:`~mhc.MHCBlock`). Takes exactly the arguments the base
+    model's layer loop gives the original layer; all of them except the hidden
+    state go to the attention sublayer, as the original layer does.
+
+    Shapes: ``hidden_states`` is ``[B, S, C]`` for the first layer
+    (``expand_input``), which copies it into ``n`` streams, and ``[B, S, n, C]``
+    otherwise; the output is ``[B, S, n, C]``.
+    """
+
+    def __init__(self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool):
+        super().__init__()
+        for name in (*adapter.attn, *adapter.mlp):
+            if not isinstance(getattr(layer, name, None), nn.Module):
+                raise ValueError(f"{type(layer).__name__} has no submodule {name!r}; the mHC adapter does not fit it")
+        for name, child in layer.named_children():
+            self.add_module(name, child)
+        for name, p in layer.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in layer.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in layer._non_persistent_buffers_set)
+        for key, value in vars(layer).items():  # plain attributes (e.g. attention_type) the loop may read
+            if not key.startswith("_") and key not in ("training", "gradient_checkpointing"):
+                setattr(self, key, value)
+        self.train(layer.training)
+
+        names = _positional_names(type(layer).forward)[1:]  # drop self
+        self._input_names = names[1:]  # after hidden_states
+        self._unsupported = adapter.unsupported_inputs
+        self._attn_norm, self._attn = adapter.attn
+        self._mlp_norm, self._mlp = adapter.mlp
+        self._tuple_output = adapter.layers == "transformer.h" and _TRANSFORMERS_MAJOR < 5  # GPT-2 in 4.x
+        self.wrapped_class = type(layer).__name__
+        self.layer_idx = layer_idx
+        self.n_streams = config.n_streams
+        self.expand_input = expand_input
+        hidden = config.get_text_config().hidden_size
+        opts = _block_options(config)
+        self.attn_mhc = MHCBlock(self._attn_branch, hidden, config.n_streams, layer_index=2 * layer_idx, **opts)
+        self.mlp_mhc = MHCBlock(self._mlp_branch, hidden, config.n_streams, layer_index=2 * layer_idx + 1, **opts)
+
+    def _attn_branch(self, u: Tensor, **kwargs):
+        return getattr(self, self._attn)(getattr(self, self._attn_norm)(u), **kwargs)
+
+    def _mlp_branch(self, u: Tensor) -> Tensor:
+        return getattr(self, self._mlp)(getattr(self, self._mlp_norm)(u))
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if len(args) > len(self._input_names):
+            raise TypeError(f"{self.wrapped_class} takes at most {len(self._input_names) + 1} positional arguments")
+        inputs = dict(zip(self._input_names, args))
+        inputs.update(kwargs)
+        for name in self._unsupported:
+            if inputs.pop(name, None) is not None:
+                raise NotImplementedError(f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}")
+        x = expand_streams(hidden_states, self.n_streams) if self.expand_input else hidden_states
+        out = self.attn_mhc(x, **inputs)
+        x = out[0] if isinstance(out, tuple) else out
+        x = self.mlp_mhc(x)
+        return (x,) if self._tuple_output else x
+
+    def extra_repr(self) -> str:
+        return f"wraps={self.wrapped_class}, layer_idx={self.layer_idx}, expand_input={self.expand_input}"
+
+
+class MHCForCausalLM(PreTrainedModel, GenerationMixin):
+    """A HuggingFace causal LM whose decoder layers run mHC residual sites.
+
+    ``self.model`` is the base ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3,
+    GPT-2, ...) with every decoder layer replaced by :class:`MHCDecoderLayer`;
+    ``self.stream_reduce`` merges the streams before the final norm.
+    ``forward`` takes and returns what the base model's does.
+
+    Args:
+        config: an :class:`MHCConfig`.
+        base_model: (keyword, used by :func:`convert_to_mhc`) an existing base
+            causal LM to wrap in place instead of building one from
+            ``config.base_config``.
+    """
+
+    config_class = MHCConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["MHCDecoderLayer"]
+    # The coefficient parameters (φ, α, biases) and the learned stream weights
+    # stay float32 when the model is loaded in bf16/fp16.
+    _keep_in_fp32_modules = ["attn_mhc", "mlp_mhc", "stream_reduce"]
+    _keep_in_fp32_modules_strict = ["attn_mhc", "mlp_mhc", "stream_reduce"]
+
+    def __init__(self, config: MHCConfig, *inputs, base_model: PreTrainedModel | None = None, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        if base_model is None:
+            base_cfg = config.get_base_config()
+            adapter = get_adapter(base_cfg.model_type)
+            impl = getattr(config, "_attn_implementation_internal", None)
+            if impl is not None:
+                base_cfg._attn_implementation = impl
+            if type(base_cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+                raise ValueError(f"no causal-LM class for base model_type {base_cfg.model_type!r}")
+            base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_cfg)](base_cfg)
+        else:
+            adapter = get_adapter(base_model.config.model_type)
+        self.model = base_model
+        self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
+
+        layers = self.model.get_submodule(adapter.layers)
+        for i in range(len(layers)):
+            if isinstance(layers[i], MHCDecoderLayer):
+                raise ValueError("the model already holds mHC layers")
+            layers[i] = MHCDecoderLayer(layers[i], adapter, config, i, expand_input=i == 0)
+        self.model.get_submodule(adapter.final_norm).register_forward_pre_hook(self._reduce_before_final_norm)
+        self.post_init()
+
+    def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
+        return (self.stream_reduce(args[0]), *args[1:])
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # mHC modules initialise themselves at construction (MHCBlock.reset_parameters,
+        # StreamReduce's 1/n); re-running init here could overwrite loaded values.
+        if isinstance(module, (MHCBlock, StreamReduce, MHCDecoderLayer, MHCForCausalLM)):
+            return
+        super()._init_weights(module)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.model.get_output_embeddings()
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.model.set_output_embeddings(value)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        return self.model.prepare_inputs_for_generation(*args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | Tensor = 0,
+        **kwargs,
+    ):
+        """Same arguments and outputs as the base model's ``forward`` (KV cache under its own name)."""
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            kwargs["logits_to_keep"] = logits_to_keep
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+def added_parameter_count(config: MHCConfig) -> int:
+    """Parameters mHC adds to the base model (what ``num_parameters()`` grows by).
+
+    Per site (two per decoder layer), with ``n`` streams and hidden size ``C``:
+    ``mhc``: ``nC·(n² + 2n) + n² + 2n + 3``; ``hc``: ``C·(n + 2) + n² + 2n + 3``;
+    ``residual``: 0. Plus ``n`` for ``reduce="learned"``.
+    """
+    base = config.get_text_config()
+    n, C, L = config.n_streams, base.hidden_size, base.num_hidden_layers
+    if config.mode == "mhc":
+        site = n * C * (n * n + 2 * n) + n * n + 2 * n + 3
+    elif config.mode == "hc":
+        site = C * (n + 2) + n * n + 2 * n + 3
+    else:
+        site = 0
+    return 2 * L * site + (n if config.reduce == "learned" else 0)
+
+
+def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) -> MHCForCausalLM:
+    """Put mHC into an existing HF causal LM, keeping every one of its weights.
+
+    The returned model owns the *same* modules as ``model`` (no copy; ``model``
+    itself should not be used afterwards). With the default
+    ``init="identity"`` its outputs equal the original's up to float rounding.
+    The new coefficient parameters are float32 on the model's device.
+
+    Args:
+        model: a ``*ForCausalLM`` of a supported architecture (see
+            :mod:`mhc.adapters`), random or pretrained.
+        n_streams: number of streams.
+        **mhc_options: any other :class:`MHCConfig` setting (``mode``, ``init``,
+            ``projection``, ``tol``, ``reduce``, ...).
+    """
+    if isinstance(model, MHCForCausalLM):
+        raise ValueError("model is already an MHCForCausalLM")
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
+    get_adapter(getattr(model.config, "model_type", None))
+    config = MHCConfig(base_config=model.config, n_streams=n_streams, **mhc_options)
+    impl = getattr(model.config, "_attn_implementation_internal", None)
+    if impl is not None:
+        config._attn_implementation_internal = impl
+    # Mark the existing modules initialised so post_init() leaves their weights alone.
+    for module in model.modules():
+        module._is_hf_initialized = True
+    ref = next(model.parameters())
+    mhc_model = MHCForCausalLM(config, base_model=model)
+    for module in mhc_model.modules():
+        if isinstance(module, (MHCBlock, StreamReduce)):
+            module.to(device=ref.device)  # stays float32
+    if getattr(model, "generation_config", None) is not None:
+        mhc_model.generation_config = copy.deepcopy(model.generation_config)
+    mhc_model.train(model.training)
+    return mhc_model
+
+
+AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
+AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
