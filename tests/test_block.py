@@ -1,0 +1,178 @@
+"""MHCBlock: function-preserving init, symmetry breaking, dtypes, pass-through, bad input."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mhc import MHCBlock, StreamReduce, expand_streams, marginal_error, reduce_streams
+
+C = 32
+
+
+def make_branch(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.LayerNorm(C), nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc", "residual"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_default_init_is_function_preserving(mode, n):
+    branch = make_branch()
+    block = MHCBlock(branch, C, n, mode=mode, layer_index=5)
+    h = torch.randn(3, 7, C) * 3
+    out = reduce_streams(block(expand_streams(h, n)))
+    assert (out - (h + branch(h))).abs().max().item() <= 1e-5
+
+
+def test_function_preserving_through_a_stack():
+    branches = [make_branch(i) for i in range(6)]
+    blocks = nn.Sequential(*[MHCBlock(b, C, 4, layer_index=i) for i, b in enumerate(branches)])
+    h = torch.randn(2, 5, C)
+    ref = h
+    for b in branches:
+        ref = ref + b(ref)
+    x = blocks(expand_streams(h, 4))
+    # Every stream, not only the mean, carries the residual network's state.
+    assert (x - ref.unsqueeze(-2)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_mode_with_one_stream_is_exactly_x_plus_f(dtype):
+    branch = make_branch().to(dtype)
+    block = MHCBlock(branch, C, 1, mode="residual")
+    h = torch.randn(4, C, dtype=dtype)
+    assert torch.equal(block(h.unsqueeze(-2)).squeeze(-2), h + branch(h))
+    assert sum(p.numel() for p in block.parameters()) == sum(p.numel() for p in branch.parameters())
+
+
+def test_paper_init_is_random_but_small():
+    block = MHCBlock(make_branch(), C, 4, init="paper")
+    assert block.phi.abs().sum() > 0
+    assert torch.equal(block.alpha, torch.full((3,), 0.01))
+    h = torch.randn(3, C)
+    out = reduce_streams(block(expand_streams(h, 4)))
+    err = (out - (h + block.branch(h))).abs().max().item()
+    assert 0 < err < 0.1
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_h_res_is_doubly_stochastic_and_coefficients_fp32(n):
+    block = MHCBlock(make_branch(), C, n, init="paper")
+    with torch.no_grad():
+        block.b_res.normal_(0, 3)
+    x = torch.randn(5, 3, n, C, dtype=torch.bfloat16)
+    H_pre, H_post, H_res = block.coefficients(x)
+    assert H_pre.dtype == H_post.dtype == H_res.dtype == torch.float32
+    assert H_pre.shape == (5, 3, n) and H_res.shape == (5, 3, n, n)
+    assert marginal_error(H_res).max().item() <= 1e-5
+    assert ((H_post > 0) & (H_post < 2)).all() and ((H_pre > 0) & (H_pre < 1)).all()
+    block.branch.to(torch.bfloat16)
+    assert block(x).dtype == torch.bfloat16
+
+
+def test_bf16_streams_match_fp32_to_bf16_tolerance():
+    block = MHCBlock(make_branch(), C, 4, init="paper")
+    x = torch.randn(8, 4, C)
+    ref = block(x)
+    out = copy.deepcopy(block).to(torch.bfloat16)(x.to(torch.bfloat16))
+    # Coefficient parameters cast to bf16 by .to() are still used in fp32 math.
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_branch_args_kwargs_and_tuple_outputs_pass_through():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(C, C)
+
+        def forward(self, u, mask, *, scale=1.0):
+            return self.proj(u) * scale * mask, "weights", 7
+
+    block = MHCBlock(Attention(), C, 4)
+    x = torch.randn(2, 4, C)
+    out, weights, seven = block(x, torch.ones(C), scale=0.5)
+    assert out.shape == x.shape and weights == "weights" and seven == 7
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_all_parameters_get_gradients(mode):
+    block = MHCBlock(make_branch(), C, 4, mode=mode, init="paper")
+    x = torch.randn(6, 4, C)
+    block(x).pow(2).sum().backward()
+    for name, p in block.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_block_gradcheck_float64(mode):
+    branch = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
+    block = MHCBlock(branch, 6, 3, mode=mode, init="paper", tol=1e-13).double()
+    with torch.no_grad():
+        block.alpha.fill_(0.7)  # make the dynamic part matter
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(block, (x,), eps=1e-6, atol=1e-6)
+
+
+def _train_stack(blocks: nn.Sequential, steps: int = 5) -> torch.Tensor:
+    torch.manual_seed(1)
+    h = torch.randn(16, C)
+    target = torch.randn(16, C)
+    head = StreamReduce(4)
+    opt = torch.optim.Adam(blocks.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = (head(blocks(expand_streams(h, 4))) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return blocks(expand_streams(h, 4))
+
+
+def test_training_breaks_the_symmetry_between_streams():
+    blocks = nn.Sequential(*[MHCBlock(make_branch(i), C, 4, layer_index=i) for i in range(4)])
+    x = _train_stack(blocks)
+    spread = (x - x.mean(-2, keepdim=True)).abs().amax().item()
+    assert spread > 1e-3, spread
+
+    # The same stack with a uniform H_pre stays one residual stream in disguise.
+    uniform = nn.Sequential(*[MHCBlock(make_branch(i), C, 4, layer_index=i) for i in range(4)])
+    for block in uniform:
+        with torch.no_grad():
+            block.b_pre.fill_(torch.logit(torch.tensor(0.25)).item())
+    x = _train_stack(uniform)
+    assert (x - x.mean(-2, keepdim=True)).abs().amax().item() < 1e-5
+
+
+def test_bad_input_raises():
+    block = MHCBlock(make_branch(), C, 4)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4, 32\]"):
+        block(torch.randn(2, 3, C))
+    with pytest.raises(ValueError):
+        block(torch.randn(2, 4, C + 1))
+    with pytest.raises(ValueError):
+        block(torch.randn(C))
+    with pytest.raises(TypeError):
+        block(torch.ones(2, 4, C, dtype=torch.long))
+    with pytest.raises(ValueError, match="are on meta"):
+        block(torch.randn(2, 4, C, device="meta"))
+    with pytest.raises(ValueError, match="branch returned"):
+        MHCBlock(nn.Linear(C, C + 1), C, 4)(torch.randn(2, 4, C))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(mode="bogus"), dict(init="bogus"), dict(projection="bogus"), dict(n_streams=0)],
+)
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError):
+        MHCBlock(make_branch(), C, **kwargs)
+
+
+def test_extra_repr_and_sinkhorn_option():
+    block = MHCBlock(make_branch(), C, 4, projection="sinkhorn", sinkhorn_iters=5)
+    text = repr(block)
+    assert "n_streams=4" in text and "mode='mhc'" in text and "projection='sinkhorn'" in text
+    assert block(torch.randn(2, 4, C)).shape == (2, 4, C)
