@@ -360,6 +360,19 @@ def birkhoff_project(
     if max_iter < 0 or iters < 0:
         raise ValueError("max_iter and iters must be non-negative")
 
+    if method == "newton" and logits.is_cuda:
+        # Fused kernels for n in {4, 8} and fp32/bf16/fp16 (mhc/projection_cuda.py).
+        if _projection_cuda.supports(logits) and _projection_cuda.available():
+            return _projection_cuda.project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
+    return _birkhoff_project_torch(
+        logits, tol=tol, max_iter=max_iter, method=method, iters=iters, return_info=return_info
+    )
+
+
+def _birkhoff_project_torch(
+    logits: Tensor, *, tol: float, max_iter: int, method: str, iters: int, return_info: bool
+) -> Tensor | tuple[Tensor, ProjectionInfo]:
+    """The pure-PyTorch path of :func:`birkhoff_project` (arguments already checked)."""
     shape, n = logits.shape, logits.shape[-1]
     R = logits.to(compute_dtype(logits.dtype)).reshape(-1, n, n)
     tol = effective_tol(tol, n, logits.dtype)
@@ -391,7 +404,7 @@ def birkhoff_project(
                 f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
                 "use return_info=True to find them",
                 ConvergenceWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         info = ProjectionInfo(
             iterations=iterations.reshape(shape[:-2]),
@@ -402,3 +415,7 @@ def birkhoff_project(
 
     T = T.reshape(shape).to(logits.dtype)
     return (T, info) if return_info else T
+
+
+# The CUDA wrapper imports this module's names, so it is imported last.
+from . import projection_cuda as _projection_cuda  # noqa: E402

@@ -1,0 +1,717 @@
+// Fused Birkhoff projection T = Pi_B(exp(R)) for n = 4 and n = 8 (design.md §2).
+//
+// One matrix per thread, all of it in registers; a block stages its tile of
+// matrices through shared memory so that global loads and stores stay
+// coalesced (16-byte vectors where the pointer allows).
+//
+// Forward: Newton on the (n-1)-dimensional dual with an Armijo line search,
+// state kept as the log-plan L = log T (the dual step is folded into L after
+// every accepted step, as in mhc/projection.py), Hessian diagonal formed
+// without cancellation, modified (ridged, clamped-pivot) Cholesky, and a
+// log-domain Sinkhorn sweep wherever the Newton step fails. It runs until the
+// matrix meets tol (measured in float64 like marginal_error) or max_iter.
+// Matrices that miss tol are counted in a device-global counter (no sync).
+//
+// Backward: the implicit-function gradient from T and G alone.
+//
+// All coefficient math is fp32; inputs/outputs are fp32, bf16 or fp16.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cstdint>
+#include <mutex>
+
+namespace mhc_birkhoff {
+
+// Matrices with finite input that missed tol, per device (one copy of a
+// __device__ variable per device context). Read on demand from the host.
+__device__ unsigned long long g_unconverged = 0ULL;
+
+constexpr int kThreads = 128;         // matrices per block (one per thread)
+constexpr int kMaxHalvings = 30;      // as _MAX_HALVINGS in projection.py
+constexpr float kArmijoC1 = 1e-4f;    // as _ARMIJO_C1
+constexpr float kEps = 1.1920928955078125e-07f;  // fp32 machine epsilon
+constexpr float kTinySum = 1e-20f;    // below this a sum is renormalised in logs
+
+// ----------------------------------------------------------------------------
+// dtype helpers
+// ----------------------------------------------------------------------------
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+
+// ----------------------------------------------------------------------------
+// Shared-memory staging: a block's kThreads matrices, padded by one float per
+// matrix so that thread t reading its own matrix hits distinct banks.
+// ----------------------------------------------------------------------------
+
+template <int N> struct Tile {
+  static constexpr int NN = N * N;
+  static constexpr int STRIDE = NN + 1;
+  float v[kThreads * STRIDE];
+  __device__ __forceinline__ float& at(int e) { return v[(e / NN) * STRIDE + (e % NN)]; }
+  __device__ __forceinline__ float& at(int m, int k) { return v[m * STRIDE + k]; }
+};
+
+// Load `count` matrices starting at `src` (contiguous) into the tile.
+template <int N, typename scalar_t>
+__device__ __forceinline__ void tile_load(Tile<N>& tile, const scalar_t* __restrict__ src, int count,
+                                          bool vec_ok) {
+  constexpr int NN = N * N;
+  constexpr int VEC = 16 / sizeof(scalar_t);
+  const int total = count * NN;
+  if (vec_ok && count == kThreads) {
+    constexpr int NVEC = kThreads * NN / VEC;
+    const uint4* src4 = reinterpret_cast<const uint4*>(src);
+#pragma unroll 4
+    for (int v = threadIdx.x; v < NVEC; v += kThreads) {
+      uint4 raw = __ldg(src4 + v);
+      const scalar_t* s = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) tile.at(v * VEC + q) = to_float<scalar_t>(s[q]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < total; e += kThreads) tile.at(e) = to_float<scalar_t>(src[e]);
+  }
+}
+
+template <int N, typename scalar_t>
+__device__ __forceinline__ void tile_store(Tile<N>& tile, scalar_t* __restrict__ dst, int count, bool vec_ok) {
+  constexpr int NN = N * N;
+  constexpr int VEC = 16 / sizeof(scalar_t);
+  const int total = count * NN;
+  if (vec_ok && count == kThreads) {
+    constexpr int NVEC = kThreads * NN / VEC;
+    uint4* dst4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll 4
+    for (int v = threadIdx.x; v < NVEC; v += kThreads) {
+      uint4 raw;
+      scalar_t* s = reinterpret_cast<scalar_t*>(&raw);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) s[q] = from_float<scalar_t>(tile.at(v * VEC + q));
+      dst4[v] = raw;
+    }
+  } else {
+    for (int e = threadIdx.x; e < total; e += kThreads) dst[e] = from_float<scalar_t>(tile.at(e));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Dense pieces, M = N - 1 dual variables.
+// ----------------------------------------------------------------------------
+
+// H = diag(Σ_i T_ij Σ_{k≠j} T_ik) - TᵀT on the first N-1 columns; lower triangle.
+template <int N>
+__device__ __forceinline__ void dual_hessian(const float (&T)[N][N], float (&H)[N - 1][N - 1]) {
+  constexpr int M = N - 1;
+#pragma unroll
+  for (int j = 0; j < M; ++j)
+#pragma unroll
+    for (int k = 0; k <= j; ++k) H[j][k] = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float pre[N], suf[N];
+    pre[0] = 0.f;
+#pragma unroll
+    for (int j = 1; j < N; ++j) pre[j] = pre[j - 1] + T[i][j - 1];
+    suf[N - 1] = 0.f;
+#pragma unroll
+    for (int j = N - 2; j >= 0; --j) suf[j] = suf[j + 1] + T[i][j + 1];
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      H[j][j] = fmaf(T[i][j], pre[j] + suf[j], H[j][j]);
+#pragma unroll
+      for (int k = 0; k < j; ++k) H[j][k] = fmaf(-T[i][j], T[i][k], H[j][k]);
+    }
+  }
+}
+
+// Solve (H + E) x = rhs with a modified Cholesky: a ridge of 2·M·eps·max(diag)
+// and every pivot clamped to at least that ridge, so the factor always exists
+// and is positive definite (x is then a descent direction for rhs = -g).
+// H is overwritten by the factor. Returns false if anything is non-finite.
+template <int M>
+__device__ __forceinline__ bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M]) {
+  float scale = 0.f;
+#pragma unroll
+  for (int j = 0; j < M; ++j) scale = fmaxf(scale, H[j][j]);
+  scale = fmaxf(scale, 1e-30f);
+  const float ridge = 2.f * M * kEps * scale;
+  float inv_diag[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    float s = H[j][j] + ridge;
+#pragma unroll
+    for (int k = 0; k < j; ++k) s = fmaf(-H[j][k], H[j][k], s);
+    s = fmaxf(s, ridge);  // also catches NaN -> ridge? fmaxf(NaN, r) = r
+    const float inv = rsqrtf(s);
+    inv_diag[j] = inv;
+#pragma unroll
+    for (int i = j + 1; i < M; ++i) {
+      float t = H[i][j];
+#pragma unroll
+      for (int k = 0; k < j; ++k) t = fmaf(-H[i][k], H[j][k], t);
+      H[i][j] = t * inv;
+    }
+  }
+  // forward: Ly = rhs
+  float y[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    float t = rhs[i];
+#pragma unroll
+    for (int k = 0; k < i; ++k) t = fmaf(-H[i][k], y[k], t);
+    y[i] = t * inv_diag[i];
+  }
+  // back: Lᵀx = y
+  bool ok = true;
+#pragma unroll
+  for (int i = M - 1; i >= 0; --i) {
+    float t = y[i];
+#pragma unroll
+    for (int k = i + 1; k < M; ++k) t = fmaf(-H[k][i], x[k], t);
+    x[i] = t * inv_diag[i];
+    ok = ok && isfinite(x[i]);
+  }
+  return ok;
+}
+
+// One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
+// Sums come from T where they are large enough to be exact, from logsumexp on
+// L where a whole column (or row) underflowed; so it never stalls.
+template <int N>
+__device__ __forceinline__ void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float c = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += T[i][j];
+    if (c > kTinySum) {
+      const float inv = 1.f / c, lc = logf(c);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] *= inv;
+        L[i][j] -= lc;
+      }
+    } else {
+      float m = L[0][j];
+#pragma unroll
+      for (int i = 1; i < N; ++i) m = fmaxf(m, L[i][j]);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] = expf(L[i][j] - m);
+        s += T[i][j];
+      }
+      const float inv = 1.f / s, lse = m + logf(s);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] *= inv;
+        L[i][j] -= lse;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += T[i][j];
+    if (s > kTinySum) {
+      const float inv = 1.f / s, ls = logf(s);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] *= inv;
+        L[i][j] -= ls;
+      }
+    } else {
+      float m = L[i][0];
+#pragma unroll
+      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
+      float s2 = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] = expf(L[i][j] - m);
+        s2 += T[i][j];
+      }
+      const float inv = 1.f / s2, lse = m + logf(s2);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] *= inv;
+        L[i][j] -= lse;
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Per-matrix solver. On entry L holds R (finite). On exit T holds the result.
+// Returns the number of Newton iterations; err gets the float64 marginal error.
+// ----------------------------------------------------------------------------
+
+template <int N>
+__device__ __forceinline__ int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter,
+                                            double& err_out) {
+  constexpr int M = N - 1;
+  // Row softmax of R, then one sweep (the reference's starting point).
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float m = L[i][0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] = expf(L[i][j] - m);
+      s += T[i][j];
+    }
+    const float inv = 1.f / s, lse = m + logf(s);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] *= inv;
+      L[i][j] -= lse;
+    }
+  }
+  sinkhorn_sweep<N>(L, T);
+
+  // Hysteresis: the float64 check is only needed once the fp32 one is close.
+  const float near = 64.f * tol + 4.f * N * N * kEps;
+  const float slack = 8.f * N * kEps;
+  int it = 0;
+  for (;;) {
+    // Marginals. fp32 first; float64 when close to tol, where the contract
+    // (marginal_error in float64) and the Newton finish need the exact sums.
+    float g[M];
+    float errf = 0.f;
+    {
+      float cs[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) cs[j] = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float rs = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          rs += T[i][j];
+          cs[j] += T[i][j];
+        }
+        errf += fabsf(rs - 1.f);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
+#pragma unroll
+      for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
+    }
+    double err = (double)errf;
+    if (errf <= near) {
+      double cd[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) cd[j] = 0.0;
+      err = 0.0;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        double rs = 0.0;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const double t = (double)T[i][j];
+          rs += t;
+          cd[j] += t;
+        }
+        err += fabs(rs - 1.0);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) err += fabs(cd[j] - 1.0);
+#pragma unroll
+      for (int j = 0; j < M; ++j) g[j] = (float)(cd[j] - 1.0);
+    }
+    if (!(err > (double)tol) || it >= max_iter) {
+      err_out = err;
+      return it;
+    }
+    ++it;
+
+    // Newton direction.
+    float H[M][M];
+    dual_hessian<N>(T, H);
+    float neg_g[M], d[M];
+#pragma unroll
+    for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
+    bool ok = spd_solve<M>(H, neg_g, d);
+    float slope = 0.f, dsum = 0.f;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      slope = fmaf(g[j], d[j], slope);
+      dsum += d[j];
+    }
+    ok = ok && (slope < 0.f);
+
+    float dp[N];  // direction padded with the gauge d_N = 0
+#pragma unroll
+    for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
+    bool accepted = false;
+    if (ok) {
+      float t = 1.f;
+      for (int h = 0; h < kMaxHalvings; ++h) {
+        // f(t) = Σ_i logsumexp_j(L_ij + t d_j) - t Σ_j d_j   (f(0) ≈ 0: rows of L are normalised)
+        float lse[N];
+        float f1 = -t * dsum;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          float tr[N];
+#pragma unroll
+          for (int j = 0; j < N; ++j) tr[j] = fmaf(t, dp[j], L[i][j]);
+          float m = tr[0];
+#pragma unroll
+          for (int j = 1; j < N; ++j) m = fmaxf(m, tr[j]);
+          float s = 0.f;
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            T[i][j] = expf(tr[j] - m);  // unnormalised trial plan, rows scaled by 1/s below
+            s += T[i][j];
+          }
+          lse[i] = m + logf(s);
+          f1 += lse[i];
+          const float inv = 1.f / s;
+#pragma unroll
+          for (int j = 0; j < N; ++j) T[i][j] *= inv;
+        }
+        if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+              L[i][j] = fmaf(t, dp[j], L[i][j]) - lse[i];
+          accepted = true;
+          break;
+        }
+        t *= 0.5f;
+      }
+    }
+    if (!accepted) {
+      // T was overwritten by trials (or is stale): rebuild it from L, then sweep.
+      if (ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+          for (int j = 0; j < N; ++j) T[i][j] = expf(L[i][j]);
+      }
+      sinkhorn_sweep<N>(L, T);
+    }
+  }
+}
+
+template <int N, typename scalar_t>
+__global__ void __launch_bounds__(kThreads) birkhoff_forward_kernel(
+    const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
+    int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok) {
+  constexpr int NN = N * N;
+  __shared__ Tile<N> tile;
+  const int64_t first = (int64_t)blockIdx.x * kThreads;
+  const int count = (int)min((int64_t)kThreads, B - first);
+  tile_load<N, scalar_t>(tile, R + first * NN, count, vec_ok);
+  __syncthreads();
+
+  const int tid = threadIdx.x;
+  if (tid < count) {
+    float L[N][N], T[N][N];
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        L[i][j] = tile.at(tid, i * N + j);
+        finite = finite && isfinite(L[i][j]);
+      }
+    int iters = 0;
+    double err = CUDART_NAN;
+    if (finite) {
+      iters = solve_matrix<N>(L, T, tol, max_iter, err);
+      if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) tile.at(tid, i * N + j) = T[i][j];
+    if (iters_out != nullptr) {
+      iters_out[first + tid] = iters;
+      err_out[first + tid] = err;
+    }
+  }
+  __syncthreads();
+  tile_store<N, scalar_t>(tile, out + first * NN, count, vec_ok);
+}
+
+// ∂L/∂R = T ∘ (G - v 1ᵀ - 1 wᵀ) with w = H⁻¹(μ_c - T[:, :M]ᵀ μ_r), v = μ_r - T w.
+template <int N, typename scalar_t>
+__global__ void __launch_bounds__(kThreads) birkhoff_backward_kernel(
+    const scalar_t* __restrict__ Tin, const scalar_t* __restrict__ Gin, scalar_t* __restrict__ out, int64_t B,
+    bool vec_ok) {
+  constexpr int NN = N * N;
+  constexpr int M = N - 1;
+  __shared__ Tile<N> tile;
+  const int64_t first = (int64_t)blockIdx.x * kThreads;
+  const int count = (int)min((int64_t)kThreads, B - first);
+  const int tid = threadIdx.x;
+  const bool mine = tid < count;
+
+  float T[N][N];
+  tile_load<N, scalar_t>(tile, Tin + first * NN, count, vec_ok);
+  __syncthreads();
+  if (mine) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) T[i][j] = tile.at(tid, i * N + j);
+  }
+  __syncthreads();
+  tile_load<N, scalar_t>(tile, Gin + first * NN, count, vec_ok);
+  __syncthreads();
+  if (mine) {
+    float mu_r[N], mu_c[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) mu_c[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      mu_r[i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float gam = tile.at(tid, i * N + j) * T[i][j];
+        mu_r[i] += gam;
+        mu_c[j] += gam;
+      }
+    }
+    float rhs[M], w[M];
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      float s = mu_c[j];
+#pragma unroll
+      for (int i = 0; i < N; ++i) s = fmaf(-T[i][j], mu_r[i], s);
+      rhs[j] = s;
+    }
+    float H[M][M];
+    dual_hessian<N>(T, H);
+    if (!spd_solve<M>(H, rhs, w)) {
+      // T is a permutation to rounding (or non-finite); ∂T/∂R is 0 there, so
+      // any w gives the same result; take w = 0 like the reference.
+#pragma unroll
+      for (int j = 0; j < M; ++j) w[j] = isfinite(w[j]) ? w[j] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float v = mu_r[i];
+#pragma unroll
+      for (int j = 0; j < M; ++j) v = fmaf(-T[i][j], w[j], v);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float wj = (j < M) ? w[j < M ? j : 0] : 0.f;
+        const float gij = tile.at(tid, i * N + j);
+        tile.at(tid, i * N + j) = T[i][j] * (gij - v - wj);
+      }
+    }
+  }
+  __syncthreads();
+  tile_store<N, scalar_t>(tile, out + first * NN, count, vec_ok);
+}
+
+// ----------------------------------------------------------------------------
+// Host side.
+// ----------------------------------------------------------------------------
+
+static void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_cuda(), "mhc::birkhoff: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "mhc::birkhoff: ", name,
+              " must have shape [B, n, n], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::birkhoff: CUDA kernels support n = 4 and 8, got n = ",
+              x.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "mhc::birkhoff: ", name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
+}
+
+template <typename F>
+static void dispatch_dtype(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(__half{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    default: TORCH_CHECK(false, "mhc::birkhoff: unsupported dtype ", t);
+  }
+}
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int64_t max_iter, int* iters,
+                           double* err) {
+  const int64_t B = R.size(0);
+  const int n = (int)R.size(1);
+  if (B == 0) return;
+  const int64_t blocks = (B + kThreads - 1) / kThreads;
+  TORCH_CHECK(blocks < (1LL << 31), "mhc::birkhoff: batch too large");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(R.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* src = reinterpret_cast<const ct*>(R.data_ptr());
+    ct* dst = reinterpret_cast<ct*>(out.data_ptr());
+    const bool vec = aligned16(src) && aligned16(dst);
+    if (n == 4) {
+      birkhoff_forward_kernel<4, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(src, dst, B, (float)tol,
+                                                                                (int)max_iter, iters, err, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      birkhoff_forward_kernel<8, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(src, dst, B, (float)tol,
+                                                                                (int)max_iter, iters, err, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+at::Tensor birkhoff_forward(const at::Tensor& R_in, double tol, int64_t max_iter) {
+  check_input(R_in, "R");
+  TORCH_CHECK(max_iter >= 0 && max_iter < (1LL << 30), "mhc::birkhoff_forward: bad max_iter");
+  c10::cuda::CUDAGuard guard(R_in.device());
+  at::Tensor R = R_in.contiguous();
+  at::Tensor out = at::empty_like(R);
+  launch_forward(R, out, tol, max_iter, nullptr, nullptr);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> birkhoff_forward_info(const at::Tensor& R_in, double tol,
+                                                                     int64_t max_iter) {
+  check_input(R_in, "R");
+  TORCH_CHECK(max_iter >= 0 && max_iter < (1LL << 30), "mhc::birkhoff_forward_info: bad max_iter");
+  c10::cuda::CUDAGuard guard(R_in.device());
+  at::Tensor R = R_in.contiguous();
+  at::Tensor out = at::empty_like(R);
+  at::Tensor iters = at::empty({R.size(0)}, R.options().dtype(at::kInt));
+  at::Tensor err = at::empty({R.size(0)}, R.options().dtype(at::kDouble));
+  launch_forward(R, out, tol, max_iter, iters.data_ptr<int>(), err.data_ptr<double>());
+  return {out, iters, err};
+}
+
+at::Tensor birkhoff_backward(const at::Tensor& T_in, const at::Tensor& G_in) {
+  check_input(T_in, "T");
+  check_input(G_in, "grad_T");
+  TORCH_CHECK(T_in.sizes() == G_in.sizes(), "mhc::birkhoff_backward: T and grad_T shapes differ");
+  TORCH_CHECK(T_in.scalar_type() == G_in.scalar_type(), "mhc::birkhoff_backward: T and grad_T dtypes differ");
+  c10::cuda::CUDAGuard guard(T_in.device());
+  at::Tensor T = T_in.contiguous();
+  at::Tensor G = G_in.contiguous();
+  at::Tensor out = at::empty_like(T);
+  const int64_t B = T.size(0);
+  const int n = (int)T.size(1);
+  if (B == 0) return out;
+  const int64_t blocks = (B + kThreads - 1) / kThreads;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(T.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* tp = reinterpret_cast<const ct*>(T.data_ptr());
+    const ct* gp = reinterpret_cast<const ct*>(G.data_ptr());
+    ct* op = reinterpret_cast<ct*>(out.data_ptr());
+    const bool vec = aligned16(tp) && aligned16(gp) && aligned16(op);
+    if (n == 4) {
+      birkhoff_backward_kernel<4, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(tp, gp, op, B, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      birkhoff_backward_kernel<8, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(tp, gp, op, B, vec);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
+}
+
+// Unconverged counter. mode 0: read (synchronises the device), 1: read and
+// reset, 2: non-blocking poll: returns the value seen by the last completed
+// asynchronous read (-1 if none yet) and enqueues a new read on the current
+// stream if the previous one has completed.
+constexpr int kMaxDevices = 64;
+static std::mutex g_poll_mutex;
+static unsigned long long* g_pinned[kMaxDevices] = {nullptr};
+static cudaEvent_t g_event[kMaxDevices] = {nullptr};
+static bool g_pending[kMaxDevices] = {false};
+static int64_t g_last_seen[kMaxDevices];
+static bool g_last_init = false;
+
+int64_t birkhoff_unconverged(int64_t device, int64_t mode) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "mhc::birkhoff_unconverged: bad device ", device);
+  c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  if (mode == 0 || mode == 1) {
+    unsigned long long v = 0;
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    C10_CUDA_CHECK(cudaMemcpyFromSymbol(&v, g_unconverged, sizeof(v)));
+    if (mode == 1) {
+      const unsigned long long zero = 0;
+      C10_CUDA_CHECK(cudaMemcpyToSymbol(g_unconverged, &zero, sizeof(zero)));
+      C10_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    return (int64_t)v;
+  }
+  TORCH_CHECK(mode == 2, "mhc::birkhoff_unconverged: bad mode ", mode);
+  std::lock_guard<std::mutex> lock(g_poll_mutex);
+  if (!g_last_init) {
+    for (int i = 0; i < kMaxDevices; ++i) g_last_seen[i] = -1;
+    g_last_init = true;
+  }
+  const int d = (int)device;
+  if (g_pinned[d] == nullptr) {
+    C10_CUDA_CHECK(cudaHostAlloc((void**)&g_pinned[d], sizeof(unsigned long long), cudaHostAllocDefault));
+    *g_pinned[d] = 0;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&g_event[d], cudaEventDisableTiming));
+  }
+  if (g_pending[d]) {
+    const cudaError_t q = cudaEventQuery(g_event[d]);
+    if (q == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return g_last_seen[d];
+    }
+    C10_CUDA_CHECK(q);
+    g_last_seen[d] = (int64_t)*g_pinned[d];
+    g_pending[d] = false;
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemcpyFromSymbolAsync(g_pinned[d], g_unconverged, sizeof(unsigned long long), 0,
+                                           cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaEventRecord(g_event[d], stream));
+  g_pending[d] = true;
+  return g_last_seen[d];
+}
+
+}  // namespace mhc_birkhoff
+
+TORCH_LIBRARY_FRAGMENT(mhc, m) {
+  m.def("birkhoff_forward(Tensor R, float tol, int max_iter) -> Tensor");
+  m.def("birkhoff_forward_info(Tensor R, float tol, int max_iter) -> (Tensor, Tensor, Tensor)");
+  m.def("birkhoff_backward(Tensor T, Tensor grad_T) -> Tensor");
+  m.def("birkhoff_unconverged(int device, int mode) -> int", &mhc_birkhoff::birkhoff_unconverged);
+}
+
+TORCH_LIBRARY_IMPL(mhc, CUDA, m) {
+  m.impl("birkhoff_forward", &mhc_birkhoff::birkhoff_forward);
+  m.impl("birkhoff_forward_info", &mhc_birkhoff::birkhoff_forward_info);
+  m.impl("birkhoff_backward", &mhc_birkhoff::birkhoff_backward);
+}

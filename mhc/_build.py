@@ -1,0 +1,55 @@
+"""Build and load the fused CUDA Birkhoff kernels (``csrc/birkhoff.cu``).
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load``
+(ninja, cached under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) and registers the ``torch.ops.mhc.birkhoff_*``
+operators. ``python -m mhc.cuda_build`` builds it ahead of time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+EXTENSION_NAME = "mhc_birkhoff_cuda"
+SOURCES = ("birkhoff.cu",)
+
+
+def csrc_dir() -> Path:
+    """Where the kernel sources live: ``$MHC_CSRC_DIR`` or ``<repo>/csrc``."""
+    env = os.environ.get("MHC_CSRC_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "csrc"
+
+
+def build_problem() -> str | None:
+    """Why the extension cannot be built here, or ``None`` if it can be tried."""
+    if torch.version.cuda is None:
+        return "this PyTorch build has no CUDA support"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None and shutil.which("nvcc") is None:
+        return "no CUDA compiler (nvcc) found; set CUDA_HOME"
+    missing = [s for s in SOURCES if not (csrc_dir() / s).is_file()]
+    if missing:
+        return f"kernel sources {missing} not found under {csrc_dir()}"
+    return None
+
+
+def load(verbose: bool = False) -> None:
+    """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible."""
+    problem = build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    from torch.utils.cpp_extension import load as _load
+
+    _load(
+        name=EXTENSION_NAME,
+        sources=[str(csrc_dir() / s) for s in SOURCES],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17"],
+        is_python_module=False,
+        verbose=verbose,
+    )

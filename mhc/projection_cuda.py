@@ -1,0 +1,192 @@
+"""Thin wrapper over the fused CUDA Birkhoff kernels (``csrc/birkhoff.cu``).
+
+:func:`mhc.birkhoff_project` sends CUDA tensors with ``method="newton"``,
+``n`` in {4, 8} and dtype float32 / bfloat16 / float16 here; everything else
+stays on the PyTorch path in :mod:`mhc.projection`.
+
+Operators (registered by the extension, with fake impls and autograd here):
+
+* ``mhc::birkhoff_forward(Tensor R, float tol, int max_iter) -> Tensor``
+* ``mhc::birkhoff_forward_info(Tensor R, float tol, int max_iter) -> (T, iterations, error)``
+* ``mhc::birkhoff_backward(Tensor T, Tensor grad_T) -> Tensor``
+* ``mhc::birkhoff_unconverged(int device, int mode) -> int``
+
+Convergence accounting: the forward kernel adds every finite matrix that
+misses ``tol`` after ``max_iter`` iterations to a per-device counter in
+device memory, with no host sync. :func:`unconverged_count` reads it (and
+syncs); in eager mode the wrapper also polls it without blocking (an
+asynchronous copy every ``_POLL_EVERY`` calls) and raises a
+:class:`~mhc.projection.ConvergenceWarning` when it grows.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+from .projection import ConvergenceWarning, ProjectionInfo, effective_tol
+
+__all__ = ["available", "supports", "project", "unconverged_count", "check_convergence"]
+
+SUPPORTED_N = (4, 8)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_POLL_EVERY = 64
+
+_LOADED: bool | None = None  # None: not tried yet
+_lock = threading.Lock()
+_calls = 0
+_last_warned: dict[int, int] = {}
+
+
+def supports(logits: Tensor) -> bool:
+    """Whether the fused kernels handle this input (CUDA, n in {4, 8}, fp32/bf16/fp16)."""
+    return (
+        logits.is_cuda
+        and logits.dim() >= 2
+        and logits.shape[-1] in SUPPORTED_N
+        and logits.shape[-1] == logits.shape[-2]
+        and logits.dtype in SUPPORTED_DTYPES
+    )
+
+
+def available() -> bool:
+    """Build/load the extension on first call; ``False`` (after one warning) if impossible."""
+    if _LOADED is None:
+        _try_load()
+    return bool(_LOADED)
+
+
+@torch.compiler.disable
+def _try_load() -> None:
+    global _LOADED
+    with _lock:
+        if _LOADED is not None:
+            return
+        from . import _build
+
+        try:
+            _build.load()
+            _register()
+            _LOADED = True
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
+            _LOADED = False
+            warnings.warn(
+                "mhc: the fused CUDA Birkhoff kernels are unavailable "
+                f"({type(exc).__name__}: {exc}); birkhoff_project runs on the slower PyTorch path "
+                "for CUDA tensors. Run `python -m mhc.cuda_build` to see the build log.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _register() -> None:
+    """Fake (meta) impls and autograd for the C++ operators."""
+
+    @torch.library.register_fake("mhc::birkhoff_forward")
+    def _fwd_fake(R, tol, max_iter):
+        return R.new_empty(R.shape)
+
+    @torch.library.register_fake("mhc::birkhoff_forward_info")
+    def _fwd_info_fake(R, tol, max_iter):
+        B = R.shape[0]
+        return (
+            R.new_empty(R.shape),
+            R.new_empty((B,), dtype=torch.int32),
+            R.new_empty((B,), dtype=torch.float64),
+        )
+
+    @torch.library.register_fake("mhc::birkhoff_backward")
+    def _bwd_fake(T, grad_T):
+        return T.new_empty(T.shape)
+
+    def _setup(ctx, inputs, output):
+        T = output[0] if isinstance(output, (tuple, list)) else output
+        ctx.save_for_backward(T)
+
+    def _backward(ctx, grad_T, *_unused):
+        (T,) = ctx.saved_tensors
+        if grad_T is None:
+            return None, None, None
+        return torch.ops.mhc.birkhoff_backward(T, grad_T.to(T.dtype).contiguous()), None, None
+
+    torch.library.register_autograd("mhc::birkhoff_forward", _backward, setup_context=_setup)
+    torch.library.register_autograd("mhc::birkhoff_forward_info", _backward, setup_context=_setup)
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def unconverged_count(device=None, reset: bool = False) -> int:
+    """Matrices that missed ``tol`` on ``device`` since load (or the last reset). Synchronises."""
+    if not available():
+        return 0
+    return int(torch.ops.mhc.birkhoff_unconverged(_device_index(device), 1 if reset else 0))
+
+
+def check_convergence(device=None) -> int:
+    """Read the counter (syncs) and warn if it grew since the last warning; returns it."""
+    count = unconverged_count(device)
+    _warn_if_grown(_device_index(device), count)
+    return count
+
+
+def _warn_if_grown(dev: int, count: int) -> None:
+    if count > _last_warned.get(dev, 0):
+        warnings.warn(
+            f"birkhoff_project (CUDA): {count - _last_warned.get(dev, 0)} more matrices missed the "
+            f"tolerance on cuda:{dev} ({count} since the counter was reset); "
+            "use return_info=True to find them",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+        _last_warned[dev] = count
+
+
+def _poll(device: torch.device) -> None:
+    """Non-blocking look at the counter: every ``_POLL_EVERY`` eager calls, never while capturing."""
+    global _calls
+    _calls += 1
+    if _calls % _POLL_EVERY or torch.cuda.is_current_stream_capturing():
+        return
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    seen = int(torch.ops.mhc.birkhoff_unconverged(dev, 2))
+    if seen > 0:
+        _warn_if_grown(dev, seen)
+
+
+def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
+    """``birkhoff_project`` for inputs where :func:`supports` holds (checked by the caller)."""
+    shape, n = logits.shape, logits.shape[-1]
+    tol_eff = effective_tol(tol, n, logits.dtype)
+    R = logits.reshape(-1, n, n)
+    if not return_info:
+        T = torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
+        if not torch.compiler.is_compiling():
+            _poll(R.device)
+        return T.reshape(shape)
+
+    T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)
+    converged = error <= tol_eff
+    unconverged = int((~converged & ~error.isnan()).sum())
+    if unconverged:
+        warnings.warn(
+            f"birkhoff_project: {unconverged} of {R.shape[0]} matrices missed tol={tol_eff:.1e} "
+            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
+            "use return_info=True to find them",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+    info = ProjectionInfo(
+        iterations=iterations.reshape(shape[:-2]),
+        error=error.reshape(shape[:-2]),
+        converged=converged.reshape(shape[:-2]),
+        tol=tol_eff,
+    )
+    return T.reshape(shape), info

@@ -1,0 +1,326 @@
+"""GPU tests of the fused CUDA Birkhoff kernels against the float64 PyTorch reference.
+
+Skipped without CUDA. Every test draws fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import mhc
+from mhc import projection as P
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MILLION = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    from mhc import projection_cuda
+
+    assert projection_cuda.available(), "the CUDA extension failed to build"
+    yield
+
+
+def _draw(kind: str, shape, device="cuda") -> torch.Tensor:
+    if kind == "normal1":
+        return torch.randn(shape, device=device)
+    if kind == "uniform1":
+        return torch.rand(shape, device=device) * 2 - 1
+    if kind == "normal10":
+        return torch.randn(shape, device=device) * 10
+    if kind == "uniform10":
+        return torch.rand(shape, device=device) * 20 - 10
+    if kind == "normal30":
+        return torch.randn(shape, device=device) * 30
+    raise ValueError(kind)
+
+
+def _reference64(R: torch.Tensor) -> torch.Tensor:
+    """Float64 reference solution (PyTorch path), in chunks to bound memory."""
+    out = []
+    for chunk in R.double().split(1 << 18):
+        out.append(P._birkhoff_project_torch(chunk, tol=1e-10, max_iter=200, method="newton", iters=0,
+                                             return_info=False))
+    return torch.cat(out)
+
+
+def _report(name, err):
+    err = err.double()
+    print(f"{name}: marginal err mean {err.mean():.3e} median {err.median():.3e} max {err.max():.3e}")
+
+
+# ----------------------------------------------------------------------------
+# Accuracy.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["normal1", "uniform1", "normal10", "uniform10"])
+def test_n4_accuracy_1m(kind):
+    R = _draw(kind, (MILLION, 4, 4))
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    assert T.dtype == torch.float32 and T.shape == R.shape
+    err = mhc.marginal_error(T)
+    _report(f"n=4 {kind}", err)
+    assert info.num_unconverged == 0
+    assert float(err.max()) <= 1e-5
+    # Against the float64 solution on a subset.
+    idx = torch.randint(0, MILLION, (1 << 16,), device="cuda")
+    T64 = _reference64(R[idx])
+    assert float((T[idx].double() - T64).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["normal1", "normal10"])
+def test_n8_accuracy_1m(kind):
+    R = _draw(kind, (MILLION, 8, 8))
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    err = mhc.marginal_error(T)
+    _report(f"n=8 {kind}", err)
+    assert info.num_unconverged == 0
+    assert float(err.max()) <= 1e-5
+    idx = torch.randint(0, MILLION, (1 << 14,), device="cuda")
+    T64 = _reference64(R[idx])
+    assert float((T[idx].double() - T64).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_large_magnitude(n):
+    R = _draw("normal30", (1 << 18, n, n))
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    err = mhc.marginal_error(T)
+    _report(f"n={n} normal30", err)
+    print(f"n={n} normal30 iterations mean {info.iterations.float().mean():.2f} max {int(info.iterations.max())}")
+    assert info.num_unconverged == 0
+    assert float(err.max()) <= 1e-5
+    assert bool((info.error <= info.tol).all())
+
+
+def test_info_matches_cpu_semantics():
+    R = _draw("normal1", (1000, 4, 4))
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    assert info.iterations.dtype == torch.int32 and info.iterations.shape == (1000,)
+    assert info.error.dtype == torch.float64
+    assert info.tol == P.effective_tol(1e-6, 4, torch.float32)
+    torch.testing.assert_close(info.error, mhc.marginal_error(T), atol=1e-9, rtol=0)
+
+
+# ----------------------------------------------------------------------------
+# Gradients.
+# ----------------------------------------------------------------------------
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("kind", ["normal1", "normal10"])
+def test_gradient_vs_float64(n, kind):
+    B = 1 << 18
+    R = _draw(kind, (B, n, n)).requires_grad_(True)
+    G = torch.randn(B, n, n, device="cuda")
+    T = mhc.birkhoff_project(R)
+    (dR,) = torch.autograd.grad(T, R, G)
+    T64 = _reference64(R.detach())
+    dR64 = P.birkhoff_backward(T64, G.double())
+    rel = _rel(dR, dR64)
+    # the backward kernel alone, on the same T
+    dR_same = torch.ops.mhc.birkhoff_backward(T.detach(), G)
+    rel_same = _rel(dR_same, P.birkhoff_backward(T.detach().double(), G.double()))
+    print(f"grad n={n} {kind}: rel err vs float64 {rel:.3e}; backward kernel on same T {rel_same:.3e}")
+    assert rel <= 1e-4
+    assert rel_same <= 1e-5
+
+
+def test_gradcheck_through_op():
+    # The kernels compute in fp32 (float64 goes to the PyTorch path), so the
+    # finite differences run in fp32 with matching tolerances.
+    R = (torch.randn(6, 4, 4, device="cuda", dtype=torch.float64) * 0.5).requires_grad_(True)
+
+    def f(x):
+        return mhc.birkhoff_project(x.float(), tol=1e-7).double()
+
+    assert torch.autograd.gradcheck(f, (R,), eps=1e-3, atol=2e-3, rtol=2e-2)
+    R8 = (torch.randn(3, 8, 8, device="cuda", dtype=torch.float64) * 0.5).requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (R8,), eps=1e-3, atol=2e-3, rtol=2e-2)
+
+
+def test_float64_routes_to_reference_and_gradcheck():
+    R = torch.randn(4, 4, 4, device="cuda", dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: mhc.birkhoff_project(x, tol=1e-12), (R,))
+
+
+# ----------------------------------------------------------------------------
+# dtypes, layouts, shapes.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [4, 8])
+def test_low_precision_input(dtype, n):
+    R = _draw("normal1", (1 << 16, n, n)).to(dtype)
+    T = mhc.birkhoff_project(R)
+    assert T.dtype == dtype and T.shape == R.shape
+    T64 = _reference64(R.float())
+    step = torch.finfo(dtype).eps
+    assert float((T.double() - T64).abs().max()) <= step
+    assert float(mhc.marginal_error(T).max()) <= 2 * n * n * step
+    # gradient in the input dtype
+    Rg = R.clone().requires_grad_(True)
+    G = torch.randn_like(R)
+    (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G)
+    assert dR.dtype == dtype
+    ref = P.birkhoff_backward(T64, G.double())
+    assert _rel(dR, ref) <= 20 * step
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_non_contiguous(n):
+    base = _draw("normal10", (2048, n, n))
+    R = base.transpose(-1, -2)
+    assert not R.is_contiguous()
+    torch.testing.assert_close(mhc.birkhoff_project(R), mhc.birkhoff_project(R.contiguous()), atol=0, rtol=0)
+    wide = _draw("normal1", (512, n, 2 * n))[..., ::2]
+    torch.testing.assert_close(mhc.birkhoff_project(wide), mhc.birkhoff_project(wide.contiguous()), atol=0, rtol=0)
+    # misaligned storage offset (scalar path of the tile loader)
+    flat = _draw("normal1", (1 + 300 * n * n,))
+    R = flat[1:].view(300, n, n)
+    torch.testing.assert_close(mhc.birkhoff_project(R), mhc.birkhoff_project(R.clone()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_empty_and_single(n):
+    for shape in [(0, n, n), (3, 0, n, n)]:
+        R = torch.randn(shape, device="cuda", requires_grad=True)
+        T = mhc.birkhoff_project(R)
+        assert T.shape == shape
+        T.sum().backward()
+        assert R.grad.shape == shape
+    for shape in [(n, n), (1, n, n), (1, 1, n, n), (129, n, n)]:
+        R = torch.randn(shape, device="cuda")
+        T = mhc.birkhoff_project(R)
+        assert T.shape == shape
+        torch.testing.assert_close(T.double(), _reference64(R.reshape(-1, n, n)).reshape(shape), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_nonfinite_matches_cpu(n):
+    R = torch.randn(300, n, n, device="cuda")
+    R[3, 1, 2] = math.nan
+    R[7, 0, 0] = math.inf
+    R[200, n - 1, n - 1] = -math.inf
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    bad = torch.zeros(300, dtype=torch.bool, device="cuda")
+    bad[[3, 7, 200]] = True
+    assert bool(T[bad].isnan().all())
+    assert bool(T[~bad].isfinite().all())
+    assert bool(info.error[bad].isnan().all()) and bool((info.iterations[bad] == 0).all())
+    assert info.num_nonfinite == 3 and info.num_unconverged == 0
+    clean = mhc.birkhoff_project(R[~bad])
+    torch.testing.assert_close(T[~bad], clean, atol=0, rtol=0)
+    Tc, infoc = mhc.birkhoff_project(R.cpu(), return_info=True)
+    assert torch.equal(Tc.isnan(), T.isnan().cpu())
+    torch.testing.assert_close(T.cpu()[~bad.cpu()], Tc[~bad.cpu()], atol=1e-5, rtol=0)
+    # gradients of the finite matrices are finite
+    Rg = R.clone().requires_grad_(True)
+    (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, torch.randn_like(R))
+    assert bool(dR[~bad].isfinite().all())
+
+
+def test_other_n_and_double_use_pytorch_path():
+    for n in (2, 3, 5):
+        R = torch.randn(100, n, n, device="cuda")
+        T = mhc.birkhoff_project(R)
+        assert float(mhc.marginal_error(T).max()) <= 1e-5
+    R = torch.randn(100, 4, 4, device="cuda", dtype=torch.float64)
+    T = mhc.birkhoff_project(R)
+    assert T.dtype == torch.float64 and float(mhc.marginal_error(T).max()) <= 1e-9
+
+
+# ----------------------------------------------------------------------------
+# Convergence accounting.
+# ----------------------------------------------------------------------------
+
+
+def test_unconverged_counter_and_warning():
+    from mhc import projection_cuda
+
+    projection_cuda.unconverged_count(reset=True)
+    projection_cuda._last_warned.clear()
+    projection_cuda._calls = 1  # keep the periodic non-blocking poll out of this test
+    R = _draw("normal10", (4096, 4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = mhc.birkhoff_project(R, max_iter=0, return_info=True)
+    expected = info.num_unconverged
+    assert expected > 0
+    assert projection_cuda.unconverged_count() == expected
+    with pytest.warns(P.ConvergenceWarning):
+        mhc.birkhoff_project(R, max_iter=0)
+        assert projection_cuda.check_convergence() == 2 * expected
+    assert projection_cuda.unconverged_count(reset=True) == 2 * expected
+    assert projection_cuda.unconverged_count() == 0
+    mhc.birkhoff_project(R)
+    assert projection_cuda.unconverged_count() == 0
+
+
+# ----------------------------------------------------------------------------
+# torch.compile, CUDA graphs, streams.
+# ----------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph():
+    def f(x, w):
+        return (mhc.birkhoff_project(x) * w).sum()
+
+    x = torch.randn(1000, 4, 4, device="cuda", requires_grad=True)
+    w = torch.randn(1000, 4, 4, device="cuda")
+    ref = f(x, w)
+    (gref,) = torch.autograd.grad(ref, x)
+    cf = torch.compile(f, fullgraph=True)
+    out = cf(x, w)
+    (g,) = torch.autograd.grad(out, x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, gref)
+
+
+def test_cuda_graph_replay():
+    x = torch.randn(4096, 8, 8, device="cuda")
+    static_in = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            mhc.birkhoff_project(static_in)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = mhc.birkhoff_project(static_in)
+    for _ in range(3):
+        new = torch.randn(4096, 8, 8, device="cuda") * 5
+        static_in.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out, mhc.birkhoff_project(new), atol=0, rtol=0)
+
+
+def test_current_stream_launch():
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # keep s busy so a wrong-stream launch would read unwritten x
+        x = torch.randn(1 << 16, 4, 4, device="cuda") * 3
+        y = mhc.birkhoff_project(x)
+        G = torch.randn_like(x)
+        xr = x.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(mhc.birkhoff_project(xr), xr, G)
+    s.synchronize()
+    torch.testing.assert_close(y, mhc.birkhoff_project(x), atol=0, rtol=0)
+    torch.testing.assert_close(dx, torch.ops.mhc.birkhoff_backward(y, G), atol=0, rtol=0)
