@@ -29,6 +29,8 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include "birkhoff_core.cuh"
+
 #include <cstdint>
 #include <mutex>
 
@@ -38,11 +40,7 @@ namespace mhc_birkhoff {
 // __device__ variable per device context). Read on demand from the host.
 __device__ unsigned long long g_unconverged = 0ULL;
 
-constexpr int kThreads = 128;         // matrices per block (one per thread)
-constexpr int kMaxHalvings = 30;      // as _MAX_HALVINGS in projection.py
-constexpr float kArmijoC1 = 1e-4f;    // as _ARMIJO_C1
-constexpr float kEps = 1.1920928955078125e-07f;  // fp32 machine epsilon
-constexpr float kTinySum = 1e-20f;    // below this a sum is renormalised in logs
+constexpr int kThreads = 128;         // threads per block
 
 // ----------------------------------------------------------------------------
 // dtype helpers
@@ -119,353 +117,79 @@ __device__ __forceinline__ void tile_store(Tile<N>& tile, scalar_t* __restrict__
   }
 }
 
-// ----------------------------------------------------------------------------
-// Dense pieces, M = N - 1 dual variables.
-// ----------------------------------------------------------------------------
-
-// H = diag(Σ_i T_ij Σ_{k≠j} T_ik) - TᵀT on the first N-1 columns; lower triangle.
-template <int N>
-__device__ __forceinline__ void dual_hessian(const float (&T)[N][N], float (&H)[N - 1][N - 1]) {
-  constexpr int M = N - 1;
+// Per-thread access to one matrix: 16-byte vectors when the pointer allows
+// (each matrix is a whole number of 16-byte vectors for n = 4 and 8).
+template <int N, typename scalar_t>
+__device__ __forceinline__ void load_matrix(const scalar_t* __restrict__ p, float (&X)[N][N], bool vec) {
+  constexpr int NN = N * N;
+  constexpr int VEC = 16 / sizeof(scalar_t);
+  if (vec) {
+    const uint4* p4 = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-  for (int j = 0; j < M; ++j)
+    for (int v = 0; v < NN / VEC; ++v) {
+      const uint4 raw = __ldg(p4 + v);
+      const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
 #pragma unroll
-    for (int k = 0; k <= j; ++k) H[j][k] = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float pre[N], suf[N];
-    pre[0] = 0.f;
-#pragma unroll
-    for (int j = 1; j < N; ++j) pre[j] = pre[j - 1] + T[i][j - 1];
-    suf[N - 1] = 0.f;
-#pragma unroll
-    for (int j = N - 2; j >= 0; --j) suf[j] = suf[j + 1] + T[i][j + 1];
-#pragma unroll
-    for (int j = 0; j < M; ++j) {
-      H[j][j] = fmaf(T[i][j], pre[j] + suf[j], H[j][j]);
-#pragma unroll
-      for (int k = 0; k < j; ++k) H[j][k] = fmaf(-T[i][j], T[i][k], H[j][k]);
+      for (int q = 0; q < VEC; ++q) X[(v * VEC + q) / N][(v * VEC + q) % N] = to_float<scalar_t>(e[q]);
     }
+  } else {
+#pragma unroll
+    for (int k = 0; k < NN; ++k) X[k / N][k % N] = to_float<scalar_t>(p[k]);
   }
 }
 
-// Solve (H + E) x = rhs with a modified Cholesky: a ridge of 2·M·eps·max(diag)
-// and every pivot clamped to at least that ridge, so the factor always exists
-// and is positive definite (x is then a descent direction for rhs = -g).
-// H is overwritten by the factor. Returns false if anything is non-finite.
-template <int M>
-__device__ __forceinline__ bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M]) {
-  float scale = 0.f;
+template <int N, typename scalar_t>
+__device__ __forceinline__ void store_matrix(scalar_t* __restrict__ p, const float (&X)[N][N], bool vec) {
+  constexpr int NN = N * N;
+  constexpr int VEC = 16 / sizeof(scalar_t);
+  if (vec) {
+    uint4* p4 = reinterpret_cast<uint4*>(p);
 #pragma unroll
-  for (int j = 0; j < M; ++j) scale = fmaxf(scale, H[j][j]);
-  scale = fmaxf(scale, 1e-30f);
-  const float ridge = 2.f * M * kEps * scale;
-  float inv_diag[M];
+    for (int v = 0; v < NN / VEC; ++v) {
+      uint4 raw;
+      scalar_t* e = reinterpret_cast<scalar_t*>(&raw);
 #pragma unroll
-  for (int j = 0; j < M; ++j) {
-    float s = H[j][j] + ridge;
-#pragma unroll
-    for (int k = 0; k < j; ++k) s = fmaf(-H[j][k], H[j][k], s);
-    s = fmaxf(s, ridge);  // also catches NaN -> ridge? fmaxf(NaN, r) = r
-    const float inv = rsqrtf(s);
-    inv_diag[j] = inv;
-#pragma unroll
-    for (int i = j + 1; i < M; ++i) {
-      float t = H[i][j];
-#pragma unroll
-      for (int k = 0; k < j; ++k) t = fmaf(-H[i][k], H[j][k], t);
-      H[i][j] = t * inv;
+      for (int q = 0; q < VEC; ++q) e[q] = from_float<scalar_t>(X[(v * VEC + q) / N][(v * VEC + q) % N]);
+      p4[v] = raw;
     }
-  }
-  // forward: Ly = rhs
-  float y[M];
+  } else {
 #pragma unroll
-  for (int i = 0; i < M; ++i) {
-    float t = rhs[i];
-#pragma unroll
-    for (int k = 0; k < i; ++k) t = fmaf(-H[i][k], y[k], t);
-    y[i] = t * inv_diag[i];
-  }
-  // back: Lᵀx = y
-  bool ok = true;
-#pragma unroll
-  for (int i = M - 1; i >= 0; --i) {
-    float t = y[i];
-#pragma unroll
-    for (int k = i + 1; k < M; ++k) t = fmaf(-H[k][i], x[k], t);
-    x[i] = t * inv_diag[i];
-    ok = ok && isfinite(x[i]);
-  }
-  return ok;
-}
-
-// One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
-// Sums come from T where they are large enough to be exact, from logsumexp on
-// L where a whole column (or row) underflowed; so it never stalls.
-template <int N>
-__device__ __forceinline__ void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    float c = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) c += T[i][j];
-    if (c > kTinySum) {
-      const float inv = 1.f / c, lc = logf(c);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        T[i][j] *= inv;
-        L[i][j] -= lc;
-      }
-    } else {
-      float m = L[0][j];
-#pragma unroll
-      for (int i = 1; i < N; ++i) m = fmaxf(m, L[i][j]);
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        T[i][j] = expf(L[i][j] - m);
-        s += T[i][j];
-      }
-      const float inv = 1.f / s, lse = m + logf(s);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        T[i][j] *= inv;
-        L[i][j] -= lse;
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) s += T[i][j];
-    if (s > kTinySum) {
-      const float inv = 1.f / s, ls = logf(s);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] *= inv;
-        L[i][j] -= ls;
-      }
-    } else {
-      float m = L[i][0];
-#pragma unroll
-      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
-      float s2 = 0.f;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] = expf(L[i][j] - m);
-        s2 += T[i][j];
-      }
-      const float inv = 1.f / s2, lse = m + logf(s2);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] *= inv;
-        L[i][j] -= lse;
-      }
-    }
+    for (int k = 0; k < NN; ++k) p[k] = from_float<scalar_t>(X[k / N][k % N]);
   }
 }
 
-// ----------------------------------------------------------------------------
-// Per-matrix solver. On entry L holds R (finite). On exit T holds the result.
-// Returns the number of Newton iterations; err gets the float64 marginal error.
-// ----------------------------------------------------------------------------
-
-template <int N>
-__device__ __forceinline__ int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter,
-                                            double& err_out) {
-  constexpr int M = N - 1;
-  // Row softmax of R, then one sweep (the reference's starting point).
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float m = L[i][0];
-#pragma unroll
-    for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      T[i][j] = expf(L[i][j] - m);
-      s += T[i][j];
-    }
-    const float inv = 1.f / s, lse = m + logf(s);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      T[i][j] *= inv;
-      L[i][j] -= lse;
-    }
-  }
-  sinkhorn_sweep<N>(L, T);
-
-  // Hysteresis: the float64 check is only needed once the fp32 one is close.
-  const float near = 64.f * tol + 4.f * N * N * kEps;
-  const float slack = 8.f * N * kEps;
-  int it = 0;
-  for (;;) {
-    // Marginals. fp32 first; float64 when close to tol, where the contract
-    // (marginal_error in float64) and the Newton finish need the exact sums.
-    float g[M];
-    float errf = 0.f;
-    {
-      float cs[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) cs[j] = 0.f;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float rs = 0.f;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          rs += T[i][j];
-          cs[j] += T[i][j];
-        }
-        errf += fabsf(rs - 1.f);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
-#pragma unroll
-      for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
-    }
-    double err = (double)errf;
-    if (errf <= near) {
-      double cd[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) cd[j] = 0.0;
-      err = 0.0;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        double rs = 0.0;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const double t = (double)T[i][j];
-          rs += t;
-          cd[j] += t;
-        }
-        err += fabs(rs - 1.0);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) err += fabs(cd[j] - 1.0);
-#pragma unroll
-      for (int j = 0; j < M; ++j) g[j] = (float)(cd[j] - 1.0);
-    }
-    if (!(err > (double)tol) || it >= max_iter) {
-      err_out = err;
-      return it;
-    }
-    ++it;
-
-    // Newton direction.
-    float H[M][M];
-    dual_hessian<N>(T, H);
-    float neg_g[M], d[M];
-#pragma unroll
-    for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
-    bool ok = spd_solve<M>(H, neg_g, d);
-    float slope = 0.f, dsum = 0.f;
-#pragma unroll
-    for (int j = 0; j < M; ++j) {
-      slope = fmaf(g[j], d[j], slope);
-      dsum += d[j];
-    }
-    ok = ok && (slope < 0.f);
-
-    float dp[N];  // direction padded with the gauge d_N = 0
-#pragma unroll
-    for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
-    bool accepted = false;
-    if (ok) {
-      float t = 1.f;
-      for (int h = 0; h < kMaxHalvings; ++h) {
-        // f(t) = Σ_i logsumexp_j(L_ij + t d_j) - t Σ_j d_j   (f(0) ≈ 0: rows of L are normalised)
-        float lse[N];
-        float f1 = -t * dsum;
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-          float tr[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) tr[j] = fmaf(t, dp[j], L[i][j]);
-          float m = tr[0];
-#pragma unroll
-          for (int j = 1; j < N; ++j) m = fmaxf(m, tr[j]);
-          float s = 0.f;
-#pragma unroll
-          for (int j = 0; j < N; ++j) {
-            T[i][j] = expf(tr[j] - m);  // unnormalised trial plan, rows scaled by 1/s below
-            s += T[i][j];
-          }
-          lse[i] = m + logf(s);
-          f1 += lse[i];
-          const float inv = 1.f / s;
-#pragma unroll
-          for (int j = 0; j < N; ++j) T[i][j] *= inv;
-        }
-        if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
-#pragma unroll
-          for (int i = 0; i < N; ++i)
-#pragma unroll
-            for (int j = 0; j < N; ++j)
-              L[i][j] = fmaf(t, dp[j], L[i][j]) - lse[i];
-          accepted = true;
-          break;
-        }
-        t *= 0.5f;
-      }
-    }
-    if (!accepted) {
-      // T was overwritten by trials (or is stale): rebuild it from L, then sweep.
-      if (ok) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int j = 0; j < N; ++j) T[i][j] = expf(L[i][j]);
-      }
-      sinkhorn_sweep<N>(L, T);
-    }
-  }
-}
-
+// One matrix per thread, no block-level coupling: a thread loads its matrix,
+// solves it and stores it, so a slow matrix holds up only its own warp.
 template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kThreads) birkhoff_forward_kernel(
     const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
     int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok) {
   constexpr int NN = N * N;
-  __shared__ Tile<N> tile;
-  const int64_t first = (int64_t)blockIdx.x * kThreads;
-  const int count = (int)min((int64_t)kThreads, B - first);
-  tile_load<N, scalar_t>(tile, R + first * NN, count, vec_ok);
-  __syncthreads();
-
-  const int tid = threadIdx.x;
-  if (tid < count) {
-    float L[N][N], T[N][N];
-    bool finite = true;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= B) return;
+  float L[N][N], T[N][N];
+  load_matrix<N, scalar_t>(R + idx * NN, L, vec_ok);
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) finite = finite && isfinite(L[i][j]);
+  int iters = 0;
+  double err = CUDART_NAN;
+  if (finite) {
+    iters = solve_matrix<N>(L, T, tol, max_iter, err);
+    if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
+  } else {
 #pragma unroll
     for (int i = 0; i < N; ++i)
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        L[i][j] = tile.at(tid, i * N + j);
-        finite = finite && isfinite(L[i][j]);
-      }
-    int iters = 0;
-    double err = CUDART_NAN;
-    if (finite) {
-      iters = solve_matrix<N>(L, T, tol, max_iter, err);
-      if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int j = 0; j < N; ++j) tile.at(tid, i * N + j) = T[i][j];
-    if (iters_out != nullptr) {
-      iters_out[first + tid] = iters;
-      err_out[first + tid] = err;
-    }
+      for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
   }
-  __syncthreads();
-  tile_store<N, scalar_t>(tile, out + first * NN, count, vec_ok);
+  store_matrix<N, scalar_t>(out + idx * NN, T, vec_ok);
+  if (iters_out != nullptr) {
+    iters_out[idx] = iters;
+    err_out[idx] = err;
+  }
 }
 
 // ∂L/∂R = T ∘ (G - v 1ᵀ - 1 wᵀ) with w = H⁻¹(μ_c - T[:, :M]ᵀ μ_r), v = μ_r - T w.
@@ -571,7 +295,9 @@ static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int
   const int64_t B = R.size(0);
   const int n = (int)R.size(1);
   if (B == 0) return;
-  const int64_t blocks = (B + kThreads - 1) / kThreads;
+  // Small batches are latency-bound: spread them over more multiprocessors.
+  const int threads = B >= (int64_t)kThreads * 1024 ? kThreads : 32;
+  const int64_t blocks = (B + threads - 1) / threads;
   TORCH_CHECK(blocks < (1LL << 31), "mhc::birkhoff: batch too large");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(R.scalar_type(), [&](auto tag) {
@@ -580,11 +306,11 @@ static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int
     ct* dst = reinterpret_cast<ct*>(out.data_ptr());
     const bool vec = aligned16(src) && aligned16(dst);
     if (n == 4) {
-      birkhoff_forward_kernel<4, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(src, dst, B, (float)tol,
+      birkhoff_forward_kernel<4, ct><<<(unsigned)blocks, threads, 0, stream>>>(src, dst, B, (float)tol,
                                                                                 (int)max_iter, iters, err, vec);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      birkhoff_forward_kernel<8, ct><<<(unsigned)blocks, kThreads, 0, stream>>>(src, dst, B, (float)tol,
+      birkhoff_forward_kernel<8, ct><<<(unsigned)blocks, threads, 0, stream>>>(src, dst, B, (float)tol,
                                                                                 (int)max_iter, iters, err, vec);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

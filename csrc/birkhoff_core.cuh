@@ -1,0 +1,420 @@
+// Per-matrix Birkhoff solver and implicit-gradient pieces (design.md §2),
+// host+device so that the same code can be exercised on a CPU
+// (tests and scripts) as well as run inside the CUDA kernels of birkhoff.cu.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define MHC_HD __host__ __device__ __forceinline__
+#else
+#define MHC_HD inline
+#endif
+
+namespace mhc_birkhoff {
+
+using std::fabs;
+using std::isfinite;
+
+constexpr int kMaxHalvings = 30;      // as _MAX_HALVINGS in projection.py
+constexpr float kArmijoC1 = 1e-4f;    // as _ARMIJO_C1
+constexpr float kEps = 1.1920928955078125e-07f;  // fp32 machine epsilon
+constexpr float kTinySum = 1e-20f;    // below this a sum is renormalised in logs
+constexpr float kTinyEntry = 1e-30f;  // multiplicative steps only while every T_ij >= this
+constexpr float kMaxCheapStep = 40.f; // ... and every |t d_j| <= this
+constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
+
+MHC_HD float mhc_rsqrt(float x) {
+#ifdef __CUDA_ARCH__
+  return rsqrtf(x);
+#else
+  return 1.f / std::sqrt(x);
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// Dense pieces, M = N - 1 dual variables.
+// ----------------------------------------------------------------------------
+
+// H = diag(Σ_i T_ij Σ_{k≠j} T_ik) - TᵀT on the first N-1 columns; lower triangle.
+template <int N>
+MHC_HD void dual_hessian(const float (&T)[N][N], float (&H)[N - 1][N - 1]) {
+  constexpr int M = N - 1;
+#pragma unroll
+  for (int j = 0; j < M; ++j)
+#pragma unroll
+    for (int k = 0; k <= j; ++k) H[j][k] = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float pre[N], suf[N];
+    pre[0] = 0.f;
+#pragma unroll
+    for (int j = 1; j < N; ++j) pre[j] = pre[j - 1] + T[i][j - 1];
+    suf[N - 1] = 0.f;
+#pragma unroll
+    for (int j = N - 2; j >= 0; --j) suf[j] = suf[j + 1] + T[i][j + 1];
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      H[j][j] = fmaf(T[i][j], pre[j] + suf[j], H[j][j]);
+#pragma unroll
+      for (int k = 0; k < j; ++k) H[j][k] = fmaf(-T[i][j], T[i][k], H[j][k]);
+    }
+  }
+}
+
+// Solve (H + E) x = rhs with a modified Cholesky: a ridge of 2·M·eps·max(diag)
+// and every pivot clamped to at least that ridge, so the factor always exists
+// and is positive definite (x is then a descent direction for rhs = -g).
+// H is overwritten by the factor. Returns false if anything is non-finite.
+template <int M>
+MHC_HD bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M]) {
+  float scale = 0.f;
+#pragma unroll
+  for (int j = 0; j < M; ++j) scale = fmaxf(scale, H[j][j]);
+  scale = fmaxf(scale, 1e-30f);
+  const float ridge = 2.f * M * kEps * scale;
+  float inv_diag[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    float s = H[j][j] + ridge;
+#pragma unroll
+    for (int k = 0; k < j; ++k) s = fmaf(-H[j][k], H[j][k], s);
+    s = fmaxf(s, ridge);  // also catches NaN -> ridge? fmaxf(NaN, r) = r
+    const float inv = mhc_rsqrt(s);
+    inv_diag[j] = inv;
+#pragma unroll
+    for (int i = j + 1; i < M; ++i) {
+      float t = H[i][j];
+#pragma unroll
+      for (int k = 0; k < j; ++k) t = fmaf(-H[i][k], H[j][k], t);
+      H[i][j] = t * inv;
+    }
+  }
+  // forward: Ly = rhs
+  float y[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    float t = rhs[i];
+#pragma unroll
+    for (int k = 0; k < i; ++k) t = fmaf(-H[i][k], y[k], t);
+    y[i] = t * inv_diag[i];
+  }
+  // back: Lᵀx = y
+  bool ok = true;
+#pragma unroll
+  for (int i = M - 1; i >= 0; --i) {
+    float t = y[i];
+#pragma unroll
+    for (int k = i + 1; k < M; ++k) t = fmaf(-H[k][i], x[k], t);
+    x[i] = t * inv_diag[i];
+    ok = ok && isfinite(x[i]);
+  }
+  return ok;
+}
+
+// One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
+// Sums come from T where they are large enough to be exact, from logsumexp on
+// L where a whole column (or row) underflowed; so it never stalls.
+template <int N>
+MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float c = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += T[i][j];
+    if (c > kTinySum) {
+      const float inv = 1.f / c, lc = logf(c);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] *= inv;
+        L[i][j] -= lc;
+      }
+    } else {
+      float m = L[0][j];
+#pragma unroll
+      for (int i = 1; i < N; ++i) m = fmaxf(m, L[i][j]);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] = expf(L[i][j] - m);
+        s += T[i][j];
+      }
+      const float inv = 1.f / s, lse = m + logf(s);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        T[i][j] *= inv;
+        L[i][j] -= lse;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += T[i][j];
+    if (s > kTinySum) {
+      const float inv = 1.f / s, ls = logf(s);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] *= inv;
+        L[i][j] -= ls;
+      }
+    } else {
+      float m = L[i][0];
+#pragma unroll
+      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
+      float s2 = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] = expf(L[i][j] - m);
+        s2 += T[i][j];
+      }
+      const float inv = 1.f / s2, lse = m + logf(s2);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] *= inv;
+        L[i][j] -= lse;
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Per-matrix solver. On entry L holds R (finite). On exit T holds the result.
+// Returns the number of Newton iterations; err gets the float64 marginal error.
+// ----------------------------------------------------------------------------
+
+template <int N>
+MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter,
+                                            double& err_out) {
+  constexpr int M = N - 1;
+  // Row softmax of R, then one sweep (the reference's starting point).
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float m = L[i][0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] = expf(L[i][j] - m);
+      s += T[i][j];
+    }
+    const float inv = 1.f / s, lse = m + logf(s);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] *= inv;
+      L[i][j] -= lse;
+    }
+  }
+  sinkhorn_sweep<N>(L, T);
+
+  // The log-plan is kept lazily as L_ij + a_i + b_j: a multiplicative step
+  // T_ij <- T_ij e^{t d_j} / s_i costs N-1 exps instead of N² and only
+  // updates a, b; L is folded (L += a_i + b_j) before anything that needs it
+  // (an exp-path trial or a sweep).
+  float a[N], b[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
+  bool folded = true;
+  auto fold = [&]() {
+    if (!folded) {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) L[i][j] += a[i] + b[j];
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
+      folded = true;
+    }
+  };
+
+  // Hysteresis: the float64 check is only needed once the fp32 one is close.
+  const float near = 64.f * tol + 4.f * N * N * kEps;
+  const float slack = 8.f * N * kEps;
+  int it = 0;
+  for (;;) {
+    // Marginals. fp32 first; float64 when close to tol, where the contract
+    // (marginal_error in float64) and the Newton finish need the exact sums.
+    float g[M];
+    float errf = 0.f, tmin = 1.f;
+    {
+      float cs[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) cs[j] = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float rs = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          rs += T[i][j];
+          cs[j] += T[i][j];
+          tmin = fminf(tmin, T[i][j]);
+        }
+        errf += fabsf(rs - 1.f);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
+#pragma unroll
+      for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
+    }
+    double err = (double)errf;
+    if (errf <= near) {
+      double cd[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) cd[j] = 0.0;
+      err = 0.0;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        double rs = 0.0;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const double t = (double)T[i][j];
+          rs += t;
+          cd[j] += t;
+        }
+        err += fabs(rs - 1.0);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) err += fabs(cd[j] - 1.0);
+#pragma unroll
+      for (int j = 0; j < M; ++j) g[j] = (float)(cd[j] - 1.0);
+    }
+#ifdef MHC_TRACE
+    MHC_TRACE("it %d err %.3e tmin %.2e\n", it, err, tmin);
+#endif
+    if (!(err > (double)tol) || it >= max_iter) {
+      err_out = err;
+      return it;
+    }
+    ++it;
+
+    // Newton direction.
+    float H[M][M];
+    dual_hessian<N>(T, H);
+    float neg_g[M], d[M];
+#pragma unroll
+    for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
+    bool ok = spd_solve<M>(H, neg_g, d);
+    float slope = 0.f, dsum = 0.f, dmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      slope = fmaf(g[j], d[j], slope);
+      dsum += d[j];
+      dmax = fmaxf(dmax, fabsf(d[j]));
+    }
+    ok = ok && (slope < 0.f);
+    // Trust region in the log domain: near a permutation the Hessian is
+    // singular up to the ridge and the raw step can be ~1e6, which fp32 logs
+    // cannot carry (L + t d would round entries near 0 by ~0.1). Cap the
+    // largest dual move; the scaled step is still a descent direction.
+    if (ok && dmax > kMaxStep) {
+      const float sc = kMaxStep / dmax;
+#pragma unroll
+      for (int j = 0; j < M; ++j) d[j] *= sc;
+      slope *= sc;
+      dsum *= sc;
+      dmax = kMaxStep;
+    }
+    float dp[N];  // direction padded with the gauge d_N = 0
+#pragma unroll
+    for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
+
+    bool accepted = false, trashed = false;
+    if (ok) {
+      // Multiplicative trials are exact while no entry of T is near underflow
+      // (then every product T_ij e^{t d_j} is a normal float or negligible).
+      bool use_exp = !(tmin >= kTinyEntry);
+      float t = 1.f;
+      for (int h = 0; h < kMaxHalvings; ++h) {
+        use_exp = use_exp || (t * dmax > kMaxCheapStep);
+        float lse[N];
+        float f1 = -t * dsum;
+        if (!use_exp) {
+          float E[N];
+#pragma unroll
+          for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(t * dp[j]) : 1.f;
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) s = fmaf(T[i][j], E[j], s);
+            lse[i] = logf(s);
+            f1 += lse[i];
+          }
+          if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              float s = 0.f;
+#pragma unroll
+              for (int j = 0; j < N; ++j) {
+                T[i][j] *= E[j];
+                s += T[i][j];
+              }
+              const float inv = 1.f / s;
+#pragma unroll
+              for (int j = 0; j < N; ++j) T[i][j] *= inv;
+              a[i] -= lse[i];
+            }
+#pragma unroll
+            for (int j = 0; j < M; ++j) b[j] = fmaf(t, dp[j], b[j]);
+            folded = false;
+            accepted = true;
+            break;
+          }
+        } else {
+          fold();
+          trashed = true;
+          // f(t) = Σ_i logsumexp_j(L_ij + t d_j) - t Σ_j d_j   (f(0) ≈ 0: rows of L are normalised)
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            float tr[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) tr[j] = fmaf(t, dp[j], L[i][j]);
+            float m = tr[0];
+#pragma unroll
+            for (int j = 1; j < N; ++j) m = fmaxf(m, tr[j]);
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+              T[i][j] = expf(tr[j] - m);  // unnormalised trial plan, rows scaled by 1/s below
+              s += T[i][j];
+            }
+            lse[i] = m + logf(s);
+            f1 += lse[i];
+            const float inv = 1.f / s;
+#pragma unroll
+            for (int j = 0; j < N; ++j) T[i][j] *= inv;
+          }
+          if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+#pragma unroll
+              for (int j = 0; j < N; ++j) L[i][j] = fmaf(t, dp[j], L[i][j]) - lse[i];
+            accepted = true;
+            break;
+          }
+        }
+        t *= 0.5f;
+      }
+    }
+#ifdef MHC_TRACE
+    MHC_TRACE("   ok %d accepted %d trashed %d slope %.3e dmax %.3e\n", (int)ok, (int)accepted, (int)trashed, slope, dmax);
+#endif
+    if (!accepted) {
+      fold();
+      if (trashed) {
+        // exp-path trials overwrote T: rebuild it from L, then sweep.
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+          for (int j = 0; j < N; ++j) T[i][j] = expf(L[i][j]);
+      }
+      sinkhorn_sweep<N>(L, T);
+    }
+  }
+}
+
+
+}  // namespace mhc_birkhoff
