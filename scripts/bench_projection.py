@@ -160,6 +160,17 @@ def main() -> int:
         t_graph = bench(g.replay) / reps
         print(f"n={n} N=8192: op {t_op:.1f} µs, birkhoff_project {t_api:.1f} µs (no_grad {t_api_ng:.1f} µs), "
               f"CUDA-graph replay {t_graph:.1f} µs per call")
+    # Cost per Newton iteration: forward time against the input scale (iterations grow with sigma).
+    print()
+    for n in ns:
+        for sigma in (1.0, 10.0, 30.0):
+            x = torch.randn(1 << 20, n, n, device=dev) * sigma
+            tol_eff = P.effective_tol(tol, n, torch.float32)
+            t = bench(lambda: torch.ops.mhc.birkhoff_forward(x, tol_eff, 100))
+            _, it, _ = torch.ops.mhc.birkhoff_forward_info(x, tol_eff, 100)
+            it = it.view(-1, 32).float()
+            print(f"n={n} N=1M N(0,{sigma:g}^2): fwd {t:.1f} µs, iterations mean {it.mean():.2f}, "
+                  f"mean of per-warp max {it.amax(1).mean():.2f}")
     print(f"unconverged matrices counted on device during the run: {projection_cuda.unconverged_count()}")
     return 0
 
