@@ -250,8 +250,23 @@ def _solve_newton(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor,
 # ----------------------------------------------------------------------------
 
 
+def _row_centred(T: Tensor, X: Tensor) -> Tensor:
+    """``X_ij - Σ_k T_ik X_ik`` evaluated as ``Σ_{k≠j} T_ik (X_ij - X_ik)``.
+
+    Equal when rows of ``T`` sum to one, but this form never subtracts two
+    large numbers: near a permutation, ``X`` can be huge (``w`` along a nearly
+    singular Hessian direction) while the result is tiny, and the plain form
+    would leave rounding noise of ``eps·|X|`` on entries where ``T ≈ 1``.
+    """
+    return X * _exclusive_row_sums(T) - _exclusive_row_sums(T * X)
+
+
 def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
     """``∂L/∂R`` from ``T`` and ``G = ∂L/∂T`` alone (design.md §2).
+
+    With ``w`` from ``Δ w = μ_c - Tᵀμ_r`` (``Δ`` the dual Hessian, ``w_n = 0``)
+    the gradient is ``T ∘ (G - v1ᵀ - 1wᵀ)`` with ``v = μ_r - Tw``; both the
+    right-hand side and the gradient are formed by :func:`_row_centred`.
 
     Args:
         T: ``[B, n, n]`` the projection's output, in compute precision.
@@ -263,17 +278,12 @@ def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
     n = T.shape[-1]
     if n == 1:
         return torch.zeros_like(T)
-    gamma = grad_T * T
-    mu_r = gamma.sum(-1)
-    mu_c = gamma.sum(-2)[:, : n - 1]
-    Tm = T[..., : n - 1]
-    rhs = mu_c - (Tm.transpose(-1, -2) @ mu_r.unsqueeze(-1)).squeeze(-1)
+    rhs = (T * _row_centred(T, grad_T)).sum(-2)[:, : n - 1]
     w, _ = _spd_solve(dual_hessian(T), rhs)
     # Where even the ridged Hessian fails, T is a permutation to rounding and
     # ∂T/∂R is 0 there; any w gives that, so take w = 0 rather than NaN.
     w = _pad_last(torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0))
-    v = mu_r - (T @ w.unsqueeze(-1)).squeeze(-1)
-    return T * (grad_T - v.unsqueeze(-1) - w.unsqueeze(-2))
+    return T * _row_centred(T, grad_T - w.unsqueeze(-2))
 
 
 class _NewtonProjection(torch.autograd.Function):
