@@ -24,6 +24,11 @@ constexpr float kTinySum = 1e-20f;    // below this a sum is renormalised in log
 constexpr float kTinyEntry = 1e-30f;  // multiplicative steps only while every T_ij >= this
 constexpr float kMaxCheapStep = 40.f; // ... and every |t d_j| <= this
 constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
+#ifndef MHC_EXPAND_ERR
+#define MHC_EXPAND_ERR 1e-2f
+#endif
+constexpr float kExpandErr = MHC_EXPAND_ERR;  // extrapolate full steps while the error is above this
+constexpr int kMaxExpand = 4;         // up to 16x the Newton step
 
 MHC_HD float mhc_rsqrt(float x) {
 #ifdef __CUDA_ARCH__
@@ -208,7 +213,11 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
       L[i][j] -= lse;
     }
   }
-  sinkhorn_sweep<N>(L, T);
+#ifndef MHC_INIT_SWEEPS
+#define MHC_INIT_SWEEPS 1
+#endif
+#pragma unroll 1
+  for (int k = 0; k < MHC_INIT_SWEEPS; ++k) sinkhorn_sweep<N>(L, T);
 
   // The log-plan is kept lazily as L_ij + a_i + b_j: a multiplicative step
   // T_ij <- T_ij e^{t d_j} / s_i costs N-1 exps instead of N² and only
@@ -321,6 +330,22 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
 #pragma unroll
     for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
 
+    // Σ_i log Σ_j T_ij e^{t d_j}: f(t) + t Σ d for a multiplicative trial.
+    auto cheap_lse = [&](float tt, float (&lse_out)[N]) -> float {
+      float E[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(tt * dp[j]) : 1.f;
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) s = fmaf(T[i][j], E[j], s);
+        lse_out[i] = logf(s);
+        acc += lse_out[i];
+      }
+      return acc;
+    };
     bool accepted = false, trashed = false;
     if (ok) {
       // Multiplicative trials are exact while no entry of T is near underflow
@@ -332,18 +357,26 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
         float lse[N];
         float f1 = -t * dsum;
         if (!use_exp) {
-          float E[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(t * dp[j]) : 1.f;
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < N; ++j) s = fmaf(T[i][j], E[j], s);
-            lse[i] = logf(s);
-            f1 += lse[i];
-          }
+          f1 += cheap_lse(t, lse);
           if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+            // Far from the solution, near-saturated rows make full Newton
+            // steps too short (each only an e-fold): extrapolate while f drops.
+            if (h == 0 && errf > kExpandErr) {
+              float lse2[N];
+              for (int k = 0; k < kMaxExpand; ++k) {
+                const float t2 = 2.f * t;
+                if (t2 * dmax > kMaxCheapStep) break;
+                const float f2 = cheap_lse(t2, lse2) - t2 * dsum;
+                if (!(f2 < f1)) break;
+                t = t2;
+                f1 = f2;
+#pragma unroll
+                for (int i = 0; i < N; ++i) lse[i] = lse2[i];
+              }
+            }
+            float E[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(t * dp[j]) : 1.f;
 #pragma unroll
             for (int i = 0; i < N; ++i) {
               float s = 0.f;
