@@ -94,7 +94,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     mhc_options: dict = field(default_factory=dict)  # extra MHCConfig kwargs (projection, init, ...)
     # data
-    data: str = "stdlib"  # "stdlib", or comma-separated files/folders of text
+    data: str = "stdlib"  # "stdlib", "python" (stdlib + site-packages .py), or comma-separated files/folders
     data_extensions: str = ""  # for folders: comma-separated suffixes, "" = every UTF-8 text file
     max_corpus_mb: float = 0.0  # 0: the whole corpus
     val_fraction: float = 0.05
@@ -102,6 +102,7 @@ class TrainConfig:
     # tokenizer
     tokenizer: str = "byte"  # byte | bpe | gpt2
     bpe_vocab_size: int = 4096
+    bpe_train_mb: float = 16.0  # train the BPE on (at most) this many MB of the training split
     tokenizer_path: str = ""  # gpt2: folder with vocab.json/encoder.json and merges.txt/vocab.bpe
     cache_dir: str = ""  # default: $XDG_CACHE_HOME/mhc or ~/.cache/mhc
     # optimisation
@@ -123,11 +124,12 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     dist: str = "ddp"  # ddp | fsdp (used under torchrun with >1 process)
     compile: bool = False
+    fused_projection: bool = True  # False: keep H_res on the PyTorch Newton path even on CUDA
     threads: int = 0  # CPU threads (0: torch's default)
     # logging, evaluation, checkpoints
     log_interval: int = 10
     eval_interval: int = 100
-    eval_batches: int = 8
+    eval_batches: int = 8  # validation batches of the global batch size (fixed, evenly spaced windows)
     ckpt_interval: int = 200  # 0: only the final checkpoint
     keep_checkpoints: int = 2
     spike_threshold: float = 0.25  # a spike: loss > (1 + this) x EMA of earlier losses, after warmup
@@ -167,7 +169,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _RESUME_FIXED = (
     "seed variant n_streams hidden_size num_layers num_heads num_kv_heads intermediate_size seq_len "
     "tie_embeddings mhc_options data data_extensions max_corpus_mb val_fraction split_chunk_chars "
-    "tokenizer bpe_vocab_size batch_size grad_accum"
+    "tokenizer bpe_vocab_size bpe_train_mb batch_size grad_accum"
 ).split()
 
 
@@ -293,6 +295,15 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _site_dirs() -> list[Path]:
+    import site
+
+    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    with contextlib.suppress(AttributeError):
+        dirs.update(site.getsitepackages())
+    return sorted(Path(d) for d in dirs if Path(d).is_dir())
+
+
 def _read_text(path: Path) -> str | None:
     try:
         raw = path.read_bytes()
@@ -324,45 +335,53 @@ def load_corpus(data: str = "stdlib", extensions: str = "", max_mb: float = 0.0)
 
     Args:
         data: ``"stdlib"`` (this Python's own standard-library ``.py`` sources,
-            without ``site-packages``), or comma-separated text files and folders.
+            without ``site-packages``), ``"python"`` (the standard library plus
+            every installed package's ``.py`` sources: more text, but it differs
+            between machines), or comma-separated text files and folders.
         extensions: for folders, comma-separated file suffixes to keep (``""``: all
             files that decode as UTF-8 and hold no NUL byte).
         max_mb: keep documents (in name order) until this many MB of text; 0 keeps all.
     """
-    docs: list[tuple[str, str]] = []
-    if data == "stdlib":
+    budget = int(max_mb * 1e6) if max_mb and max_mb > 0 else None
+    paths: list[tuple[str, Path]] = []  # (document name, file)
+    if data in ("stdlib", "python"):
         root = stdlib_dir()
-        for p in _walk(root, (".py",), skip_dirs=("site-packages", "dist-packages")):
-            text = _read_text(p)
-            if text:
-                docs.append((p.relative_to(root).as_posix(), text))
+        paths = [(p.relative_to(root).as_posix(), p) for p in _walk(root, (".py",), ("site-packages", "dist-packages"))]
         source = f"stdlib:{root}"
+        if data == "python":  # plus every installed package's .py sources
+            seen = set()
+            for sp in _site_dirs():
+                for p in _walk(sp, (".py",)):
+                    rp = os.path.realpath(p)
+                    if rp not in seen:
+                        seen.add(rp)
+                        paths.append(("site-packages/" + p.relative_to(sp).as_posix(), p))
+            source = f"python sources: stdlib {root} + site-packages"
     else:
-        suffixes = tuple(s.strip() if s.strip().startswith(".") else "." + s.strip() for s in extensions.split(",") if s.strip())
+        suffixes = tuple(
+            s.strip() if s.strip().startswith(".") else "." + s.strip() for s in extensions.split(",") if s.strip()
+        )
         for item in [s.strip() for s in data.split(",") if s.strip()]:
             p = Path(item).expanduser()
             if p.is_dir():
-                for f in _walk(p, suffixes):
-                    text = _read_text(f)
-                    if text:
-                        docs.append((f"{p.name}/{f.relative_to(p).as_posix()}", text))
+                paths += [(f"{p.name}/{f.relative_to(p).as_posix()}", f) for f in _walk(p, suffixes)]
             elif p.is_file():
-                text = _read_text(p)
-                if text is None:
+                if _read_text(p) is None:
                     raise ValueError(f"{p} is not UTF-8 text")
-                docs.append((p.name, text))
+                paths.append((p.name, p))
             else:
                 raise FileNotFoundError(f"data path {p} does not exist")
         source = data
-    docs.sort(key=lambda d: d[0])
-    if max_mb and max_mb > 0:
-        budget, kept = int(max_mb * 1e6), []
-        for d in docs:
-            if budget <= 0:
-                break
-            kept.append(d)
-            budget -= len(d[1])
-        docs = kept
+    paths.sort(key=lambda t: t[0])
+    docs: list[tuple[str, str]] = []
+    for name, p in paths:
+        if budget is not None and budget <= 0:
+            break
+        text = _read_text(p)
+        if text:
+            docs.append((name, text))
+            if budget is not None:
+                budget -= len(text)
     if not docs:
         raise ValueError(f"no text documents found in {data!r}")
     return Corpus(docs, source)
@@ -543,7 +562,9 @@ def build_tokenizer(cfg: TrainConfig, train_texts: Iterable[str] | None = None, 
         return load_gpt2_tokenizer(cfg.tokenizer_path)
     from tokenizers import Tokenizer
 
-    cache = _cache_root(cfg) / f"bpe-{corpus_id}-{cfg.val_fraction}-{cfg.split_chunk_chars}-{cfg.bpe_vocab_size}.json"
+    cache = _cache_root(cfg) / (
+        f"bpe-{corpus_id}-{cfg.val_fraction}-{cfg.split_chunk_chars}-{cfg.bpe_vocab_size}-{cfg.bpe_train_mb}.json"
+    )
     if cache.is_file():
         return HFTokenizer(Tokenizer.from_file(str(cache)), "bpe")
     if train_texts is None:
@@ -643,7 +664,16 @@ def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer
     corpus = load_corpus(cfg.data, cfg.data_extensions, cfg.max_corpus_mb)
     corpus_id = corpus.fingerprint()
     splits = split_corpus(corpus, cfg.val_fraction, cfg.split_chunk_chars)
-    tok = build_tokenizer(cfg, (c for r in splits["train"] for c in r), corpus_id)
+    def bpe_texts():
+        left = cfg.bpe_train_mb * 1e6 if cfg.bpe_train_mb > 0 else float("inf")
+        for run in splits["train"]:
+            for c in run:
+                if left <= 0:
+                    return
+                left -= len(c)
+                yield c
+
+    tok = build_tokenizer(cfg, bpe_texts(), corpus_id)
     arrays = {}
     cache = _cache_root(cfg) / f"tokens-{corpus_id}-{tok.fingerprint()}-{cfg.val_fraction}-{cfg.split_chunk_chars}"
     for split in ("train", "val"):
@@ -823,6 +853,36 @@ def _barrier(info: DistInfo) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def _full_state(obj):
+    """A state dict with every (sharded) DTensor gathered into a full CPU tensor (collective under FSDP2)."""
+    if isinstance(obj, dict):
+        return {k: _full_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_full_state(v) for v in obj]
+    if isinstance(obj, Tensor):
+        if hasattr(obj, "full_tensor"):
+            obj = obj.full_tensor()
+        return obj.detach().cpu()
+    return obj
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, device: torch.device) -> dict:
+    """Turn a full optimizer state dict back into shards that match the FSDP2 (DTensor) parameters."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for idx, st in sd["state"].items():
+        p = params[int(idx)]
+        new = {}
+        for k, v in st.items():
+            if isinstance(v, Tensor) and hasattr(p, "device_mesh") and v.shape == p.shape:
+                v = distribute_tensor(v.to(device), p.device_mesh, p.placements)
+            new[k] = v
+        state[idx] = new
+    return {"state": state, "param_groups": sd["param_groups"]}
 
 
 def _apply_fsdp(model: nn.Module) -> nn.Module:
@@ -1164,6 +1224,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
 
     # ---- where do we start? ----
     ckpt_path = find_latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt_path is None:
+        log(f"--resume: {run_dir} holds no checkpoint yet; starting from step 0")
     if not resume and info.is_main and (ckpt_root.exists() or (run_dir / "metrics.jsonl").exists()):
         if not overwrite:
             raise FileExistsError(
@@ -1192,6 +1254,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     world_tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
     max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / world_tokens_per_step))
 
+    if not cfg.fused_projection:
+        from . import projection_cuda
+
+        projection_cuda._LOADED = False  # the fused kernels count as unavailable: PyTorch path
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tok.vocab_size, tok.eos_id)
     n_params = count_parameters(model)
@@ -1242,14 +1308,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     start_step, elapsed_before, max_grad_norm, skipped = 0, 0.0, 0.0, 0
 
     if state is not None:
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(_shard_optimizer_state(optimizer, state["optimizer"], device) if fsdp else state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         spikes.load_state_dict(state["spikes"])
         start_step = state["step"]
@@ -1272,7 +1331,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     )
     log(f"unigram entropy of the data: {h_unigram:.4f} nats/token ({h_unigram / math.log(2):.3f} bits)")
 
-    val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size)
+    val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
     diag_ids = val_windows[:2].to(device)
     diag_model = model  # DDP's wrapped module; under FSDP2 the model itself (all ranks run it)
 
@@ -1285,14 +1344,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             dist.all_gather_object(rngs, mine)
         else:
             rngs = [mine]
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            opt_sd = get_optimizer_state_dict(
-                model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            opt_sd = optimizer.state_dict()
+        opt_sd = _full_state(optimizer.state_dict())
         return {
             "format": CKPT_FORMAT,
             "step": step,
@@ -1311,11 +1363,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         }
 
     def model_state() -> dict[str, Tensor]:
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return _full_state(model.state_dict())
 
     def checkpoint(step: int, elapsed: float) -> None:
         ts = trainer_state(step, elapsed)
@@ -1406,6 +1454,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
                     "time_s": round(elapsed, 3),
                 }
             )
+        if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < max_steps:
+            checkpoint(step, elapsed)
         if cfg.stop_at_step and step >= cfg.stop_at_step and step < max_steps:
             interrupted = True
             break
@@ -1413,8 +1463,6 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             stopped_early = True
             log(f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent")
             break
-        if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < max_steps:
-            checkpoint(step, elapsed)
     bar.close()
     elapsed = elapsed_before + time.perf_counter() - t0
     throughput = None

@@ -29,7 +29,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(REPO))
 
-from mhc.training import load_config, write_comparison  # noqa: E402
+from mhc.training import load_config, prepare_data, write_comparison  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 
@@ -100,6 +100,10 @@ def main(argv=None) -> int:
         if args.max_time_s:
             base_sets.append(f"max_time_s={args.max_time_s}")
         devices = [d.strip() for d in args.devices.split(",") if d.strip()] or [None]
+        # build the tokenizer and token caches once, before runs start in parallel
+        t0 = time.time()
+        prepare_data(load_config(cfgs[0], base_sets))
+        print(f"data ready in {time.time() - t0:.0f} s", flush=True)
         tokens = args.tokens
         if args.target_s > 0:
             cal = [(lab, c, out / "calibration" / lab, base_sets + [f"max_steps={args.calib_steps}", "eval_interval=0", "ckpt_interval=0", "plots=false", "max_time_s=0"]) for lab, c in zip(labels, cfgs)]

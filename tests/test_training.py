@@ -1,0 +1,377 @@
+"""Tests of mhc.training and the training scripts (CPU, a few seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mhc import training as T
+from mhc.plotting import Figure, write_png
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = dict(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    seq_len=32,
+    batch_size=4,
+    data="stdlib",
+    max_corpus_mb=0.3,
+    max_steps=8,
+    warmup_steps=2,
+    lr=3e-3,
+    log_interval=1,
+    eval_interval=4,
+    eval_batches=2,
+    ckpt_interval=3,
+    progress=False,
+    threads=1,
+)
+
+
+def tiny_cfg(tmp_path: Path, name: str = "run", **kw) -> T.TrainConfig:
+    cfg = T.TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"), **kw})
+    cfg.validate()
+    return cfg
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in T.read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_yaml_inheritance_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("hidden_size: 64\nlr: 1.0e-3\nmhc_options: {init: identity}\nmax_steps: 5\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nvariant: hc\nmhc_options: {projection: sinkhorn}\n")
+    cfg = T.load_config(tmp_path / "child.yaml", ["lr=2e-4", "num_layers=3", "plots=false"])
+    assert (cfg.variant, cfg.hidden_size, cfg.num_layers, cfg.lr, cfg.plots) == ("hc", 64, 3, 2e-4, False)
+    assert cfg.mhc_options == {"init": "identity", "projection": "sinkhorn"}
+    assert cfg.run_dir == str(Path("runs") / "child")
+    with pytest.raises(KeyError):
+        T.load_config(tmp_path / "child.yaml", ["no_such_key=1"])
+    for name in ("tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "small_gpu_hc", "small_gpu_residual"):
+        cfg = T.load_config(REPO / "configs" / f"{name}.yaml")
+        assert cfg.variant == name.rsplit("_", 1)[1]
+
+
+def test_lr_schedule():
+    f = [T.lr_lambda(s, 10, 100, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _write_docs(root: Path, n: int = 12) -> None:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "mhc", "stream", "def", "return", "x", "\n"]
+    for i in range(n):
+        sub = root / ("sub" if i % 3 == 0 else "")
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words, size=3000)))
+    (root / "binary.bin").write_bytes(b"\0\1\2")
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path):
+    _write_docs(tmp_path / "data")
+    c1 = T.load_corpus(str(tmp_path / "data"))
+    assert all(not name.endswith(".bin") for name, _ in c1.documents)
+    s1 = T.split_corpus(c1, 0.2, chunk_chars=1000)
+    c2 = T.Corpus(list(reversed(c1.documents)), c1.source)  # order must not matter
+    s2 = T.split_corpus(T.Corpus(sorted(c2.documents), c2.source), 0.2, chunk_chars=1000)
+    assert s1 == s2
+    train = {c for r in s1["train"] for c in r}
+    val = {c for r in s1["val"] for c in r}
+    assert train and val and not (train & val)
+    n_chunks = sum(len(r) for r in s1["train"] + s1["val"])
+    assert 0.05 < sum(len(r) for r in s1["val"]) / n_chunks < 0.45
+    # every character lands in exactly one split
+    assert sum(len(c) for r in s1["train"] + s1["val"] for c in r) == c1.num_chars
+
+
+def test_stdlib_corpus_and_packing(tmp_path):
+    cfg = tiny_cfg(tmp_path, max_corpus_mb=0.2)
+    data, tok, corpus = T.prepare_data(cfg, log=lambda *_: None)
+    assert corpus.source.startswith("stdlib:") and corpus.documents
+    assert [n for n, _ in corpus.documents] == sorted(n for n, _ in corpus.documents)
+    data2, _, _ = T.prepare_data(cfg, log=lambda *_: None)
+    assert np.array_equal(data.train, data2.train) and np.array_equal(data.val, data2.val)
+    assert (data.train == tok.eos_id).sum() >= 1
+    b1, b2 = data.train_batch(0, 6), data.train_batch(3, 3)
+    assert b1.shape == (6, cfg.seq_len) and torch.equal(b1[3:], b2)
+    # an epoch visits every window once
+    n = data.n_train_windows
+    seen = data.train_batch(0, n)
+    assert len({tuple(r.tolist()) for r in seen}) == len({tuple(data.train[i * 32 : (i + 1) * 32].tolist()) for i in range(n)})
+    h = T.unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
+    assert 2.0 < h < np.log(257)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+TEXT = "def f(x):\n    return x ** 2  # ünïcödé ✓ 🚀\n\tprint('hi')\n"
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = T.ByteTokenizer()
+    ids = tok.encode(TEXT)
+    assert max(ids) < 256 and tok.decode(ids) == TEXT
+    assert tok.decode(ids + [tok.eos_id]) == TEXT
+
+
+def test_bpe_and_gpt2_files_roundtrip(tmp_path):
+    _write_docs(tmp_path / "data", n=4)
+    cfg = tiny_cfg(tmp_path, data=str(tmp_path / "data"), tokenizer="bpe", bpe_vocab_size=400)
+    data, tok, _ = T.prepare_data(cfg, log=lambda *_: None)
+    assert tok.kind == "bpe" and tok.vocab_size <= 400
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    assert len(list(Path(cfg.cache_dir).glob("bpe-*.json"))) == 1  # cached
+    tok2 = T.build_tokenizer(cfg, None, T.load_corpus(cfg.data).fingerprint())  # from the cache, no texts needed
+    assert tok2.encode(TEXT) == tok.encode(TEXT)
+    # GPT-2 style files: vocab.json + merges.txt, and encoder.json + vocab.bpe
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    tok.tok.model.save(str(d))
+    g = T.load_gpt2_tokenizer(d)
+    assert g.decode(g.encode(TEXT)) == TEXT and g.encode(TEXT) == tok.encode(TEXT)
+    d2 = tmp_path / "gpt2b"
+    d2.mkdir()
+    shutil.copy(d / "vocab.json", d2 / "encoder.json")
+    shutil.copy(d / "merges.txt", d2 / "vocab.bpe")
+    assert T.load_gpt2_tokenizer(d2).encode(TEXT) == tok.encode(TEXT)
+    # saved with a run and loaded back
+    tok.save(tmp_path)
+    assert T.load_tokenizer(tmp_path).encode(TEXT) == tok.encode(TEXT)
+
+
+# ----------------------------------------------------------------------------- training, resume, checkpoints
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    cfg = tiny_cfg(tmp, "full")
+    summary = T.train(cfg)
+    return cfg, summary
+
+
+def test_run_dir_contents_and_from_pretrained(full_run):
+    cfg, summary = full_run
+    rd = Path(cfg.run_dir)
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "gains.png", "config.yaml", "model/config.json", "model/model.safetensors"):
+        assert (rd / name).is_file(), name
+    assert (rd / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["steps"] == 8 and summary["composite_gains"] is not None
+    assert len(summary["composite_gains"]["forward_gain"]) == 2 * cfg.num_layers
+    assert summary["fwd_gain_full_depth"] == pytest.approx(1.0, abs=1e-3)  # mHC: doubly stochastic
+    from transformers import AutoModelForCausalLM
+
+    import mhc  # noqa: F401  (registers the mHC model with the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(rd / "model")
+    ids = torch.randint(0, 257, (1, 16))
+    ref = T.build_model(cfg, 257, 256)
+    from safetensors.torch import load_file
+
+    ref.load_state_dict(load_file(str(rd / "model" / "model.safetensors")), strict=False)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, full_run):
+    cfg_full, summary_full = full_run
+    cfg = tiny_cfg(tmp_path, "resumed", stop_at_step=5)
+    out = T.train(cfg)
+    assert out == {"interrupted": True, "step": 5}
+    assert T.find_latest_checkpoint(cfg.run_dir).name == "step_00000003"  # steps 4-5 are lost, as in a crash
+    cfg.stop_at_step = 0
+    summary = T.train(cfg, resume=True)
+    full, resumed = _losses(cfg_full.run_dir), _losses(cfg.run_dir)
+    assert sorted(resumed) == sorted(full) == list(range(1, 9))
+    for step in full:
+        assert resumed[step] == full[step], (step, resumed[step], full[step])
+    assert summary["final_val_loss"] == summary_full["final_val_loss"]
+    evals = lambda rd: [(r["step"], r["val_loss"]) for r in T.read_metrics(Path(rd) / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals(cfg.run_dir) == evals(cfg_full.run_dir)
+    # a finished run resumes to the end at once
+    again = T.train(cfg, resume=True)
+    assert again["steps"] == 8 and again["final_val_loss"] == summary["final_val_loss"]
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    cfg = tiny_cfg(tmp_path, "changed", stop_at_step=3, max_steps=4)
+    T.train(cfg)
+    cfg2 = tiny_cfg(tmp_path, "changed", max_steps=4, hidden_size=64, num_heads=2)
+    with pytest.raises(T.CheckpointError, match="hidden_size"):
+        T.train(cfg2, resume=True)
+    with pytest.raises(FileExistsError, match="--resume"):
+        T.train(tiny_cfg(tmp_path, "changed", max_steps=4))
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_or_partial_checkpoint_gives_clear_error(tmp_path, full_run):
+    cfg_full, _ = full_run
+    # corrupt weights: flip bytes in the middle of model.safetensors
+    rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "corrupt")
+    ck = T.find_latest_checkpoint(rd)
+    f = ck / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 8] = b"\xff" * 8
+    f.write_bytes(bytes(raw))
+    with pytest.raises(T.CheckpointError, match=r"corrupt: model\.safetensors does not match its SHA-256"):
+        T.train(tiny_cfg(tmp_path, "corrupt"), resume=True)
+    # truncated trainer state
+    rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "trunc")
+    ts = T.find_latest_checkpoint(rd) / "trainer_state.pt"
+    ts.write_bytes(ts.read_bytes()[:100])
+    with pytest.raises(T.CheckpointError, match="trainer_state.pt has 100 bytes"):
+        T.verify_checkpoint(T.find_latest_checkpoint(rd))
+    # a partial write (no manifest)
+    rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "partial")
+    (T.find_latest_checkpoint(rd) / "manifest.json").unlink()
+    with pytest.raises(T.CheckpointError, match="partial: it has no manifest.json"):
+        T.train(tiny_cfg(tmp_path, "partial"), resume=True)
+    # `latest` names a folder that is gone
+    rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "gone")
+    shutil.rmtree(T.find_latest_checkpoint(rd))
+    with pytest.raises(T.CheckpointError, match="does not exist"):
+        T.find_latest_checkpoint(rd)
+    # the script turns it into a one-line error and exit code 2
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--config", str(REPO / "configs" / "tiny_cpu_mhc.yaml"),
+         "--run-dir", str(tmp_path / "corrupt"), "--resume", *sum((["--set", f"{k}={v}"] for k, v in TINY.items()), []),
+         "--set", f"cache_dir={tmp_path / 'cache'}"],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode == 2 and "error: checkpoint" in proc.stderr and "corrupt" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_atomic_checkpoint_leaves_no_partial_folder(tmp_path, full_run):
+    cfg_full, _ = full_run
+    root = Path(cfg_full.run_dir) / "checkpoints"
+    assert not list(root.glob(".tmp-*"))
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006", "step_00000008"]  # keep_checkpoints=2
+    for p in root.glob("step_*"):
+        T.verify_checkpoint(p)
+
+
+# ----------------------------------------------------------------------------- scripts, DDP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sets(**kw) -> list[str]:
+    return sum((["--set", f"{k}={v}"] for k, v in kw.items()), [])
+
+
+def test_train_lm_script_smoke(tmp_path):
+    rd = tmp_path / "smoke"
+    args = _sets(**{**TINY, "max_steps": 4, "ckpt_interval": 2, "cache_dir": tmp_path / "cache"})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--run-dir", str(rd), "--progress", "true", *args],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unigram entropy" in proc.stdout and "val loss" in proc.stdout
+    for name in ("metrics.jsonl", "loss.png", "gains.png", "model/model.safetensors", "checkpoints/latest"):
+        assert (rd / name).exists(), name
+
+
+def _torchrun(tmp_path, nproc: int, run_dir: Path, extra: dict, extra_args=()) -> subprocess.CompletedProcess:
+    args = _sets(**{**TINY, "max_steps": 4, "ckpt_interval": 2, "cache_dir": tmp_path / "cache", **extra})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+           str(REPO / "scripts" / "train_lm.py"), "--run-dir", str(run_dir), *extra_args, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def test_ddp_gloo_two_ranks_matches_one_process(tmp_path):
+    """2 ranks x batch 2 (DDP, gloo) trains like 1 process x batch 4, and resumes."""
+    ddp = tmp_path / "ddp"
+    proc = _torchrun(tmp_path, 2, ddp, {"batch_size": 2, "device": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((ddp / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["dist"] == "ddp"
+    single = T.train(tiny_cfg(tmp_path, "single", max_steps=4, ckpt_interval=2, batch_size=4))
+    l_ddp, l_one = _losses(ddp), _losses(tmp_path / "single")
+    assert sorted(l_ddp) == sorted(l_one)
+    for s in l_one:
+        assert l_ddp[s] == pytest.approx(l_one[s], rel=1e-4, abs=1e-4), (s, l_ddp[s], l_one[s])
+    assert summary["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-4)
+
+
+def test_fsdp2_gloo_two_ranks_resumes(tmp_path):
+    """FSDP2 (fully_shard) on 2 gloo ranks: interrupted at step 2, resumed, same losses as 1 process."""
+    rd = tmp_path / "fsdp"
+    proc = _torchrun(tmp_path, 2, rd, {"batch_size": 2, "device": "cpu", "dist": "fsdp", "stop_at_step": 2})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["--resume"]
+    cmd_extra = {"batch_size": 2, "device": "cpu", "dist": "fsdp"}
+    proc = _torchrun(tmp_path, 2, rd, cmd_extra, extra_args=args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((rd / "summary.json").read_text())
+    assert s["dist"] == "fsdp" and s["world_size"] == 2 and s["steps"] == 4
+    T.verify_checkpoint(T.find_latest_checkpoint(rd))
+    T.train(tiny_cfg(tmp_path, "single", max_steps=4, ckpt_interval=2, batch_size=4))
+    l_fsdp, l_one = _losses(rd), _losses(tmp_path / "single")
+    assert sorted(l_fsdp) == sorted(l_one) == [1, 2, 3, 4]
+    for step in l_one:
+        assert l_fsdp[step] == pytest.approx(l_one[step], rel=1e-4, abs=1e-4), (step, l_fsdp[step], l_one[step])
+
+
+# ----------------------------------------------------------------------------- plots, comparison
+
+
+def test_png_writer(tmp_path):
+    img = np.zeros((3, 4, 3), np.uint8)
+    img[1, 2] = (10, 20, 30)
+    p = write_png(tmp_path / "a.png", img)
+    raw = p.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[16:24] == (4).to_bytes(4, "big") + (3).to_bytes(4, "big")
+    idat = raw.index(b"IDAT")
+    n = int.from_bytes(raw[idat - 4 : idat], "big")
+    rows = zlib.decompress(raw[idat + 4 : idat + 4 + n])
+    assert len(rows) == 3 * (1 + 4 * 3) and rows[1 * 13 + 1 + 2 * 3 : 1 * 13 + 1 + 3 * 3] == bytes([10, 20, 30])
+    fig = Figure(300, 200)
+    ax = fig.panel(title="t", xlabel="x", ylabel="y", logy=True)
+    ax.line([1, 2, 3], [1, 10, 1000], label="a", markers=True)
+    ax.line([1, 2, 3], [2, 3, float("nan")], dashed=True)
+    ax.hline(5.0, label="ref")
+    assert fig.render().shape == (200, 300, 3)
+
+
+def test_write_comparison(tmp_path, full_run):
+    cfg_full, _ = full_run
+    res = T.write_comparison({"mhc": cfg_full.run_dir, "missing": tmp_path / "nope"}, tmp_path / "cmp")
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| mhc | mhc | 4 |" in md and "no summary" in md
+    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert res["rows"][0]["final_val_loss"] > 0
