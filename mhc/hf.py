@@ -405,6 +405,10 @@ def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) ->
         raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
     get_adapter(getattr(model.config, "model_type", None))
     config = MHCConfig(base_config=model.config, n_streams=n_streams, **mhc_options)
+    quant = config.base_config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left.
+        del config.base_config["quantization_config"]
     impl = getattr(model.config, "_attn_implementation_internal", None)
     if impl is not None:
         config._attn_implementation_internal = impl

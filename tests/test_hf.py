@@ -1,0 +1,367 @@
+"""HuggingFace integration: MHCConfig, MHCForCausalLM, convert_to_mhc on tiny random models (CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import mhc
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc.hf import MHCDecoderLayer, added_parameter_count
+
+VOCAB = 96
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def tiny_config(arch: str, layers: int = 2):
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    llama_like = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **common,
+    )
+    if arch == "llama":
+        return LlamaConfig(**llama_like)
+    if arch == "mistral":
+        return MistralConfig(**llama_like)
+    if arch == "qwen2":
+        return Qwen2Config(**llama_like)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=8, **llama_like)
+    if arch == "gpt2":
+        return GPT2Config(
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+    raise KeyError(arch)
+
+
+def tiny_base(arch: str, seed: int = 0, layers: int = 2):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers))
+    # Random init keeps the residual branches tiny; scale the weights up so the
+    # test sees real sublayer contributions (an mHC bug could hide under 0.02-std weights).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "wte" not in name and "embed" not in name and "wpe" not in name:
+                p.mul_(5.0)
+    return model.eval()
+
+
+def ids(batch: int = 2, seq: int = 9, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+def perturb_mhc(model: MHCForCausalLM, seed: int = 0, scale: float = 0.5) -> None:
+    """Move the coefficient parameters off their identity init, so the mHC paths matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MHCBlock) and m.mode != "residual":
+                for p in (m.phi, m.b_pre, m.b_post, m.b_res):
+                    p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversion_preserves_logits(arch):
+    base = tiny_base(arch)
+    x = ids()
+    with torch.no_grad():
+        ref = base(x).logits
+    keys = set(base.state_dict())
+    model = convert_to_mhc(base, n_streams=4)
+    assert isinstance(model, MHCForCausalLM)
+    assert keys <= {k.removeprefix("model.") for k in model.state_dict()}  # original weights kept, same keys
+    n_layers = tiny_config(arch).num_hidden_layers
+    assert sum(isinstance(m, MHCDecoderLayer) for m in model.modules()) == n_layers
+    assert sum(isinstance(m, MHCBlock) for m in model.modules()) == 2 * n_layers
+    with torch.no_grad():
+        out = model(x).logits
+    assert ref.abs().max() > 0.1
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("reduce", ["mean", "learned"])
+@pytest.mark.parametrize("mode", ["mhc", "hc", "residual"])
+def test_conversion_modes(mode, reduce):
+    base = tiny_base("llama")
+    x = ids()
+    with torch.no_grad():
+        ref = base(x).logits
+        out = convert_to_mhc(base, n_streams=3, mode=mode, reduce=reduce)(x).logits
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_reload_identical(arch, tmp_path):
+    model = convert_to_mhc(tiny_base(arch), n_streams=4, reduce="learned")
+    perturb_mhc(model)
+    with torch.no_grad():
+        model.stream_reduce.weight.copy_(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    x = ids()
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(cfg, MHCConfig) and cfg.base_config["model_type"] == arch and cfg.n_streams == 4
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is MHCForCausalLM
+    loaded.eval()
+    with torch.no_grad():
+        again = loaded(x).logits
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_cache_matches_no_cache(arch):
+    model = convert_to_mhc(tiny_base(arch), n_streams=4)
+    perturb_mhc(model)
+    x = ids(batch=2, seq=5)
+    mask = torch.ones_like(x)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(x, use_cache=True, **kw)
+    without = model.generate(x, use_cache=False, **kw)
+    assert with_cache.shape == (2, 13)
+    assert torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_padding_mask(arch):
+    """A left-padded row gives the same logits (on real tokens) and greedy tokens as alone."""
+    model = convert_to_mhc(tiny_base(arch), n_streams=4)
+    perturb_mhc(model)
+    long, short = ids(1, 7, seed=3), ids(1, 4, seed=4)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        both = model(batch, attention_mask=mask, position_ids=position_ids).logits
+        alone = model(short).logits
+    assert (both[1, 3:] - alone[0]).abs().max().item() <= 1e-4
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    gen_batch = model.generate(batch, attention_mask=mask, **kw)
+    gen_alone = model.generate(short, attention_mask=torch.ones_like(short), **kw)
+    assert torch.equal(gen_batch[1, 3:], gen_alone[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_lowers_loss(arch):
+    model = convert_to_mhc(tiny_base(arch), n_streams=4)
+    model.train()
+    x = ids(batch=4, seq=12)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    # the coefficient parameters get gradient and move off their init
+    block = next(m for m in model.modules() if isinstance(m, MHCBlock))
+    assert block.phi.abs().max() > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_checkpointing_same_gradients(arch):
+    model = convert_to_mhc(tiny_base(arch), n_streams=4)
+    perturb_mhc(model)
+    model.train()
+    x = ids(batch=2, seq=8)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    assert all(m.gradient_checkpointing for m in model.modules() if isinstance(m, MHCDecoderLayer))
+    ckpt = grads()
+    assert plain.keys() == ckpt.keys()
+    assert any("attn_mhc.phi" in n for n in plain)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_load_keeps_coefficients_fp32(tmp_path):
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4, reduce="learned")
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    mhc_params = {n: p for n, p in loaded.named_parameters() if "_mhc." in n or "stream_reduce" in n}
+    assert mhc_params and all(p.dtype == torch.float32 for p in mhc_params.values())
+    others = [p for n, p in loaded.named_parameters() if n not in mhc_params]
+    assert all(p.dtype == torch.bfloat16 for p in others)
+    for n, p in model.named_parameters():
+        if n in mhc_params:
+            assert torch.equal(mhc_params[n], p)  # fp32 values survive the bf16 load unrounded
+    x = ids()
+    with torch.no_grad():
+        out = loaded(x).logits
+        ref = model(x).logits
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+    # converting a bf16 model: new coefficients are fp32 as well
+    bf = convert_to_mhc(tiny_base("qwen3").to(torch.bfloat16), n_streams=4)
+    assert all(p.dtype == torch.float32 for n, p in bf.named_parameters() if "_mhc." in n)
+    with torch.no_grad():
+        assert bf(x).logits.dtype == torch.bfloat16
+
+
+def test_unsupported_architecture_raises():
+    from transformers import OPTConfig
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2)
+    base = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="opt.*gpt2.*llama.*mistral.*qwen2.*qwen3"):
+        convert_to_mhc(base)
+    with pytest.raises(ValueError, match="supported model types"):
+        MHCForCausalLM(MHCConfig(base_config=cfg))
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc", "residual"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_num_parameters(arch, mode):
+    base = tiny_base(arch)
+    n_base = base.num_parameters()
+    model = convert_to_mhc(base, n_streams=4, mode=mode, reduce="learned")
+    added = added_parameter_count(model.config)
+    assert model.num_parameters() == n_base + added
+    n, C, L = 4, 32, 2
+    per_site = {"mhc": n * C * (n * n + 2 * n) + n * n + 2 * n + 3, "hc": C * (n + 2) + n * n + 2 * n + 3}
+    assert added == 2 * L * per_site.get(mode, 0) + n
+
+
+def test_constructor_usage_and_residual_baseline(tmp_path):
+    """The training script's usage; residual with one stream is exactly the base model."""
+    base_cfg = tiny_config("llama")
+    for mode, n in [("mhc", 4), ("hc", 2), ("residual", 1)]:
+        cfg = MHCConfig(base_config=base_cfg, n_streams=n, mode=mode, init="paper" if mode == "hc" else "identity")
+        model = MHCForCausalLM(cfg)
+        out = model(ids(), labels=ids())
+        assert out.logits.shape == (2, 9, VOCAB) and torch.isfinite(out.loss)
+    # dict base config, and attributes of the base read through
+    cfg = MHCConfig(base_config=base_cfg.to_dict(), n_streams=1, mode="residual")
+    assert cfg.hidden_size == 32 and cfg.num_hidden_layers == 2 and cfg.vocab_size == VOCAB
+    assert cfg.get_text_config().model_type == "llama"
+    residual = MHCForCausalLM(cfg).eval()
+    plain = AutoModelForCausalLM.from_config(base_cfg).eval()
+    missing, unexpected = plain.load_state_dict(
+        {k.removeprefix("model."): v for k, v in residual.state_dict().items()}, strict=True
+    )
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(residual(x).logits, plain(x).logits)
+    residual.save_pretrained(tmp_path)
+    assert MHCConfig.from_pretrained(tmp_path).to_dict()["base_config"]["hidden_size"] == 32
+
+
+def test_collect_h_res_on_hf_model():
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4)
+    perturb_mhc(model, scale=1.0)
+    h = mhc.diagnostics.collect_h_res(model, ids())
+    assert len(h) == 4 and h[0].shape == (2, 9, 4, 4)
+    for t in h:
+        torch.testing.assert_close(t.sum(-1), torch.ones(2, 9, 4), atol=1e-5, rtol=0)
+        torch.testing.assert_close(t.sum(-2), torch.ones(2, 9, 4), atol=1e-5, rtol=0)
+
+
+def test_streams_diverge_after_training():
+    """H_pre rotates with depth, so streams stop being copies of each other once trained."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4)
+    model.train()
+    x = ids(batch=4, seq=12)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(3):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    captured = {}
+    final = model.model.model.norm
+    handle = model.model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("x", o))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    streams = captured["x"]
+    assert streams.shape[-2:] == (4, 32)
+    assert (streams - streams.mean(-2, keepdim=True)).abs().max() > 1e-3
+    assert final is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_torch_compile_fullgraph(arch):
+    """The integration itself adds no graph break: with the Sinkhorn projection the
+    whole model (embeddings, masks, cache-free layers, head) is one graph, forward and backward."""
+    model = convert_to_mhc(tiny_base(arch), n_streams=4, projection="sinkhorn")
+    perturb_mhc(model)
+    model.train()
+    x = ids()
+
+    def loss_and_grads(m):
+        model.zero_grad(set_to_none=True)
+        logits = m(x).logits  # loss outside: the base model's loss_function may log (a graph break)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = loss_and_grads(model)
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.slow
+def test_torch_compile_newton_matches_eager():
+    """Default (Newton) projection: data-dependent iterations break the graph, results are unchanged."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4)
+    perturb_mhc(model)
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="aot_eager")(x).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_deepcopy_is_independent():
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4, reduce="learned")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.stream_reduce.weight.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+        for m in twin.modules():
+            if isinstance(m, MHCBlock):
+                m.b_pre.add_(1.0)
+    x = ids()
+    with torch.no_grad():
+        a, b = model(x).logits, twin(x).logits
+    assert not torch.equal(a, b)
+    block = model.model.model.layers[0].attn_mhc
+    assert block.branch.__self__ is model.model.model.layers[0]
