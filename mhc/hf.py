@@ -352,18 +352,81 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int | Tensor = 0,
         **kwargs,
     ):
-        """Same arguments and outputs as the base model's ``forward`` (KV cache under its own name)."""
+        """Same arguments and outputs as the base model's ``forward`` (KV cache under its own name).
+
+        ``output_hidden_states=True`` returns ``[B, S, C]`` states as usual: the
+        embeddings, each layer's streams merged by ``stream_reduce``, and the
+        final normed state.
+        """
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kwargs["logits_to_keep"] = logits_to_keep
-        return self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        want_hidden = kwargs.pop("output_hidden_states", None)
+        if want_hidden is None:
+            want_hidden = bool(getattr(self.config, "output_hidden_states", False))
+        hidden: list[Tensor] = []
+        handles = self._record_hidden_states(hidden) if want_hidden else []
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        if want_hidden:
+            if isinstance(out, tuple):
+                raise NotImplementedError("output_hidden_states with return_dict=False")
+            out.hidden_states = tuple(hidden)
+        return out
+
+    def _record_hidden_states(self, sink: list) -> list:
+        """Hooks that append ``[B, S, C]`` hidden states to ``sink`` in the usual HF order."""
+        adapter = get_adapter(self.model.config.model_type)
+        layers = list(self.model.get_submodule(adapter.layers))
+
+        def first_input(module, args, kwargs):
+            sink.append(kwargs["hidden_states"] if not args else args[0])
+
+        def layer_output(module, args, output):
+            if module is not layers[-1]:  # the last entry is the final normed state
+                sink.append(self.stream_reduce(output[0] if isinstance(output, tuple) else output))
+
+        def final_output(module, args, output):
+            sink.append(output)
+
+        handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+        handles += [layer.register_forward_hook(layer_output) for layer in layers]
+        handles.append(self.model.get_submodule(adapter.final_norm).register_forward_hook(final_output))
+        return handles
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.bfloat16()`` ... keep the mHC coefficients in float32.
+
+        Devices follow the move; a cast to fp16/bf16 applies to the base weights only,
+        as the paper keeps the coefficients in fp32 while the streams run in bf16.
+        """
+        keep = {
+            id(p): p.data
+            for m in self.modules()
+            if isinstance(m, (MHCBlock, StreamReduce))
+            for p in m.parameters(recurse=False)
+            if p.dtype == torch.float32
+        }
+        super()._apply(fn, recurse)
+        for m in self.modules():
+            if isinstance(m, (MHCBlock, StreamReduce)):
+                for p in m.parameters(recurse=False):
+                    old = keep.get(id(p))
+                    if old is not None and p.dtype in (torch.float16, torch.bfloat16):
+                        p.data = old.to(device=p.device)
+                        if p.grad is not None:
+                            p.grad = p.grad.to(torch.float32)
+        return self
 
 
 def added_parameter_count(config: MHCConfig) -> int:

@@ -365,3 +365,29 @@ def test_deepcopy_is_independent():
     assert not torch.equal(a, b)
     block = model.model.model.layers[0].attn_mhc
     assert block.branch.__self__ is model.model.model.layers[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_output_hidden_states(arch):
+    base = tiny_base(arch)
+    x = ids()
+    with torch.no_grad():
+        ref = base(x, output_hidden_states=True).hidden_states
+        out = convert_to_mhc(base, n_streams=4)(x, output_hidden_states=True).hidden_states
+    assert len(out) == len(ref) == tiny_config(arch).num_hidden_layers + 1
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_cast_to_bf16_keeps_coefficients_fp32():
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4, reduce="learned")
+    perturb_mhc(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "_mhc." in n or "stream_reduce" in n}
+    model.to(torch.bfloat16)
+    after = dict(model.named_parameters())
+    for n, p in before.items():
+        assert after[n].dtype == torch.float32 and torch.equal(after[n], p)
+    assert model.model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(ids()).logits.dtype == torch.bfloat16
