@@ -30,6 +30,15 @@ constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
 constexpr float kExpandErr = MHC_EXPAND_ERR;  // extrapolate full steps while the error is above this
 constexpr int kMaxExpand = 4;         // up to 16x the Newton step
 
+// Correctly rounded reciprocal, without the IEEE division's slow path.
+MHC_HD float mhc_rcp(float x) {
+#ifdef __CUDA_ARCH__
+  return __frcp_rn(x);
+#else
+  return 1.f / x;
+#endif
+}
+
 MHC_HD float mhc_rsqrt(float x) {
 #ifdef __CUDA_ARCH__
   return rsqrtf(x);
@@ -73,12 +82,12 @@ MHC_HD void dual_hessian(const float (&T)[N][N], float (&H)[N - 1][N - 1]) {
 // and is positive definite (x is then a descent direction for rhs = -g).
 // H is overwritten by the factor. Returns false if anything is non-finite.
 template <int M>
-MHC_HD bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M]) {
+MHC_HD bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M], float shift = 0.f) {
   float scale = 0.f;
 #pragma unroll
   for (int j = 0; j < M; ++j) scale = fmaxf(scale, H[j][j]);
   scale = fmaxf(scale, 1e-30f);
-  const float ridge = 2.f * M * kEps * scale;
+  const float ridge = 2.f * M * kEps * scale + shift;
   float inv_diag[M];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
@@ -129,7 +138,7 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) c += T[i][j];
     if (c > kTinySum) {
-      const float inv = 1.f / c, lc = logf(c);
+      const float inv = mhc_rcp(c), lc = logf(c);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         T[i][j] *= inv;
@@ -145,7 +154,7 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
         T[i][j] = expf(L[i][j] - m);
         s += T[i][j];
       }
-      const float inv = 1.f / s, lse = m + logf(s);
+      const float inv = mhc_rcp(s), lse = m + logf(s);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         T[i][j] *= inv;
@@ -159,7 +168,7 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 #pragma unroll
     for (int j = 0; j < N; ++j) s += T[i][j];
     if (s > kTinySum) {
-      const float inv = 1.f / s, ls = logf(s);
+      const float inv = mhc_rcp(s), ls = logf(s);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         T[i][j] *= inv;
@@ -175,7 +184,7 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
         T[i][j] = expf(L[i][j] - m);
         s2 += T[i][j];
       }
-      const float inv = 1.f / s2, lse = m + logf(s2);
+      const float inv = mhc_rcp(s2), lse = m + logf(s2);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         T[i][j] *= inv;
@@ -190,44 +199,48 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 // Returns the number of Newton iterations; err gets the float64 marginal error.
 // ----------------------------------------------------------------------------
 
+// Solver state for one matrix: the log-plan L (kept lazily as
+// L_ij + a_i + b_j, see step()), the plan T = exp(L) with rows normalised,
+// and the iteration count. init() then step() until it returns true.
 template <int N>
-MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter,
-                                            double& err_out) {
-  constexpr int M = N - 1;
-  // Row softmax of R, then one sweep (the reference's starting point).
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float m = L[i][0];
-#pragma unroll
-    for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      T[i][j] = expf(L[i][j] - m);
-      s += T[i][j];
-    }
-    const float inv = 1.f / s, lse = m + logf(s);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      T[i][j] *= inv;
-      L[i][j] -= lse;
-    }
-  }
-#ifndef MHC_INIT_SWEEPS
-#define MHC_INIT_SWEEPS 1
-#endif
-#pragma unroll 1
-  for (int k = 0; k < MHC_INIT_SWEEPS; ++k) sinkhorn_sweep<N>(L, T);
+struct Solver {
+  static constexpr int M = N - 1;
+  float L[N][N], T[N][N], a[N], b[N];
+  bool folded;
+  int it;
 
-  // The log-plan is kept lazily as L_ij + a_i + b_j: a multiplicative step
-  // T_ij <- T_ij e^{t d_j} / s_i costs N-1 exps instead of N² and only
-  // updates a, b; L is folded (L += a_i + b_j) before anything that needs it
-  // (an exp-path trial or a sweep).
-  float a[N], b[N];
+  // On entry L holds the (finite) logits R.
+  MHC_HD void init() {
+    // Row softmax of R, then one sweep (the reference's starting point).
 #pragma unroll
-  for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
-  bool folded = true;
-  auto fold = [&]() {
+    for (int i = 0; i < N; ++i) {
+      float m = L[i][0];
+#pragma unroll
+      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] = expf(L[i][j] - m);
+        s += T[i][j];
+      }
+      const float inv = mhc_rcp(s), lse = m + logf(s);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        T[i][j] *= inv;
+        L[i][j] -= lse;
+      }
+    }
+    sinkhorn_sweep<N>(L, T);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
+    folded = true;
+    it = 0;
+  }
+
+  // A multiplicative step T_ij <- T_ij e^{t d_j} / s_i costs N-1 exps
+  // instead of N² and only updates a, b; L is folded (L += a_i + b_j) before
+  // anything that needs it (an exp-path trial or a sweep).
+  MHC_HD void fold() {
     if (!folded) {
 #pragma unroll
       for (int i = 0; i < N; ++i)
@@ -237,13 +250,14 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
       for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
       folded = true;
     }
-  };
+  }
 
-  // Hysteresis: the float64 check is only needed once the fp32 one is close.
-  const float near = 64.f * tol + 4.f * N * N * kEps;
-  const float slack = 8.f * N * kEps;
-  int it = 0;
-  for (;;) {
+  // Check the marginals; if tol is met (or max_iter reached) set err_out and
+  // return true, else take one globalised Newton step (or a sweep).
+  MHC_HD bool step(float tol, int max_iter, double& err_out) {
+    // Hysteresis: the float64 check is only needed once the fp32 one is close.
+    const float near = 64.f * tol + 4.f * N * N * kEps;
+    const float slack = 8.f * N * kEps;
     // Marginals. fp32 first; float64 when close to tol, where the contract
     // (marginal_error in float64) and the Newton finish need the exact sums.
     float g[M];
@@ -295,7 +309,7 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
 #endif
     if (!(err > (double)tol) || it >= max_iter) {
       err_out = err;
-      return it;
+      return true;
     }
     ++it;
 
@@ -316,8 +330,25 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
     ok = ok && (slope < 0.f);
     // Trust region in the log domain: near a permutation the Hessian is
     // singular up to the ridge and the raw step can be ~1e6, which fp32 logs
-    // cannot carry (L + t d would round entries near 0 by ~0.1). Cap the
-    // largest dual move; the scaled step is still a descent direction.
+    // cannot carry (L + t d would round entries near 0 by ~0.1), and whose
+    // direction is all null space. Take the Levenberg-Marquardt step
+    // (H + λI) d = -g with λ = ‖g‖₂/Δ instead, so ‖d‖ <= Δ, and cap what
+    // rounding leaves over.
+    if (ok && dmax > kMaxStep) {
+      float gn = 0.f;
+#pragma unroll
+      for (int j = 0; j < M; ++j) gn = fmaf(g[j], g[j], gn);
+      dual_hessian<N>(T, H);
+      ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / kMaxStep));
+      slope = 0.f, dsum = 0.f, dmax = 0.f;
+#pragma unroll
+      for (int j = 0; j < M; ++j) {
+        slope = fmaf(g[j], d[j], slope);
+        dsum += d[j];
+        dmax = fmaxf(dmax, fabsf(d[j]));
+      }
+      ok = ok && (slope < 0.f);
+    }
     if (ok && dmax > kMaxStep) {
       const float sc = kMaxStep / dmax;
 #pragma unroll
@@ -385,7 +416,7 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
                 T[i][j] *= E[j];
                 s += T[i][j];
               }
-              const float inv = 1.f / s;
+              const float inv = mhc_rcp(s);
 #pragma unroll
               for (int j = 0; j < N; ++j) T[i][j] *= inv;
               a[i] -= lse[i];
@@ -416,7 +447,7 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
             }
             lse[i] = m + logf(s);
             f1 += lse[i];
-            const float inv = 1.f / s;
+            const float inv = mhc_rcp(s);
 #pragma unroll
             for (int j = 0; j < N; ++j) T[i][j] *= inv;
           }
@@ -446,8 +477,25 @@ MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_i
       }
       sinkhorn_sweep<N>(L, T);
     }
+    return false;
   }
-}
+};
 
+template <int N>
+MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter, double& err_out) {
+  Solver<N> S;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) S.L[i][j] = L[i][j];
+  S.init();
+  while (!S.step(tol, max_iter, err_out)) {
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) T[i][j] = S.T[i][j];
+  return S.it;
+}
 
 }  // namespace mhc_birkhoff

@@ -14,7 +14,7 @@ SECONDS=0
 python3 -m mhc.cuda_build >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: ${SECONDS}s"
 
-python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
+timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
 import time, torch, mhc
 from mhc import projection as P
 for n in (4, 8):
