@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +51,10 @@ class MHCBlock(nn.Module):
       which for ``n_streams=1`` is exactly ``x + F(x)``.
 
     Args:
-        branch: the sublayer ``F``; called as ``branch(u, *args, **kwargs)`` with
-            ``u: [..., C]``. If it returns a tuple (as HF attention does), its
+        branch: the sublayer ``F``, an ``nn.Module`` (registered as a submodule)
+            or any callable (e.g. a method of a module that owns the weights,
+            which then stay out of this block's parameters); called as
+            ``branch(u, *args, **kwargs)`` with ``u: [..., C]``. If it returns a tuple (as HF attention does), its
             first element is mixed into the streams and the rest is returned
             beside the new streams.
         hidden_size: ``C``.
@@ -75,7 +79,7 @@ class MHCBlock(nn.Module):
 
     def __init__(
         self,
-        branch: nn.Module,
+        branch: nn.Module | Callable[..., Any],
         hidden_size: int,
         n_streams: int = 4,
         *,
