@@ -220,7 +220,8 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         for name, b in layer.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in layer._non_persistent_buffers_set)
         for key, value in vars(layer).items():  # plain attributes (e.g. attention_type) the loop may read
-            if not key.startswith("_") and key not in ("training", "gradient_checkpointing"):
+            # (not callables: transformers 4.x can leave a bound `forward` behind in a layer's __dict__)
+            if not key.startswith("_") and key not in ("training", "gradient_checkpointing") and not callable(value):
                 setattr(self, key, value)
         self.train(layer.training)
 
@@ -314,6 +315,12 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("the model already holds mHC layers")
             layers[i] = MHCDecoderLayer(layers[i], adapter, config, i, expand_input=i == 0)
         self.model.get_submodule(adapter.final_norm).register_forward_pre_hook(self._reduce_before_final_norm)
+        # Only names that hold parameters here (none in residual mode; no stream_reduce for reduce="mean"):
+        # transformers 4.x rejects keep-in-fp32 names that match no parameter.
+        present = {part for name, _ in self.named_parameters() for part in name.split(".")}
+        keep = [name for name in type(self)._keep_in_fp32_modules_strict if name in present]
+        self._keep_in_fp32_modules = list(keep)
+        self._keep_in_fp32_modules_strict = list(keep)
         self.post_init()
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):

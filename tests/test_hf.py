@@ -391,3 +391,15 @@ def test_cast_to_bf16_keeps_coefficients_fp32():
     assert model.model.lm_head.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert model(ids()).logits.dtype == torch.bfloat16
+
+
+def test_output_attentions_eager():
+    base = tiny_base("llama")
+    base.set_attn_implementation("eager")
+    x = ids()
+    with torch.no_grad():
+        ref = base(x, output_attentions=True).attentions
+        out = convert_to_mhc(base, n_streams=4)(x, output_attentions=True).attentions
+    assert len(out) == len(ref) == 2
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
