@@ -1393,6 +1393,26 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     stopped_early = False
     interrupted = False
     train_model.train()
+    # Projection convergence warnings: counted for the summary, the first one shown above the progress bar.
+    import warnings
+
+    from .projection import ConvergenceWarning
+
+    conv_warnings = [0]
+    orig_showwarning = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConvergenceWarning):
+            conv_warnings[0] += 1
+            if conv_warnings[0] == 1 and info.is_main:
+                bar.write(f"warning (shown once; the count goes to summary.json): {message}", file=sys.stderr)
+            return
+        orig_showwarning(message, category, filename, lineno, file, line)
+
+    warn_ctx = warnings.catch_warnings()  # restores the filters and showwarning after the loop
+    warn_ctx.__enter__()
+    warnings.simplefilter("always", ConvergenceWarning)
+    warnings.showwarning = showwarning
     while step < max_steps:
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -1464,6 +1484,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             log(f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent")
             break
     bar.close()
+    warn_ctx.__exit__(None, None, None)
     elapsed = elapsed_before + time.perf_counter() - t0
     throughput = None
     if tokens_timer_start is not None and tokens_timer_steps > 0:
@@ -1508,6 +1529,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         "loss_spikes": spikes.spikes,
         "max_grad_norm": max_grad_norm,
         "skipped_steps": skipped,
+        "projection_warnings": conv_warnings[0],
         "train_time_s": elapsed,
         "tokens_per_s": throughput,
         "stopped_early": stopped_early,
