@@ -24,6 +24,18 @@ Design (why it looks like this):
 
 Only the layer's *named pieces* differ per architecture; they live in
 :mod:`mhc.adapters`.
+
+Alternatives rejected: running our own loop over the layers would fork every
+architecture's model forward (mask, rotary and cache preparation, whose
+signatures change between releases; 5.24 renamed ``past_key_values`` to
+``cache``); folding the ``n`` streams into the batch or sequence dimension
+would break masks, KV caches and position ids. Tested on transformers 4.57,
+5.17 and 5.24.
+
+Limits: cross-attention (GPT-2 ``add_cross_attention``) is not wrapped;
+``output_hidden_states`` gives stream-merged ``[B, S, C]`` states. With
+``projection="sinkhorn"`` the whole model compiles with ``fullgraph=True``; the
+Newton projection's data-dependent iterations cause graph breaks, not errors.
 """
 
 from __future__ import annotations
