@@ -1,18 +1,21 @@
 // Fused Birkhoff projection T = Pi_B(exp(R)) for n = 4 and n = 8 (design.md §2).
+// One templated kernel per direction, over N in {4, 8} and the I/O dtype.
 //
-// One matrix per thread, all of it in registers; a block stages its tile of
-// matrices through shared memory so that global loads and stores stay
-// coalesced (16-byte vectors where the pointer allows).
+// Forward: one matrix per thread, all of it in registers, loaded and stored
+// with 16-byte vectors where the pointer allows (no block-level coupling, so
+// a slow matrix holds up only its own warp). The per-matrix solver lives in
+// birkhoff_core.cuh: Newton on the (n-1)-dimensional dual with an Armijo line
+// search; the log-plan kept as L_ij + a_i + b_j so that line-search trials
+// are multiplicative (N-1 exps instead of N²) while no entry is near
+// underflow, log-domain trials otherwise; Hessian diagonal formed without
+// cancellation; ridged, clamped-pivot Cholesky; a Levenberg-Marquardt step
+// when the Newton step would exceed the log-domain trust region; a log-domain
+// Sinkhorn sweep wherever the line search fails. It runs until the matrix
+// meets tol (measured in float64 like marginal_error) or max_iter. Matrices
+// that miss tol are counted in a device-global counter (no sync).
 //
-// Forward: Newton on the (n-1)-dimensional dual with an Armijo line search,
-// state kept as the log-plan L = log T (the dual step is folded into L after
-// every accepted step, as in mhc/projection.py), Hessian diagonal formed
-// without cancellation, modified (ridged, clamped-pivot) Cholesky, and a
-// log-domain Sinkhorn sweep wherever the Newton step fails. It runs until the
-// matrix meets tol (measured in float64 like marginal_error) or max_iter.
-// Matrices that miss tol are counted in a device-global counter (no sync).
-//
-// Backward: the implicit-function gradient from T and G alone.
+// Backward: the implicit-function gradient from T and G alone; a block
+// stages its tile of matrices through shared memory (coalesced I/O).
 //
 // All coefficient math is fp32; inputs/outputs are fp32, bf16 or fp16.
 
@@ -368,15 +371,17 @@ static void dispatch_dtype(at::ScalarType t, F&& f) {
 
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Lane refill for large batches: on unless MHC_BIRKHOFF_REFILL=0, or switched
+// Lane refill for large batches: off unless MHC_BIRKHOFF_REFILL=1, or switched
 // with the mhc::birkhoff_set_refill op (benchmarks compare both schedules).
+// Measured on the H200 it is 1.5-3x SLOWER than the static mapping (see
+// notes/benchmarks.md), so the static kernel is the default.
 static std::atomic<int> g_refill{-1};
 
 static bool refill_enabled() {
   int v = g_refill.load(std::memory_order_relaxed);
   if (v < 0) {
     const char* e = std::getenv("MHC_BIRKHOFF_REFILL");
-    v = (e != nullptr && e[0] == '0') ? 0 : 1;
+    v = (e != nullptr && e[0] == '1') ? 1 : 0;
     g_refill.store(v, std::memory_order_relaxed);
   }
   return v != 0;
@@ -397,7 +402,7 @@ static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int
   const int threads = B >= (int64_t)kThreads * 1024 ? kThreads : 32;
   const int64_t blocks = (B + threads - 1) / threads;
   TORCH_CHECK(blocks < (1LL << 31), "mhc::birkhoff: batch too large");
-  // Large batches: warps refill their lanes (MHC_BIRKHOFF_REFILL=0 turns it off).
+  // Optional (slower as measured): warps refill their lanes on large batches.
   const bool refill = refill_enabled() && B >= (int64_t)kThreads * 1024;
   int64_t chunk = 32, rblocks = 0;
   if (refill) {
