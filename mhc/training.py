@@ -1067,7 +1067,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 class _Metrics:
-    def __init__(self, path: Path, enabled: bool, keep_upto_step: int | None):
+    def __init__(self, path: Path, enabled: bool, keep_upto_step: int | None, finished: bool = False):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
@@ -1075,7 +1075,13 @@ class _Metrics:
         if keep_upto_step is None:
             path.write_text("")
         else:  # resume: drop records past the checkpoint, they will be produced again
-            kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_upto_step and r.get("kind") != "final"]
+            kept = [
+                r
+                for r in read_metrics(path)
+                if r.get("step", 0) <= keep_upto_step
+                and r.get("kind") != "final"
+                and not (finished and r.get("kind") == "eval" and r.get("step") == keep_upto_step)  # redone at the end
+            ]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.f = open(path, "a", encoding="utf-8")
 
@@ -1319,7 +1325,12 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         _set_rng_state(state["rng"][info.rank], device)
         log(f"resumed from {ckpt_path} at step {start_step}")
 
-    metrics = _Metrics(run_dir / "metrics.jsonl", info.is_main, start_step if state is not None else None)
+    metrics = _Metrics(
+        run_dir / "metrics.jsonl",
+        info.is_main,
+        start_step if state is not None else None,
+        finished=state is not None and start_step >= max_steps,
+    )
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(_to_yaml(cfg.to_dict()))

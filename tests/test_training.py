@@ -217,6 +217,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, full_run):
     # a finished run resumes to the end at once
     again = T.train(cfg, resume=True)
     assert again["steps"] == 8 and again["final_val_loss"] == summary["final_val_loss"]
+    assert evals(cfg.run_dir) == evals(cfg_full.run_dir)  # no duplicated records
 
 
 def test_resume_refuses_changed_settings(tmp_path):
