@@ -273,13 +273,12 @@ __global__ void __launch_bounds__(kThreads) birkhoff_forward_refill_kernel(
   }
 }
 
-// ∂L/∂R = T ∘ (G - v 1ᵀ - 1 wᵀ) with w = H⁻¹(μ_c - T[:, :M]ᵀ μ_r), v = μ_r - T w.
+// ∂L/∂R from T and G (implicit_grad in birkhoff_core.cuh).
 template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kThreads) birkhoff_backward_kernel(
     const scalar_t* __restrict__ Tin, const scalar_t* __restrict__ Gin, scalar_t* __restrict__ out, int64_t B,
     bool vec_ok) {
   constexpr int NN = N * N;
-  constexpr int M = N - 1;
   __shared__ Tile<N> tile;
   const int64_t first = (int64_t)blockIdx.x * kThreads;
   const int count = (int)min((int64_t)kThreads, B - first);
@@ -299,47 +298,16 @@ __global__ void __launch_bounds__(kThreads) birkhoff_backward_kernel(
   tile_load<N, scalar_t>(tile, Gin + first * NN, count, vec_ok);
   __syncthreads();
   if (mine) {
-    float mu_r[N], mu_c[N];
+    float G[N][N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) mu_c[j] = 0.f;
+    for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      mu_r[i] = 0.f;
+      for (int j = 0; j < N; ++j) G[i][j] = tile.at(tid, i * N + j);
+    implicit_grad<N>(T, G);
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float gam = tile.at(tid, i * N + j) * T[i][j];
-        mu_r[i] += gam;
-        mu_c[j] += gam;
-      }
-    }
-    float rhs[M], w[M];
+    for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int j = 0; j < M; ++j) {
-      float s = mu_c[j];
-#pragma unroll
-      for (int i = 0; i < N; ++i) s = fmaf(-T[i][j], mu_r[i], s);
-      rhs[j] = s;
-    }
-    float H[M][M];
-    dual_hessian<N>(T, H);
-    if (!spd_solve<M>(H, rhs, w)) {
-      // T is a permutation to rounding (or non-finite); ∂T/∂R is 0 there, so
-      // any w gives the same result; take w = 0 like the reference.
-#pragma unroll
-      for (int j = 0; j < M; ++j) w[j] = isfinite(w[j]) ? w[j] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float v = mu_r[i];
-#pragma unroll
-      for (int j = 0; j < M; ++j) v = fmaf(-T[i][j], w[j], v);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float wj = (j < M) ? w[j < M ? j : 0] : 0.f;
-        const float gij = tile.at(tid, i * N + j);
-        tile.at(tid, i * N + j) = T[i][j] * (gij - v - wj);
-      }
-    }
+      for (int j = 0; j < N; ++j) tile.at(tid, i * N + j) = G[i][j];
   }
   __syncthreads();
   tile_store<N, scalar_t>(tile, out + first * NN, count, vec_ok);

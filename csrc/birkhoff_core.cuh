@@ -195,6 +195,67 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 }
 
 // ----------------------------------------------------------------------------
+// Implicit backward (design.md §2), in the cancellation-free form of
+// mhc/projection.py: with rc(X)_ij = X_ij - Σ_k T_ik X_ik evaluated as
+// Σ_{k≠j} T_ik (X_ij - X_ik) = X_ij·excl_ij - Σ_{k≠j} T_ik X_ik,
+//   rhs = (T ∘ rc(G))ᵀ1 [:M],  H w = rhs (w_N = 0),  dR = T ∘ rc(G - 1wᵀ).
+// Near a permutation w can be huge along a nearly singular direction while
+// dR is tiny; the plain form would leave eps·|w| noise where T ≈ 1.
+// ----------------------------------------------------------------------------
+
+template <int N>
+MHC_HD void row_centred(const float (&t)[N], const float (&x)[N], float (&out)[N]) {
+  float pre_t[N], pre_tx[N];
+  pre_t[0] = 0.f;
+  pre_tx[0] = 0.f;
+#pragma unroll
+  for (int j = 1; j < N; ++j) {
+    pre_t[j] = pre_t[j - 1] + t[j - 1];
+    pre_tx[j] = fmaf(t[j - 1], x[j - 1], pre_tx[j - 1]);
+  }
+  float suf_t = 0.f, suf_tx = 0.f;
+#pragma unroll
+  for (int j = N - 1; j >= 0; --j) {
+    out[j] = fmaf(x[j], pre_t[j] + suf_t, -(pre_tx[j] + suf_tx));
+    suf_t += t[j];
+    suf_tx = fmaf(t[j], x[j], suf_tx);
+  }
+}
+
+// G holds ∂L/∂T on entry and ∂L/∂R on exit.
+template <int N>
+MHC_HD void implicit_grad(const float (&T)[N][N], float (&G)[N][N]) {
+  constexpr int M = N - 1;
+  float rhs[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) rhs[j] = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float rc[N];
+    row_centred<N>(T[i], G[i], rc);
+#pragma unroll
+    for (int j = 0; j < M; ++j) rhs[j] = fmaf(T[i][j], rc[j], rhs[j]);
+  }
+  float H[M][M], w[M];
+  dual_hessian<N>(T, H);
+  if (!spd_solve<M>(H, rhs, w)) {
+    // T is a permutation to rounding (or non-finite); ∂T/∂R is 0 there, so
+    // any w gives the same result; take w = 0 like the reference.
+#pragma unroll
+    for (int j = 0; j < M; ++j) w[j] = isfinite(w[j]) ? w[j] : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float x[N], rc[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = (j < M) ? G[i][j] - w[j < M ? j : 0] : G[i][j];
+    row_centred<N>(T[i], x, rc);
+#pragma unroll
+    for (int j = 0; j < N; ++j) G[i][j] = T[i][j] * rc[j];
+  }
+}
+
+// ----------------------------------------------------------------------------
 // Per-matrix solver. On entry L holds R (finite). On exit T holds the result.
 // Returns the number of Newton iterations; err gets the float64 marginal error.
 // ----------------------------------------------------------------------------
