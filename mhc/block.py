@@ -31,9 +31,32 @@ def _pre_init_weights(n: int, layer_index: int) -> Tensor:
     symmetry"). The peak rotates with depth, as in HC's one-hot init.
     """
     off = min(0.01, 0.5 / n)
-    w = torch.full((n,), off, dtype=torch.float64)
+    # Built on the CPU explicitly: HF may construct models under a meta-device context.
+    w = torch.full((n,), off, dtype=torch.float64, device="cpu")
     w[layer_index % n] = 1.0 - off * (n - 1)
     return w
+
+
+def _exact_sum_logits(weights: Tensor, peak: int) -> Tensor:
+    """float32 logits whose sigmoids are ``weights`` and sum to exactly 1.0 in float32.
+
+    The forward computes ``u = (Σ_i H_pre[i])·x_0 + ...``; with a sum of exactly
+    one, a converted model reproduces its original outputs bit for bit. One
+    small weight is nudged by ulps (its sigmoid moves in steps far finer than
+    the sum's rounding) until the float32 sum rounds to 1. For ``n = 1`` no
+    unsaturated logit does, and the weight stays ``1 - 1e-6``.
+    """
+    logits = torch.logit(weights.clamp(1e-6, 1 - 1e-6)).float()
+    n = weights.numel()
+    if n == 1:
+        return logits
+    tuned = (peak + 1) % n
+    for _ in range(1000):
+        total = torch.sigmoid(logits).sum()
+        if total == 1:
+            break
+        logits[tuned] = torch.nextafter(logits[tuned], torch.tensor(math.inf if total < 1 else -math.inf, device="cpu"))
+    return logits
 
 
 class MHCBlock(nn.Module):
@@ -139,7 +162,7 @@ class MHCBlock(nn.Module):
             pre = _pre_init_weights(n, self.layer_index)
             if self.mode == "mhc":
                 # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal.
-                self.b_pre.copy_(torch.logit(pre.clamp(1e-6, 1 - 1e-6)))
+                self.b_pre.copy_(_exact_sum_logits(pre, self.layer_index % n))
                 self.b_post.zero_()
                 diag = math.log(_RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - _RES_INIT_DIAGONAL))
                 self.b_res.copy_(torch.eye(n) * diag)
@@ -198,8 +221,15 @@ class MHCBlock(nn.Module):
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)
         H_pre, H_post, H_res = self.coefficients(x)
-        acc = H_pre.dtype
-        u = torch.einsum("...n,...nc->...c", H_pre, x.to(acc)).to(x.dtype)
+        # The mixes are written around stream 0: Σ_i h_i x_i = (Σ_i h_i) x_0 +
+        # Σ_i h_i (x_i - x_0). Same maths, but on identical streams (a freshly
+        # converted model) the deviations are exactly zero, so the block
+        # returns x + F(x) to the bit instead of n roundings of |x| away.
+        xs = x.to(H_pre.dtype)
+        anchor = xs[..., :1, :]
+        dev = xs - anchor
+        u = H_pre.sum(-1, keepdim=True) * anchor.squeeze(-2) + torch.einsum("...n,...nc->...c", H_pre, dev)
+        u = u.to(x.dtype)
 
         out = self.branch(u, *args, **kwargs)
         y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
@@ -209,9 +239,16 @@ class MHCBlock(nn.Module):
         if self.mode == "residual":
             x_new = x + y.unsqueeze(-2)
         else:
-            mixed = H_res @ x.to(acc) + H_post.unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+            # Newton's H_res has rows summing to one by construction; use the
+            # exact 1 rather than its rounded row sums.
+            rows = 1.0 if self._exact_rows else H_res.sum(-1, keepdim=True)
+            mixed = rows * anchor + H_res @ dev + H_post.unsqueeze(-1) * y.to(xs.dtype).unsqueeze(-2)
             x_new = mixed.to(x.dtype)
         return x_new if rest is None else (x_new, *rest)
+
+    @property
+    def _exact_rows(self) -> bool:
+        return self.mode == "mhc" and self.projection == "newton"
 
     def extra_repr(self) -> str:
         s = f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, mode={self.mode!r}"

@@ -26,6 +26,16 @@ def test_default_init_is_function_preserving(mode, n):
     assert (out - (h + branch(h))).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_mhc_init_is_bit_exact_on_identical_streams(n):
+    """Σ H_pre rounds to exactly 1 and only stream deviations are mixed: no rounding at all."""
+    branch = make_branch()
+    h = torch.randn(3, 7, C) * 1000
+    for layer_index in range(2 * n):
+        x = MHCBlock(branch, C, n, layer_index=layer_index)(expand_streams(h, n))
+        assert torch.equal(x, expand_streams(h + branch(h), n))
+
+
 def test_function_preserving_through_a_stack():
     branches = [make_branch(i) for i in range(6)]
     blocks = nn.Sequential(*[MHCBlock(b, C, 4, layer_index=i) for i, b in enumerate(branches)])
