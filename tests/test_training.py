@@ -376,3 +376,25 @@ def test_write_comparison(tmp_path, full_run):
     assert "| mhc | mhc | 4 |" in md and "no summary" in md
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert res["rows"][0]["final_val_loss"] > 0
+
+
+def test_compare_script_smoke(tmp_path):
+    """scripts/compare.py: three variants, same token budget, one table and one plot."""
+    sets = _sets(**{**TINY, "max_steps": 2, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"})
+    out = tmp_path / "cmp"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "compare.py"), "--out", str(out), "--tokens", str(3 * 4 * 32), *sets],
+        capture_output=True, text=True, env=_env(), timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["variant"] for r in rows] == ["residual", "hc", "mhc"]
+    assert {r["tokens"] for r in rows} == {3 * 4 * 32} and {r["steps"] for r in rows} == {3}
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "compare.md").read_text()
+    assert md.count("\n| ") >= 3 and "fwd gain @ full depth" in md
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "compare.py"), "--out", str(out), "--report-only"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )
+    assert proc.returncode == 0 and "| mhc | mhc | 4 |" in proc.stdout
