@@ -67,12 +67,11 @@ def main() -> int:
     ap.add_argument("--n-streams", type=int, default=4)
     ap.add_argument("--mode", default="mhc", choices=["mhc", "hc", "residual"])
     ap.add_argument("--reduce", default="mean", choices=["mean", "learned"])
-    # 1e-4 holds on small models (tests/test_hf.py). A deep pretrained model amplifies fp32 rounding:
-    # SmolLM2-135M's own logits move by ~1e-4 when only its attention kernel changes (eager vs sdpa),
-    # so the default gate here is 1e-3. The fp64 repeat removes the arithmetic rounding; what is left
-    # comes from the H_pre biases being stored in fp32 (sum of sigmoid(b_pre) = 1 - 6e-10, which the
-    # deep model amplifies); with those biases recomputed in fp64 the difference is exactly 0.
-    ap.add_argument("--max-diff", type=float, default=1e-3, help="fail above this max |logit diff| (fp32)")
+    # In fp32 the default init reproduces the original logits bit for bit (MHCBlock mixes only
+    # stream deviations, and sum(sigmoid(b_pre)) rounds to exactly 1 in fp32). The fp64 repeat is
+    # not bit-exact: the b_pre logits are tuned for fp32, so in fp64 their sigmoids sum to
+    # 1 - 6e-10, which a deep model amplifies to ~1e-5 in the logits.
+    ap.add_argument("--max-diff", type=float, default=1e-4, help="fail above this max |logit diff| (fp32)")
     ap.add_argument("--text-file", help="text for the perplexity check (default: the Zen of Python)")
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--no-fp64-check", dest="fp64_check", action="store_false",
