@@ -150,20 +150,32 @@ def dual_hessian(T: Tensor) -> Tensor:
 def _spd_solve(H: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     """Solve ``H x = rhs`` for symmetric PSD ``H [B, m, m]``; returns ``(x, ok)``.
 
-    The Hessian is nearly singular when ``T`` nears a permutation. A ridge of
+    The Hessian is nearly singular when ``T`` nears a permutation or splits
+    into blocks coupled only by entries far below rounding. A ridge of
     ``eps·max(diag)`` (eps of ``H``'s dtype) bounds the step along directions
     that are singular only to rounding, and the factorisation runs in float64
-    so that fp32 rounding cannot make the ridged matrix indefinite. ``ok`` is
-    False where it still fails.
+    so that fp32 rounding cannot make the ridged matrix indefinite. Where the
+    Cholesky factorisation still fails, a pseudo-inverse drops the directions
+    whose eigenvalues are below that rounding level: along them the blocks
+    are decoupled to working precision, and ``T`` does not depend on them.
+    ``ok`` is False only where the result is not finite.
     """
     eps = torch.finfo(H.dtype).eps
     H64 = H.double()
     scale = H64.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(H.dtype).tiny)
+    rhs64 = rhs.double()
     eye = torch.eye(H.shape[-1], dtype=torch.float64, device=H.device)
     L, info = torch.linalg.cholesky_ex(H64 + (eps * scale)[:, None, None] * eye)
-    x = torch.cholesky_solve(rhs.double().unsqueeze(-1), L).squeeze(-1).to(H.dtype)
-    ok = (info == 0) & x.isfinite().all(-1)
-    return x, ok
+    x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
+    failed = (info != 0).nonzero().squeeze(-1)
+    if failed.numel():
+        evals, evecs = torch.linalg.eigh(H64[failed])
+        cutoff = (H.shape[-1] * eps * scale[failed]).unsqueeze(-1)
+        inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
+        coords = (evecs.transpose(-1, -2) @ rhs64[failed].unsqueeze(-1)).squeeze(-1)
+        x[failed] = (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1)
+    x = x.to(H.dtype)
+    return x, x.isfinite().all(-1)
 
 
 # ----------------------------------------------------------------------------
