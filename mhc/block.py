@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from .projection import birkhoff_project
@@ -199,12 +200,13 @@ class MHCBlock(nn.Module):
         b_pre, b_post, b_res = self.b_pre.to(acc), self.b_post.to(acc), self.b_res.to(acc)
         phi = self.phi.to(acc)
         if self.mode == "mhc":
-            x_norm = F.rms_norm(x.flatten(-2).to(acc), (n * self.hidden_size,), eps=self.norm_eps)
+            x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
+            x_norm = F.rms_norm(x_flat, (n * self.hidden_size,), eps=self.norm_eps)
             pre, post, res = (x_norm @ phi.t()).split([n, n, n * n], dim=-1)
             H_pre = torch.sigmoid(a_pre * pre + b_pre)
             H_post = 2 * torch.sigmoid(a_post * post + b_post)
             H_res = birkhoff_project(
-                a_res * res.unflatten(-1, (n, n)) + b_res,
+                a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res,
                 tol=self.tol,
                 method=self.projection,
                 iters=self.sinkhorn_iters,
