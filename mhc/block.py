@@ -13,15 +13,26 @@ from torch import Tensor, nn
 
 from .projection import birkhoff_project
 
-__all__ = ["MHCBlock", "MODES", "INITS"]
+__all__ = ["MHCBlock", "MODES", "INITS", "PROJECTIONS", "check_options"]
 
 MODES = ("mhc", "hc", "residual")
 INITS = ("identity", "paper")
+PROJECTIONS = ("newton", "sinkhorn")
 
 # H_res at the default init: this much mass on the diagonal. Any doubly
 # stochastic start preserves the function; a mostly-diagonal one lets streams
 # keep their own content while the projection still has gradient (T(1-T) > 0).
 _RES_INIT_DIAGONAL = 0.9
+
+
+def check_options(mode: str, init: str, projection: str) -> None:
+    """Raise ``ValueError`` for an unknown ``mode``, ``init`` or ``projection``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
 
 
 def _pre_init_weights(n: int, layer_index: int) -> Tensor:
@@ -117,12 +128,7 @@ class MHCBlock(nn.Module):
         sinkhorn_iters: int = 20,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
-        if projection not in ("newton", "sinkhorn"):
-            raise ValueError(f"projection must be 'newton' or 'sinkhorn', got {projection!r}")
+        check_options(mode, init, projection)
         if hidden_size < 1 or n_streams < 1:
             raise ValueError(f"hidden_size and n_streams must be >= 1, got {hidden_size}, {n_streams}")
         self.branch = branch

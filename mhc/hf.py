@@ -61,7 +61,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .adapters import Adapter, get_adapter
-from .block import INITS, MODES, MHCBlock
+from .block import MHCBlock, check_options
 from .streams import StreamReduce, expand_streams
 
 __all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "convert_to_mhc", "added_parameter_count"]
@@ -130,12 +130,7 @@ class MHCConfig(_BaseConfig):
             raise ValueError("base_config needs its 'model_type' (e.g. 'llama')")
         if base_config.get("model_type") == self.model_type:
             raise ValueError("base_config is itself an MHCConfig; pass the wrapped model's config")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
-        if projection not in ("newton", "sinkhorn"):
-            raise ValueError(f"projection must be 'newton' or 'sinkhorn', got {projection!r}")
+        check_options(mode, init, projection)
         if expand != "copy":
             raise ValueError(f"expand must be 'copy', got {expand!r}")
         if reduce not in ("mean", "learned"):

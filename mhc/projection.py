@@ -339,6 +339,32 @@ def _sinkhorn(R: Tensor, iters: int) -> Tensor:
     return log_T.exp()
 
 
+def newton_report(
+    iterations: Tensor, error: Tensor, tol: float, max_iter: int, batch_shape: torch.Size
+) -> ProjectionInfo:
+    """Build the :class:`ProjectionInfo` of a Newton solve, warning about missed tolerances.
+
+    Shared by the PyTorch and CUDA paths, so both report the same way.
+    ``iterations`` and ``error`` are flat ``[B]``; the info has ``batch_shape``.
+    """
+    converged = error <= tol
+    unconverged = int((~converged & ~error.isnan()).sum())
+    if unconverged:
+        warnings.warn(
+            f"birkhoff_project: {unconverged} of {error.numel()} matrices missed tol={tol:.1e} "
+            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
+            "use return_info=True to find them",
+            ConvergenceWarning,
+            stacklevel=4,  # the caller of birkhoff_project
+        )
+    return ProjectionInfo(
+        iterations=iterations.reshape(batch_shape),
+        error=error.reshape(batch_shape),
+        converged=converged.reshape(batch_shape),
+        tol=tol,
+    )
+
+
 # ----------------------------------------------------------------------------
 # Public entry point.
 # ----------------------------------------------------------------------------
@@ -418,22 +444,7 @@ def _birkhoff_project_torch(
             error = torch.zeros(0, dtype=torch.float64, device=R.device)
         else:
             T, iterations, error = _NewtonProjection.apply(R, tol, max_iter)
-        converged = error <= tol
-        unconverged = int((~converged & ~error.isnan()).sum())
-        if unconverged:
-            warnings.warn(
-                f"birkhoff_project: {unconverged} of {R.shape[0]} matrices missed tol={tol:.1e} "
-                f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
-                "use return_info=True to find them",
-                ConvergenceWarning,
-                stacklevel=3,
-            )
-        info = ProjectionInfo(
-            iterations=iterations.reshape(shape[:-2]),
-            error=error.reshape(shape[:-2]),
-            converged=converged.reshape(shape[:-2]),
-            tol=tol,
-        )
+        info = newton_report(iterations, error, tol, max_iter, shape[:-2])
 
     T = T.reshape(shape).to(logits.dtype)
     return (T, info) if return_info else T

@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .projection import ConvergenceWarning, ProjectionInfo, effective_tol
+from .projection import ConvergenceWarning, effective_tol, newton_report
 
 __all__ = ["available", "supports", "project", "unconverged_count", "check_convergence"]
 
@@ -173,20 +173,5 @@ def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
         return T.reshape(shape)
 
     T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)
-    converged = error <= tol_eff
-    unconverged = int((~converged & ~error.isnan()).sum())
-    if unconverged:
-        warnings.warn(
-            f"birkhoff_project: {unconverged} of {R.shape[0]} matrices missed tol={tol_eff:.1e} "
-            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
-            "use return_info=True to find them",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
-    info = ProjectionInfo(
-        iterations=iterations.reshape(shape[:-2]),
-        error=error.reshape(shape[:-2]),
-        converged=converged.reshape(shape[:-2]),
-        tol=tol_eff,
-    )
+    info = newton_report(iterations, error, tol_eff, max_iter, shape[:-2])
     return T.reshape(shape), info
