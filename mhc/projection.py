@@ -105,10 +105,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
     """``tol`` raised to what a ``dtype`` matrix can represent.
 
-    Each of the 2n marginals of a rounded matrix carries about ``eps`` of
-    rounding, so no solver can promise less than ``2·n·eps`` in that dtype.
+    Each of the 2n marginals of a rounded matrix carries a few ``eps`` of
+    rounding (its n entries, and the exponent each came from), so no solver
+    can promise less than ``4·n·eps`` in that dtype.
     """
-    return max(float(tol), 2 * n * torch.finfo(compute_dtype(dtype)).eps)
+    return max(float(tol), 4 * n * torch.finfo(compute_dtype(dtype)).eps)
 
 
 # ----------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def birkhoff_project(
             leading batch shape, contiguous or not. An empty batch gives an
             empty result.
         tol: target for ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` per matrix (Newton only). It is
-            raised to ``2·n·eps`` of the compute dtype, below which rounding
+            raised to ``4·n·eps`` of the compute dtype, below which rounding
             alone decides the error.
         max_iter: Newton iterations (each with its line search or fallback
             sweep) before giving up on a matrix.
