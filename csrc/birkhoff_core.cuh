@@ -130,6 +130,27 @@ MHC_HD bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M], fl
 // One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
 // Sums come from T where they are large enough to be exact, from logsumexp on
 // L where a whole column (or row) underflowed; so it never stalls.
+// Normalise one row in logs: L -= logsumexp(L), T = exp(L) (max-shifted, so
+// it is safe for any finite row).
+template <int N>
+MHC_HD void row_log_softmax(float (&L)[N], float (&T)[N]) {
+  float m = L[0];
+#pragma unroll
+  for (int j = 1; j < N; ++j) m = fmaxf(m, L[j]);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    T[j] = expf(L[j] - m);
+    s += T[j];
+  }
+  const float inv = mhc_rcp(s), lse = m + logf(s);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    T[j] *= inv;
+    L[j] -= lse;
+  }
+}
+
 template <int N>
 MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 #pragma unroll
@@ -175,21 +196,7 @@ MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
         L[i][j] -= ls;
       }
     } else {
-      float m = L[i][0];
-#pragma unroll
-      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
-      float s2 = 0.f;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] = expf(L[i][j] - m);
-        s2 += T[i][j];
-      }
-      const float inv = mhc_rcp(s2), lse = m + logf(s2);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] *= inv;
-        L[i][j] -= lse;
-      }
+      row_log_softmax<N>(L[i], T[i]);
     }
   }
 }
@@ -274,23 +281,7 @@ struct Solver {
   MHC_HD void init() {
     // Row softmax of R, then one sweep (the reference's starting point).
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float m = L[i][0];
-#pragma unroll
-      for (int j = 1; j < N; ++j) m = fmaxf(m, L[i][j]);
-      float s = 0.f;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] = expf(L[i][j] - m);
-        s += T[i][j];
-      }
-      const float inv = mhc_rcp(s), lse = m + logf(s);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] *= inv;
-        L[i][j] -= lse;
-      }
-    }
+    for (int i = 0; i < N; ++i) row_log_softmax<N>(L[i], T[i]);
     sinkhorn_sweep<N>(L, T);
 #pragma unroll
     for (int i = 0; i < N; ++i) a[i] = b[i] = 0.f;
