@@ -34,6 +34,7 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ARMIJO_C1 = 1e-4
 _MAX_HALVINGS = 30
+_MAX_STEP = 24.0  # trust-region radius of a Newton step in log space (kMaxStep in csrc)
 
 
 class ConvergenceWarning(RuntimeWarning):
@@ -148,8 +149,8 @@ def dual_hessian(T: Tensor) -> Tensor:
     return torch.where(eye, torch.diag_embed(diag), off)
 
 
-def _spd_solve(H: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
-    """Solve ``H x = rhs`` for symmetric PSD ``H [B, m, m]``; returns ``(x, ok)``.
+def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Solve ``(H + damping·I) x = rhs`` for symmetric PSD ``H [B, m, m]``; returns ``(x, ok)``.
 
     The Hessian is nearly singular when ``T`` nears a permutation or splits
     into blocks coupled only by entries far below rounding. A ridge of
@@ -165,8 +166,10 @@ def _spd_solve(H: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     H64 = H.double()
     scale = H64.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(H.dtype).tiny)
     rhs64 = rhs.double()
+    ridge = eps * scale if damping is None else eps * scale + damping.double()
     eye = torch.eye(H.shape[-1], dtype=torch.float64, device=H.device)
-    L, info = torch.linalg.cholesky_ex(H64 + (eps * scale)[:, None, None] * eye)
+    H64 = H64 + ridge[:, None, None] * eye
+    L, info = torch.linalg.cholesky_ex(H64)
     x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
     failed = (info != 0).nonzero().squeeze(-1)
     if failed.numel():
@@ -203,7 +206,16 @@ def _newton_step(L: Tensor, T: Tensor) -> Tensor:
     """
     n = L.shape[-1]
     g = T.sum(-2)[:, : n - 1] - 1
-    d, ok = _spd_solve(dual_hessian(T), -g)
+    H = dual_hessian(T)
+    d, ok = _spd_solve(H, -g)
+    # Trust region in log space: near a permutation the Hessian is singular up
+    # to its ridge and the raw step can be ~1e7, all of it along the null
+    # space, where f(L + t·d) is rounding noise. There take the
+    # Levenberg-Marquardt step (H + λI) d = -g with λ = ‖g‖/Δ, so ‖d‖ ≤ Δ.
+    long = (d.abs().amax(-1) > _MAX_STEP).nonzero().squeeze(-1)
+    if long.numel():
+        damping = g[long].norm(dim=-1) / _MAX_STEP
+        d[long], ok[long] = _spd_solve(H[long], -g[long], damping=damping)
     slope = (g * d).sum(-1)
     ok &= slope < 0
     d = _pad_last(d)

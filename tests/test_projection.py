@@ -54,7 +54,7 @@ def test_newton_max_marginal_error(n, dist, count):
 
 @pytest.mark.parametrize("n,count", [(4, 200_000), (8, 100_000)])
 def test_newton_beyond_the_target_range(n, count):
-    """N(0,30²): about one matrix in a million stalls in fp32; it must be flagged, never hidden."""
+    """N(0,30²): a matrix that misses tol in fp32 must be flagged, never hidden (none has been seen)."""
     g = fresh_generator()
     R = DISTRIBUTIONS["normal30"]((count, n, n), g)
     with warnings.catch_warnings():
