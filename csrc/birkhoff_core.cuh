@@ -151,6 +151,18 @@ MHC_HD void row_log_softmax(float (&L)[N], float (&T)[N]) {
   }
 }
 
+// Slope gᵀd, Σ d and max |d| of a Newton direction.
+template <int M>
+MHC_HD void direction_stats(const float (&g)[M], const float (&d)[M], float& slope, float& dsum, float& dmax) {
+  slope = 0.f, dsum = 0.f, dmax = 0.f;
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    slope = fmaf(g[j], d[j], slope);
+    dsum += d[j];
+    dmax = fmaxf(dmax, fabsf(d[j]));
+  }
+}
+
 template <int N>
 MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 #pragma unroll
@@ -372,13 +384,8 @@ struct Solver {
 #pragma unroll
     for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
     bool ok = spd_solve<M>(H, neg_g, d);
-    float slope = 0.f, dsum = 0.f, dmax = 0.f;
-#pragma unroll
-    for (int j = 0; j < M; ++j) {
-      slope = fmaf(g[j], d[j], slope);
-      dsum += d[j];
-      dmax = fmaxf(dmax, fabsf(d[j]));
-    }
+    float slope, dsum, dmax;
+    direction_stats<M>(g, d, slope, dsum, dmax);
     ok = ok && (slope < 0.f);
     // Trust region in the log domain: near a permutation the Hessian is
     // singular up to the ridge and the raw step can be ~1e6, which fp32 logs
@@ -392,13 +399,7 @@ struct Solver {
       for (int j = 0; j < M; ++j) gn = fmaf(g[j], g[j], gn);
       dual_hessian<N>(T, H);
       ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / kMaxStep));
-      slope = 0.f, dsum = 0.f, dmax = 0.f;
-#pragma unroll
-      for (int j = 0; j < M; ++j) {
-        slope = fmaf(g[j], d[j], slope);
-        dsum += d[j];
-        dmax = fmaxf(dmax, fabsf(d[j]));
-      }
+      direction_stats<M>(g, d, slope, dsum, dmax);
       ok = ok && (slope < 0.f);
     }
     if (ok && dmax > kMaxStep) {
