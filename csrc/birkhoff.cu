@@ -5,14 +5,15 @@
 // with 16-byte vectors where the pointer allows (no block-level coupling, so
 // a slow matrix holds up only its own warp). The per-matrix solver lives in
 // birkhoff_core.cuh: Newton on the (n-1)-dimensional dual with an Armijo line
-// search; the log-plan kept as L_ij + a_i + b_j so that line-search trials
-// are multiplicative (N-1 exps instead of N²) while no entry is near
-// underflow, log-domain trials otherwise; Hessian diagonal formed without
-// cancellation; ridged, clamped-pivot Cholesky; a Levenberg-Marquardt step
-// when the Newton step would exceed the log-domain trust region; a log-domain
-// Sinkhorn sweep wherever the line search fails. It runs until the matrix
-// meets tol (measured in float64 like marginal_error) or max_iter. Matrices
-// that miss tol are counted in a device-global counter (no sync).
+// search. A fast solver keeps only the plan and takes multiplicative steps
+// (N-1 hardware exps and N logs per trial); the rare matrix it cannot finish
+// exactly (an entry near fp32 underflow, no accepted step) is re-read and
+// handed to a robust solver with log-domain trials and Sinkhorn sweeps. Both
+// use a Hessian diagonal formed without cancellation, a ridged, clamped-pivot
+// Cholesky and a Levenberg-Marquardt step when the Newton step would leave
+// the log-domain trust region. A matrix runs until it meets tol (measured in
+// float64 like marginal_error) or max_iter. Matrices that miss tol are
+// counted in a device-global counter (no sync).
 //
 // Backward: the implicit-function gradient from T and G alone; a block
 // stages its tile of matrices through shared memory (coalesced I/O).
@@ -34,9 +35,7 @@
 
 #include "birkhoff_core.cuh"
 
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 
 namespace mhc_birkhoff {
@@ -165,24 +164,34 @@ __device__ __forceinline__ void store_matrix(scalar_t* __restrict__ p, const flo
 
 // One matrix per thread, no block-level coupling: a thread loads its matrix,
 // solves it and stores it, so a slow matrix holds up only its own warp.
+// n = 4 is capped at 64 registers (8 blocks of kThreads per SM): the extra
+// occupancy beats the few spills it costs (measured 1.17x at N(0,10²), 1.25x
+// at N(0,1)); n = 8 would spill heavily there and gets the register file.
+template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
+
 template <int N, typename scalar_t>
-__global__ void __launch_bounds__(kThreads) birkhoff_forward_kernel(
+__global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_forward_kernel(
     const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
     int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok) {
   constexpr int NN = N * N;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= B) return;
-  float L[N][N], T[N][N];
-  load_matrix<N, scalar_t>(R + idx * NN, L, vec_ok);
+  const scalar_t* src = R + idx * NN;
+  float T[N][N];
+  load_matrix<N, scalar_t>(src, T, vec_ok);
   bool finite = true;
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int j = 0; j < N; ++j) finite = finite && isfinite(L[i][j]);
+    for (int j = 0; j < N; ++j) finite = finite && isfinite(T[i][j]);
+  // One solver per warp where possible (see wants_robust).
+  const bool robust = __any_sync(__activemask(), finite && wants_robust<N>(T));
   int iters = 0;
   double err = CUDART_NAN;
   if (finite) {
-    iters = solve_matrix<N>(L, T, tol, max_iter, err);
+    // The robust solver re-reads R rather than keeping a copy in registers.
+    auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
+    iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust);
     if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
   } else {
 #pragma unroll
@@ -194,82 +203,6 @@ __global__ void __launch_bounds__(kThreads) birkhoff_forward_kernel(
   if (iters_out != nullptr) {
     iters_out[idx] = iters;
     err_out[idx] = err;
-  }
-}
-
-// Same solver, with the lanes of a warp refilled as their matrices finish.
-// Matrices need from 2 to ~30 Newton iterations, and a statically mapped
-// warp runs as long as its slowest lane. Here each warp owns `chunk`
-// consecutive matrices; lanes that finish wait until kRefillBatch of them are
-// free (so that the expensive init runs for several lanes at once), then take
-// the next matrices of the chunk. Per-matrix arithmetic is identical to
-// birkhoff_forward_kernel, so the outputs are bitwise equal.
-constexpr int kRefillBatch = 8;
-
-template <int N, typename scalar_t>
-__global__ void __launch_bounds__(kThreads) birkhoff_forward_refill_kernel(
-    const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
-    int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok, int64_t chunk) {
-  constexpr int NN = N * N;
-  constexpr unsigned kFull = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int64_t begin = warp * chunk;
-  if (begin >= B) return;  // warp-uniform
-  const int64_t end = min(B, begin + chunk);
-  int64_t next = begin + 32;  // warp-uniform
-  int64_t idx = begin + lane;
-  // 0 idle, 1 to load, 2 running, 3 finished (result stored)
-  int state = idx < end ? 1 : 0;
-  Solver<N> S;
-  for (;;) {
-    if (state == 1) {
-      load_matrix<N, scalar_t>(R + idx * NN, S.L, vec_ok);
-      bool finite = true;
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < N; ++j) finite = finite && isfinite(S.L[i][j]);
-      if (finite) {
-        S.init();
-        state = 2;
-      } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int j = 0; j < N; ++j) S.T[i][j] = CUDART_NAN_F;
-        store_matrix<N, scalar_t>(out + idx * NN, S.T, vec_ok);
-        if (iters_out != nullptr) {
-          iters_out[idx] = 0;
-          err_out[idx] = CUDART_NAN;
-        }
-        state = 3;
-      }
-    }
-    for (;;) {
-      if (state == 2) {
-        double err;
-        if (S.step(tol, max_iter, err)) {
-          if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
-          store_matrix<N, scalar_t>(out + idx * NN, S.T, vec_ok);
-          if (iters_out != nullptr) {
-            iters_out[idx] = S.it;
-            err_out[idx] = err;
-          }
-          state = 3;
-        }
-      }
-      const unsigned running = __ballot_sync(kFull, state == 2);
-      const unsigned finished = __ballot_sync(kFull, state == 3);
-      if (running == 0u || (next < end && __popc(finished) >= kRefillBatch)) break;
-    }
-    const unsigned finished = __ballot_sync(kFull, state == 3);
-    if (state == 3) {
-      idx = next + __popc(finished & ((1u << lane) - 1u));
-      state = idx < end ? 1 : 0;
-    }
-    next += __popc(finished);
-    if (__ballot_sync(kFull, state != 0) == 0u) break;
   }
 }
 
@@ -339,28 +272,6 @@ static void dispatch_dtype(at::ScalarType t, F&& f) {
 
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Lane refill for large batches: off unless MHC_BIRKHOFF_REFILL=1, or switched
-// with the mhc::birkhoff_set_refill op (benchmarks compare both schedules).
-// Measured on the H200 it is 1.5-3x SLOWER than the static mapping (see
-// notes/benchmarks.md), so the static kernel is the default.
-static std::atomic<int> g_refill{-1};
-
-static bool refill_enabled() {
-  int v = g_refill.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("MHC_BIRKHOFF_REFILL");
-    v = (e != nullptr && e[0] == '1') ? 1 : 0;
-    g_refill.store(v, std::memory_order_relaxed);
-  }
-  return v != 0;
-}
-
-int64_t birkhoff_set_refill(int64_t on) {
-  const int64_t old = refill_enabled() ? 1 : 0;
-  g_refill.store(on ? 1 : 0, std::memory_order_relaxed);
-  return old;
-}
-
 static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int64_t max_iter, int* iters,
                            double* err) {
   const int64_t B = R.size(0);
@@ -370,41 +281,20 @@ static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int
   const int threads = B >= (int64_t)kThreads * 1024 ? kThreads : 32;
   const int64_t blocks = (B + threads - 1) / threads;
   TORCH_CHECK(blocks < (1LL << 31), "mhc::birkhoff: batch too large");
-  // Optional (slower as measured): warps refill their lanes on large batches.
-  const bool refill = refill_enabled() && B >= (int64_t)kThreads * 1024;
-  int64_t chunk = 32, rblocks = 0;
-  if (refill) {
-    int dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    const int64_t target_warps = (int64_t)sms * (n == 4 ? 24 : 8);
-    chunk = ((B + target_warps - 1) / target_warps + 31) / 32 * 32;
-    const int64_t warps = (B + chunk - 1) / chunk;
-    rblocks = (warps * 32 + kThreads - 1) / kThreads;
-  }
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(R.scalar_type(), [&](auto tag) {
     using ct = decltype(tag);
     const ct* src = reinterpret_cast<const ct*>(R.data_ptr());
     ct* dst = reinterpret_cast<ct*>(out.data_ptr());
     const bool vec = aligned16(src) && aligned16(dst);
-    if (refill && n == 4) {
-      birkhoff_forward_refill_kernel<4, ct><<<(unsigned)rblocks, kThreads, 0, stream>>>(
-          src, dst, B, (float)tol, (int)max_iter, iters, err, vec, chunk);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (refill) {
-      birkhoff_forward_refill_kernel<8, ct><<<(unsigned)rblocks, kThreads, 0, stream>>>(
-          src, dst, B, (float)tol, (int)max_iter, iters, err, vec, chunk);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (n == 4) {
+    if (n == 4) {
       birkhoff_forward_kernel<4, ct><<<(unsigned)blocks, threads, 0, stream>>>(src, dst, B, (float)tol,
                                                                              (int)max_iter, iters, err, vec);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       birkhoff_forward_kernel<8, ct><<<(unsigned)blocks, threads, 0, stream>>>(src, dst, B, (float)tol,
                                                                              (int)max_iter, iters, err, vec);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -525,7 +415,6 @@ TORCH_LIBRARY_FRAGMENT(mhc, m) {
   m.def("birkhoff_forward_info(Tensor R, float tol, int max_iter) -> (Tensor, Tensor, Tensor)");
   m.def("birkhoff_backward(Tensor T, Tensor grad_T) -> Tensor");
   m.def("birkhoff_unconverged(int device, int mode) -> int", &mhc_birkhoff::birkhoff_unconverged);
-  m.def("birkhoff_set_refill(int on) -> int", &mhc_birkhoff::birkhoff_set_refill);
 }
 
 TORCH_LIBRARY_IMPL(mhc, CUDA, m) {

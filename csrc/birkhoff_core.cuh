@@ -22,12 +22,13 @@ constexpr float kArmijoC1 = 1e-4f;    // as _ARMIJO_C1
 constexpr float kEps = 1.1920928955078125e-07f;  // fp32 machine epsilon
 constexpr float kTinySum = 1e-20f;    // below this a sum is renormalised in logs
 constexpr float kTinyEntry = 1e-30f;  // multiplicative steps only while every T_ij >= this
+constexpr float kRobustRange = 69.f;  // a row of R spanning more than this (e^-69 ≈ kTinyEntry):
+                                      // the robust solver from the start (see wants_robust)
 constexpr float kMaxCheapStep = 40.f; // ... and every |t d_j| <= this
 constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
-#ifndef MHC_EXPAND_ERR
-#define MHC_EXPAND_ERR 1e-2f
-#endif
-constexpr float kExpandErr = MHC_EXPAND_ERR;  // extrapolate full steps while the error is above this
+constexpr float kExpandErr = 1e-2f;   // extrapolate full steps while the error is above this,
+constexpr float kTailErr = 16.f;      // ... or above kTailErr·tol while the last step cut the
+constexpr float kTailRatio = 0.2f;    //     error by less than 1/kTailRatio (the e-fold tail)
 constexpr int kMaxExpand = 4;         // up to 16x the Newton step
 
 // Correctly rounded reciprocal, without the IEEE division's slow path.
@@ -44,6 +45,27 @@ MHC_HD float mhc_rsqrt(float x) {
   return rsqrtf(x);
 #else
   return 1.f / std::sqrt(x);
+#endif
+}
+
+// Hardware exp/log (a few ulp). Used only where the value moves the dual
+// iterate (step factors e^{t d_j}) or the line search's merit (compared with
+// a slack of 8·N·eps): the plan T, whose marginals are checked, is always
+// formed by exact-to-rounding multiplications, so these errors cannot leak
+// into the contract.
+MHC_HD float fast_exp(float x) {
+#ifdef __CUDA_ARCH__
+  return __expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+MHC_HD float fast_log(float x) {
+#ifdef __CUDA_ARCH__
+  return __logf(x);
+#else
+  return std::log(x);
 #endif
 }
 
@@ -127,13 +149,11 @@ MHC_HD bool spd_solve(float (&H)[M][M], const float (&rhs)[M], float (&x)[M], fl
   return ok;
 }
 
-// One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
-// Sums come from T where they are large enough to be exact, from logsumexp on
-// L where a whole column (or row) underflowed; so it never stalls.
 // Normalise one row in logs: L -= logsumexp(L), T = exp(L) (max-shifted, so
 // it is safe for any finite row).
+// Returns the logsumexp subtracted.
 template <int N>
-MHC_HD void row_log_softmax(float (&L)[N], float (&T)[N]) {
+MHC_HD float row_log_softmax(float (&L)[N], float (&T)[N]) {
   float m = L[0];
 #pragma unroll
   for (int j = 1; j < N; ++j) m = fmaxf(m, L[j]);
@@ -149,6 +169,7 @@ MHC_HD void row_log_softmax(float (&L)[N], float (&T)[N]) {
     T[j] *= inv;
     L[j] -= lse;
   }
+  return lse;
 }
 
 // Slope gᵀd, Σ d and max |d| of a Newton direction.
@@ -163,6 +184,9 @@ MHC_HD void direction_stats(const float (&g)[M], const float (&d)[M], float& slo
   }
 }
 
+// One log-domain Sinkhorn step on (L, T = exp(L)): normalise columns, then rows.
+// Sums come from T where they are large enough to be exact, from logsumexp on
+// L where a whole column (or row) underflowed; so it never stalls.
 template <int N>
 MHC_HD void sinkhorn_sweep(float (&L)[N][N], float (&T)[N][N]) {
 #pragma unroll
@@ -275,13 +299,250 @@ MHC_HD void implicit_grad(const float (&T)[N][N], float (&G)[N][N]) {
 }
 
 // ----------------------------------------------------------------------------
-// Per-matrix solver. On entry L holds R (finite). On exit T holds the result.
-// Returns the number of Newton iterations; err gets the float64 marginal error.
+// Per-matrix solver pieces. T always holds a plan with rows normalised to 1,
+// so the dual is the (N-1)-vector of column shifts (the last one fixed at 0)
+// and its gradient is the column sums minus 1.
 // ----------------------------------------------------------------------------
 
-// Solver state for one matrix: the log-plan L (kept lazily as
-// L_ij + a_i + b_j, see step()), the plan T = exp(L) with rows normalised,
-// and the iteration count. init() then step() until it returns true.
+// Marginal error of T (returned, float64 once within `near` of tol, where the
+// contract -- marginal_error in float64 -- and the Newton finish need exact
+// sums), the dual gradient g, the fp32 error and the smallest entry.
+template <int N>
+MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], float& errf, float& tmin) {
+  constexpr int M = N - 1;
+  const float near = 64.f * tol + 4.f * N * N * kEps;
+  float cs[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) cs[j] = 0.f;
+  errf = 0.f;
+  tmin = 1.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float rs = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      rs += T[i][j];
+      cs[j] += T[i][j];
+      tmin = fminf(tmin, T[i][j]);
+    }
+    errf += fabsf(rs - 1.f);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
+#pragma unroll
+  for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
+  if (!(errf <= near)) return (double)errf;
+  double cd[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) cd[j] = 0.0;
+  double err = 0.0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    double rs = 0.0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const double t = (double)T[i][j];
+      rs += t;
+      cd[j] += t;
+    }
+    err += fabs(rs - 1.0);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) err += fabs(cd[j] - 1.0);
+#pragma unroll
+  for (int j = 0; j < M; ++j) g[j] = (float)(cd[j] - 1.0);
+  return err;
+}
+
+// Newton direction on the dual, padded with the gauge dp[N-1] = 0, with its
+// slope gᵀd, Σ d and max |d|. False when there is no descent direction.
+// Trust region in the log domain: near a permutation the Hessian is singular
+// up to the ridge and the raw step can be ~1e6, which fp32 logs cannot carry
+// and whose direction is all null space. Take the Levenberg-Marquardt step
+// (H + λI) d = -g with λ = ‖g‖₂/Δ instead, so ‖d‖ <= Δ, and cap what
+// rounding leaves over.
+template <int N>
+MHC_HD bool newton_direction(const float (&T)[N][N], const float (&g)[N - 1], float (&dp)[N], float& slope,
+                             float& dsum, float& dmax) {
+  constexpr int M = N - 1;
+  float H[M][M], neg_g[M], d[M];
+  dual_hessian<N>(T, H);
+#pragma unroll
+  for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
+  bool ok = spd_solve<M>(H, neg_g, d);
+  direction_stats<M>(g, d, slope, dsum, dmax);
+  ok = ok && (slope < 0.f);
+  if (ok && dmax > kMaxStep) {
+    float gn = 0.f;
+#pragma unroll
+    for (int j = 0; j < M; ++j) gn = fmaf(g[j], g[j], gn);
+    dual_hessian<N>(T, H);
+    ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / kMaxStep));
+    direction_stats<M>(g, d, slope, dsum, dmax);
+    ok = ok && (slope < 0.f);
+  }
+  if (ok && dmax > kMaxStep) {
+    const float sc = kMaxStep / dmax;
+#pragma unroll
+    for (int j = 0; j < M; ++j) d[j] *= sc;
+    slope *= sc;
+    dsum *= sc;
+    dmax = kMaxStep;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
+  return ok;
+}
+
+// Multiplicative trial of step t along dp: E_j = e^{t d_j}, s_i = Σ_j T_ij E_j,
+// lse_i = log s_i. Returns the change of the dual objective,
+// Σ_i log s_i - t Σ_j d_j. N-1 exps and N logs instead of the N² exps of a
+// log-domain trial.
+template <int N>
+MHC_HD float trial_merit(const float (&T)[N][N], const float (&dp)[N], float t, float dsum, float (&E)[N],
+                         float (&s)[N], float (&lse)[N]) {
+  constexpr int M = N - 1;
+#pragma unroll
+  for (int j = 0; j < N; ++j) E[j] = (j < M) ? fast_exp(t * dp[j]) : 1.f;
+  float f = -t * dsum;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc = fmaf(T[i][j], E[j], acc);
+    s[i] = acc;
+    lse[i] = fast_log(acc);
+    f += lse[i];
+  }
+  return f;
+}
+
+// Armijo backtracking over multiplicative trials; far from the solution
+// (errf > kExpandErr) an accepted full step is doubled while the objective
+// keeps falling, since near-saturated rows make each full Newton step only
+// an e-fold. On success T <- diag(1/s) T diag(E) (rows stay normalised), lse
+// gets the row shifts and t the step. Exact while every T_ij >= kTinyEntry:
+// then each product T_ij e^{t d_j} (t|d| <= kMaxCheapStep) is a normal float
+// or negligible. Returns false, T untouched, when no trial is accepted.
+template <int N>
+MHC_HD bool multiplicative_search(float (&T)[N][N], const float (&dp)[N], float slope, float dsum, float dmax,
+                                  bool expand, float& t, float (&lse)[N]) {
+  const float slack = 8.f * N * kEps;
+  float E[N], s[N];
+  t = 1.f;
+  for (int h = 0; h < kMaxHalvings; ++h, t *= 0.5f) {
+    float f1 = trial_merit<N>(T, dp, t, dsum, E, s, lse);
+    if (!(f1 <= fmaf(kArmijoC1 * t, slope, slack))) continue;
+    if (h == 0 && expand) {
+      for (int k = 0; k < kMaxExpand; ++k) {
+        const float t2 = 2.f * t;
+        if (t2 * dmax > kMaxCheapStep) break;
+        float E2[N], s2[N], lse2[N];
+        const float f2 = trial_merit<N>(T, dp, t2, dsum, E2, s2, lse2);
+        if (!(f2 < f1)) break;
+        t = t2;
+        f1 = f2;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          E[j] = E2[j];
+          s[j] = s2[j];
+          lse[j] = lse2[j];
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float inv = mhc_rcp(s[i]);
+#pragma unroll
+      for (int j = 0; j < N; ++j) T[i][j] = T[i][j] * E[j] * inv;
+    }
+    return true;
+  }
+  return false;
+}
+
+// ----------------------------------------------------------------------------
+// Fast solver: plan-only state, multiplicative steps throughout. On entry T
+// holds the (finite) logits R; on exit the plan. Returns false when the
+// matrix needs the robust solver (an entry near fp32 underflow, or no
+// accepted step); the caller then restarts from R with Solver below.
+// `it` counts Newton iterations, err_out gets the float64 marginal error.
+// ----------------------------------------------------------------------------
+template <int N>
+MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, double& err_out) {
+  constexpr int M = N - 1;
+  it = 0;
+  // Row softmax of R (accurate exps: these fix the problem, not the iterate).
+  float tmin = 1.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float m = T[i][0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = fmaxf(m, T[i][j]);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] = expf(T[i][j] - m);
+      s += T[i][j];
+    }
+    const float inv = mhc_rcp(s);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T[i][j] *= inv;
+      tmin = fminf(tmin, T[i][j]);
+    }
+  }
+  if (!(tmin >= kTinyEntry)) return false;
+  // One Sinkhorn sweep (columns, then rows), as the reference starts. More
+  // sweeps save Newton iterations on hard inputs but cost more than they
+  // save on easy ones (measured: notes/benchmarks.md).
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float c = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += T[i][j];
+    const float inv = mhc_rcp(c);
+#pragma unroll
+    for (int i = 0; i < N; ++i) T[i][j] *= inv;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) s += T[i][j];
+    const float inv = mhc_rcp(s);
+#pragma unroll
+    for (int j = 0; j < N; ++j) T[i][j] *= inv;
+  }
+  float prev_errf = 3.4e38f;
+  for (;;) {
+    float g[M], errf;
+    const double err = marginals<N>(T, tol, g, errf, tmin);
+    if (!(err > (double)tol) || it >= max_iter) {
+      err_out = err;
+      return true;
+    }
+    if (!(tmin >= kTinyEntry)) return false;
+    ++it;
+    float dp[N], slope, dsum, dmax, t, lse[N];
+    if (!newton_direction<N>(T, g, dp, slope, dsum, dmax)) return false;
+    // Far from the solution, or in the linear tail where each full step only
+    // shrinks the error by ~e (entries of T heading to 0 move one e-fold per
+    // Newton step): try longer steps.
+    const bool expand = errf > kExpandErr || (errf > kTailErr * tol && errf > kTailRatio * prev_errf);
+    prev_errf = errf;
+    if (!multiplicative_search<N>(T, dp, slope, dsum, dmax, expand, t, lse)) return false;
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Robust solver, for the matrices fast_solve hands back. State: the log-plan
+// L (kept lazily as L_ij + a_i + b_j, see fold()), the plan T = exp(L) with
+// rows normalised, and the iteration count. init() then step() until it
+// returns true. Trials are multiplicative where that is exact, log-domain
+// (N² exps) otherwise, and a log-domain Sinkhorn sweep runs wherever the line
+// search fails, so it never stalls on underflowed entries.
+// ----------------------------------------------------------------------------
 template <int N>
 struct Solver {
   static constexpr int M = N - 1;
@@ -301,9 +562,6 @@ struct Solver {
     it = 0;
   }
 
-  // A multiplicative step T_ij <- T_ij e^{t d_j} / s_i costs N-1 exps
-  // instead of N² and only updates a, b; L is folded (L += a_i + b_j) before
-  // anything that needs it (an exp-path trial or a sweep).
   MHC_HD void fold() {
     if (!folded) {
 #pragma unroll
@@ -319,210 +577,57 @@ struct Solver {
   // Check the marginals; if tol is met (or max_iter reached) set err_out and
   // return true, else take one globalised Newton step (or a sweep).
   MHC_HD bool step(float tol, int max_iter, double& err_out) {
-    // Hysteresis: the float64 check is only needed once the fp32 one is close.
-    const float near = 64.f * tol + 4.f * N * N * kEps;
     const float slack = 8.f * N * kEps;
-    // Marginals. fp32 first; float64 when close to tol, where the contract
-    // (marginal_error in float64) and the Newton finish need the exact sums.
-    float g[M];
-    float errf = 0.f, tmin = 1.f;
-    {
-      float cs[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) cs[j] = 0.f;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float rs = 0.f;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          rs += T[i][j];
-          cs[j] += T[i][j];
-          tmin = fminf(tmin, T[i][j]);
-        }
-        errf += fabsf(rs - 1.f);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
-#pragma unroll
-      for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
-    }
-    double err = (double)errf;
-    if (errf <= near) {
-      double cd[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) cd[j] = 0.0;
-      err = 0.0;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        double rs = 0.0;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const double t = (double)T[i][j];
-          rs += t;
-          cd[j] += t;
-        }
-        err += fabs(rs - 1.0);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) err += fabs(cd[j] - 1.0);
-#pragma unroll
-      for (int j = 0; j < M; ++j) g[j] = (float)(cd[j] - 1.0);
-    }
-#ifdef MHC_TRACE
-    MHC_TRACE("it %d err %.3e tmin %.2e\n", it, err, tmin);
-#endif
+    float g[M], errf, tmin;
+    const double err = marginals<N>(T, tol, g, errf, tmin);
     if (!(err > (double)tol) || it >= max_iter) {
       err_out = err;
       return true;
     }
     ++it;
-
-    // Newton direction.
-    float H[M][M];
-    dual_hessian<N>(T, H);
-    float neg_g[M], d[M];
-#pragma unroll
-    for (int j = 0; j < M; ++j) neg_g[j] = -g[j];
-    bool ok = spd_solve<M>(H, neg_g, d);
-    float slope, dsum, dmax;
-    direction_stats<M>(g, d, slope, dsum, dmax);
-    ok = ok && (slope < 0.f);
-    // Trust region in the log domain: near a permutation the Hessian is
-    // singular up to the ridge and the raw step can be ~1e6, which fp32 logs
-    // cannot carry (L + t d would round entries near 0 by ~0.1), and whose
-    // direction is all null space. Take the Levenberg-Marquardt step
-    // (H + λI) d = -g with λ = ‖g‖₂/Δ instead, so ‖d‖ <= Δ, and cap what
-    // rounding leaves over.
-    if (ok && dmax > kMaxStep) {
-      float gn = 0.f;
-#pragma unroll
-      for (int j = 0; j < M; ++j) gn = fmaf(g[j], g[j], gn);
-      dual_hessian<N>(T, H);
-      ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / kMaxStep));
-      direction_stats<M>(g, d, slope, dsum, dmax);
-      ok = ok && (slope < 0.f);
-    }
-    if (ok && dmax > kMaxStep) {
-      const float sc = kMaxStep / dmax;
-#pragma unroll
-      for (int j = 0; j < M; ++j) d[j] *= sc;
-      slope *= sc;
-      dsum *= sc;
-      dmax = kMaxStep;
-    }
-    float dp[N];  // direction padded with the gauge d_N = 0
-#pragma unroll
-    for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
-
-    // Σ_i log Σ_j T_ij e^{t d_j}: f(t) + t Σ d for a multiplicative trial.
-    auto cheap_lse = [&](float tt, float (&lse_out)[N]) -> float {
-      float E[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(tt * dp[j]) : 1.f;
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float s = 0.f;
-#pragma unroll
-        for (int j = 0; j < N; ++j) s = fmaf(T[i][j], E[j], s);
-        lse_out[i] = logf(s);
-        acc += lse_out[i];
-      }
-      return acc;
-    };
+    float dp[N], slope, dsum, dmax;
+    const bool ok = newton_direction<N>(T, g, dp, slope, dsum, dmax);
     bool accepted = false, trashed = false;
-    if (ok) {
-      // Multiplicative trials are exact while no entry of T is near underflow
-      // (then every product T_ij e^{t d_j} is a normal float or negligible).
-      bool use_exp = !(tmin >= kTinyEntry);
+    if (ok && tmin >= kTinyEntry) {
+      float t, lse[N];
+      accepted = multiplicative_search<N>(T, dp, slope, dsum, dmax, errf > kExpandErr, t, lse);
+      if (accepted) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] -= lse[i];
+#pragma unroll
+        for (int j = 0; j < M; ++j) b[j] = fmaf(t, dp[j], b[j]);
+        folded = false;
+      }
+    } else if (ok) {
+      // Log-domain trials: f(t) = Σ_i logsumexp_j(L_ij + t d_j) - t Σ_j d_j
+      // (f(0) ≈ 0: rows of L are normalised).
+      fold();
+      trashed = true;
       float t = 1.f;
-      for (int h = 0; h < kMaxHalvings; ++h) {
-        use_exp = use_exp || (t * dmax > kMaxCheapStep);
+      for (int h = 0; h < kMaxHalvings && !accepted; ++h, t *= 0.5f) {
         float lse[N];
         float f1 = -t * dsum;
-        if (!use_exp) {
-          f1 += cheap_lse(t, lse);
-          if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
-            // Far from the solution, near-saturated rows make full Newton
-            // steps too short (each only an e-fold): extrapolate while f drops.
-            if (h == 0 && errf > kExpandErr) {
-              float lse2[N];
-              for (int k = 0; k < kMaxExpand; ++k) {
-                const float t2 = 2.f * t;
-                if (t2 * dmax > kMaxCheapStep) break;
-                const float f2 = cheap_lse(t2, lse2) - t2 * dsum;
-                if (!(f2 < f1)) break;
-                t = t2;
-                f1 = f2;
 #pragma unroll
-                for (int i = 0; i < N; ++i) lse[i] = lse2[i];
-              }
-            }
-            float E[N];
+        for (int i = 0; i < N; ++i) {
+          float tr[N];
 #pragma unroll
-            for (int j = 0; j < N; ++j) E[j] = (j < M) ? expf(t * dp[j]) : 1.f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              float s = 0.f;
-#pragma unroll
-              for (int j = 0; j < N; ++j) {
-                T[i][j] *= E[j];
-                s += T[i][j];
-              }
-              const float inv = mhc_rcp(s);
-#pragma unroll
-              for (int j = 0; j < N; ++j) T[i][j] *= inv;
-              a[i] -= lse[i];
-            }
-#pragma unroll
-            for (int j = 0; j < M; ++j) b[j] = fmaf(t, dp[j], b[j]);
-            folded = false;
-            accepted = true;
-            break;
-          }
-        } else {
-          fold();
-          trashed = true;
-          // f(t) = Σ_i logsumexp_j(L_ij + t d_j) - t Σ_j d_j   (f(0) ≈ 0: rows of L are normalised)
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            float tr[N];
-#pragma unroll
-            for (int j = 0; j < N; ++j) tr[j] = fmaf(t, dp[j], L[i][j]);
-            float m = tr[0];
-#pragma unroll
-            for (int j = 1; j < N; ++j) m = fmaxf(m, tr[j]);
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < N; ++j) {
-              T[i][j] = expf(tr[j] - m);  // unnormalised trial plan, rows scaled by 1/s below
-              s += T[i][j];
-            }
-            lse[i] = m + logf(s);
-            f1 += lse[i];
-            const float inv = mhc_rcp(s);
-#pragma unroll
-            for (int j = 0; j < N; ++j) T[i][j] *= inv;
-          }
-          if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
-#pragma unroll
-            for (int i = 0; i < N; ++i)
-#pragma unroll
-              for (int j = 0; j < N; ++j) L[i][j] = fmaf(t, dp[j], L[i][j]) - lse[i];
-            accepted = true;
-            break;
-          }
+          for (int j = 0; j < N; ++j) tr[j] = fmaf(t, dp[j], L[i][j]);
+          lse[i] = row_log_softmax<N>(tr, T[i]);
+          f1 += lse[i];
         }
-        t *= 0.5f;
+        if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int j = 0; j < N; ++j) L[i][j] = fmaf(t, dp[j], L[i][j]) - lse[i];
+          accepted = true;
+        }
       }
     }
-#ifdef MHC_TRACE
-    MHC_TRACE("   ok %d accepted %d trashed %d slope %.3e dmax %.3e\n", (int)ok, (int)accepted, (int)trashed, slope, dmax);
-#endif
     if (!accepted) {
       fold();
       if (trashed) {
-        // exp-path trials overwrote T: rebuild it from L, then sweep.
+        // log-domain trials overwrote T: rebuild it from L, then sweep.
 #pragma unroll
         for (int i = 0; i < N; ++i)
 #pragma unroll
@@ -534,21 +639,50 @@ struct Solver {
   }
 };
 
+// Whether the logits make fast_solve likely to hand the matrix back: a row
+// spanning more than kRobustRange starts with an entry below kTinyEntry.
+// Kernels vote on this per warp: lanes of a warp that mixes the two solvers
+// run both one after the other, which costs more than the robust solver
+// alone (measured: notes/benchmarks.md).
 template <int N>
-MHC_HD int solve_matrix(float (&L)[N][N], float (&T)[N][N], float tol, int max_iter, double& err_out) {
+MHC_HD bool wants_robust(const float (&R)[N][N]) {
+  bool wide = false;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float lo = R[i][0], hi = R[i][0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) {
+      lo = fminf(lo, R[i][j]);
+      hi = fmaxf(hi, R[i][j]);
+    }
+    wide = wide || (hi - lo > kRobustRange);
+  }
+  return wide;
+}
+
+// Solve one matrix: fast_solve (unless `robust`), and the robust Solver from
+// the logits where fast_solve hands the matrix back. On entry T holds the
+// (finite) logits R, on exit the plan. `reload(X)` writes R into X again; it
+// is only called for the robust solver (so a kernel can re-read R from
+// memory instead of keeping a copy in registers). Returns the number of
+// Newton iterations (both solvers together, at most max_iter); err_out gets
+// the float64 marginal error.
+template <int N, typename Reload>
+MHC_HD int solve_matrix(float (&T)[N][N], Reload&& reload, float tol, int max_iter, double& err_out,
+                        bool robust = false) {
+  int it = 0;
+  if (!robust && fast_solve<N>(T, tol, max_iter, it, err_out)) return it;
   Solver<N> S;
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) S.L[i][j] = L[i][j];
+  reload(S.L);
   S.init();
-  while (!S.step(tol, max_iter, err_out)) {
+  const int budget = max_iter - it;
+  while (!S.step(tol, budget, err_out)) {
   }
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int j = 0; j < N; ++j) T[i][j] = S.T[i][j];
-  return S.it;
+  return it + S.it;
 }
 
 }  // namespace mhc_birkhoff

@@ -166,17 +166,10 @@ def main() -> int:
         for sigma in (1.0, 10.0, 30.0):
             x = torch.randn(1 << 20, n, n, device=dev) * sigma
             tol_eff = P.effective_tol(tol, n, torch.float32)
-            old = torch.ops.mhc.birkhoff_set_refill(1)
             t = bench(lambda: torch.ops.mhc.birkhoff_forward(x, tol_eff, 100))
-            y = torch.ops.mhc.birkhoff_forward(x, tol_eff, 100)
-            torch.ops.mhc.birkhoff_set_refill(0)
-            t_static = bench(lambda: torch.ops.mhc.birkhoff_forward(x, tol_eff, 100))
-            y_static = torch.ops.mhc.birkhoff_forward(x, tol_eff, 100)
-            torch.ops.mhc.birkhoff_set_refill(old)
-            _, it, _ = torch.ops.mhc.birkhoff_forward_info(x, tol_eff, 100)
+            y, it, _ = torch.ops.mhc.birkhoff_forward_info(x, tol_eff, 100)
             it = it.view(-1, 32).float()
-            print(f"n={n} N=1M N(0,{sigma:g}^2): fwd {t:.1f} µs (lane refill), {t_static:.1f} µs (static lanes), "
-                  f"outputs bitwise equal: {torch.equal(y, y_static)}; max err {float(mhc.marginal_error(y).max()):.2e}; "
+            print(f"n={n} N=1M N(0,{sigma:g}^2): fwd {t:.1f} µs; max err {float(mhc.marginal_error(y).max()):.2e}; "
                   f"iterations mean {it.mean():.2f}, mean of per-warp max {it.amax(1).mean():.2f}")
     print(f"unconverged matrices counted on device during the run: {projection_cuda.unconverged_count()}")
     return 0
