@@ -8,6 +8,7 @@ operators. ``python -m mhc.cuda_build`` builds it ahead of time.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -38,6 +39,22 @@ def build_problem() -> str | None:
     return None
 
 
+def sources_digest() -> str:
+    """A short hash of every file under the kernel source directory.
+
+    ``torch.utils.cpp_extension.load`` versions a cached build by the listed
+    sources and the build flags only, so an edited header (``*.cuh``) would
+    otherwise reuse a stale build; passing this digest as a define makes any
+    change to ``csrc/`` a new version.
+    """
+    h = hashlib.sha256()
+    for path in sorted(csrc_dir().glob("*")):
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def load(verbose: bool = False) -> None:
     """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible."""
     problem = build_problem()
@@ -49,7 +66,7 @@ def load(verbose: bool = False) -> None:
         name=EXTENSION_NAME,
         sources=[str(csrc_dir() / s) for s in SOURCES],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17", f"-DMHC_SOURCES={sources_digest()}"],
         is_python_module=False,
         verbose=verbose,
     )

@@ -1,7 +1,8 @@
 """CPU-runnable checks of the CUDA sources and of the CUDA-availability logic.
 
-* Every ``csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers
-  (skipped only when nvcc is missing), so a syntax error cannot land.
+* Every ``csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
+  and so does ``scripts/kernel_bench.cu`` without them (skipped only when
+  nvcc is missing), so a syntax error cannot land.
 * On a torch without CUDA (or without a working build) importing ``mhc`` and
   projecting CPU tensors still works, and the fallback warns once.
 """
@@ -64,6 +65,15 @@ def test_cu_compiles_for_sm90(src, tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on {src.name}:\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_kernel_bench_compiles_for_sm90(tmp_path):
+    # The standalone kernel benchmark builds the shipped kernels without torch.
+    cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
+           f"-I{ROOT / 'csrc'}", "-c", str(ROOT / "scripts" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"nvcc failed on kernel_bench.cu:\n{proc.stderr[-6000:]}"
 
 
 def test_import_and_cpu_path_without_cuda_build(monkeypatch):
