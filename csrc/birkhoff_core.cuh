@@ -41,17 +41,6 @@ MHC_HD float mhc_rcp(float x) {
 #endif
 }
 
-// Reciprocal to about 1 ulp (the hardware's, without the rounding fix-up and
-// range checks of __frcp_rn): only for sums kept within e^{±80}, whose
-// rounding the marginal check sees anyway.
-MHC_HD float fast_rcp(float x) {
-#ifdef __CUDA_ARCH__
-  return __fdividef(1.f, x);
-#else
-  return 1.f / x;
-#endif
-}
-
 MHC_HD float mhc_rsqrt(float x) {
 #ifdef __CUDA_ARCH__
   return rsqrtf(x);
@@ -60,24 +49,43 @@ MHC_HD float mhc_rsqrt(float x) {
 #endif
 }
 
-// Hardware exp/log (a few ulp). Used only where the value moves the dual
-// iterate (step factors e^{t d_j}) or the line search's merit (compared with
-// a slack of 8·N·eps): the plan T, whose marginals are checked, is always
-// formed by exact-to-rounding multiplications, so these errors cannot leak
-// into the contract.
-MHC_HD float fast_exp(float x) {
+// Special-function-unit 2^x, log2(x) and 1/x (about 2 ulp), with denormals
+// flushed, so none of the range fix-ups of expf/__expf/__frcp_rn. Used only
+// where the value moves the dual iterate (step factors e^{t d_j}, row
+// renormalisation) or the line search's merit (compared with a slack of
+// 8·N·eps), always on arguments and results kept within e^{±80}: the plan T,
+// whose marginals are checked, is formed by exact-to-rounding
+// multiplications, so these errors cannot leak into the contract.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+MHC_HD float fast_exp2(float x) {
 #ifdef __CUDA_ARCH__
-  return __expf(x);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
-  return std::exp(x);
+  return std::exp2(x);
 #endif
 }
 
-MHC_HD float fast_log(float x) {
+MHC_HD float fast_log2(float x) {
 #ifdef __CUDA_ARCH__
-  return __logf(x);
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
-  return std::log(x);
+  return std::log2(x);
+#endif
+}
+
+MHC_HD float fast_rcp(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.f / x;
 #endif
 }
 
@@ -417,8 +425,9 @@ template <int N>
 MHC_HD float trial_merit(const float (&T)[N][N], const float (&dp)[N], float t, float dsum, float (&E)[N],
                          float (&s)[N]) {
   constexpr int M = N - 1;
+  const float t2 = t * kLog2e;
 #pragma unroll
-  for (int j = 0; j < N; ++j) E[j] = (j < M) ? fast_exp(t * dp[j]) : 1.f;
+  for (int j = 0; j < N; ++j) E[j] = (j < M) ? fast_exp2(t2 * dp[j]) : 1.f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     float acc = 0.f;
@@ -426,10 +435,10 @@ MHC_HD float trial_merit(const float (&T)[N][N], const float (&dp)[N], float t, 
     for (int j = 0; j < N; ++j) acc = fmaf(T[i][j], E[j], acc);
     s[i] = acc;
   }
-  float f = -t * dsum;
+  float log2_prod = 0.f;
 #pragma unroll
-  for (int i = 0; i < N; i += 2) f += fast_log(i + 1 < N ? s[i] * s[i + 1 < N ? i + 1 : i] : s[i]);
-  return f;
+  for (int i = 0; i < N; i += 2) log2_prod += fast_log2(i + 1 < N ? s[i] * s[i + 1 < N ? i + 1 : i] : s[i]);
+  return fmaf(kLn2, log2_prod, -t * dsum);
 }
 
 // Armijo backtracking over multiplicative trials. When `expand` (far from the
