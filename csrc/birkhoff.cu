@@ -1,24 +1,7 @@
-// Fused Birkhoff projection T = Pi_B(exp(R)) for n = 4 and n = 8 (design.md §2).
-// One templated kernel per direction, over N in {4, 8} and the I/O dtype.
-//
-// Forward: one matrix per thread, all of it in registers, loaded and stored
-// with 16-byte vectors where the pointer allows (no block-level coupling, so
-// a slow matrix holds up only its own warp). The per-matrix solver lives in
-// birkhoff_core.cuh: Newton on the (n-1)-dimensional dual with an Armijo line
-// search. A fast solver keeps only the plan and takes multiplicative steps
-// (N-1 hardware exps and N logs per trial); the rare matrix it cannot finish
-// exactly (an entry near fp32 underflow, no accepted step) is re-read and
-// handed to a robust solver with log-domain trials and Sinkhorn sweeps. Both
-// use a Hessian diagonal formed without cancellation, a ridged, clamped-pivot
-// Cholesky and a Levenberg-Marquardt step when the Newton step would leave
-// the log-domain trust region. A matrix runs until it meets tol (measured in
-// float64 like marginal_error) or max_iter. Matrices that miss tol are
-// counted in a device-global counter (no sync).
-//
-// Backward: the implicit-function gradient from T and G alone; a block
-// stages its tile of matrices through shared memory (coalesced I/O).
-//
-// All coefficient math is fp32; inputs/outputs are fp32, bf16 or fp16.
+// Fused Birkhoff projection T = Pi_B(exp(R)) for n = 4 and n = 8 (design.md §2):
+// input checks, launches on PyTorch's current stream, the unconverged-matrix
+// counter and the torch.library registration. The kernels themselves are in
+// birkhoff_kernels.cuh, the per-matrix solver in birkhoff_core.cuh.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,6 +1,24 @@
 // Forward and backward kernels of the fused Birkhoff projection (design.md §2),
 // free of torch headers so that they can also be built into a standalone
 // benchmark (scripts/kernel_bench.cu). csrc/birkhoff.cu launches them.
+// One templated kernel per direction, over N in {4, 8} and the I/O dtype.
+//
+// Forward: one matrix per thread, all of it in registers, loaded and stored
+// with 16-byte vectors where the pointer allows (no block-level coupling, so
+// a slow matrix holds up only its own warp). The per-matrix solver
+// (birkhoff_core.cuh) is Newton on the (n-1)-dimensional dual with an Armijo
+// line search: a fast solver that keeps only the plan and takes
+// multiplicative steps (N-1 exps and N/2 logs per trial), and a robust one
+// with log-domain trials and Sinkhorn sweeps, which a warp runs for all its
+// matrices when any of them has logits wide enough to underflow, and a lane
+// runs alone for the rare matrix the fast solver hands back. A matrix runs
+// until it meets tol (measured in float64 like marginal_error) or max_iter;
+// matrices that miss tol are counted in a device-global counter (no sync).
+//
+// Backward: the implicit-function gradient from T and G alone; a block
+// stages its tile of matrices through shared memory (coalesced I/O).
+//
+// All coefficient math is fp32; inputs/outputs are fp32, bf16 or fp16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -139,7 +157,7 @@ __device__ __forceinline__ void store_matrix(scalar_t* __restrict__ p, const flo
 // One matrix per thread, no block-level coupling: a thread loads its matrix,
 // solves it and stores it, so a slow matrix holds up only its own warp.
 // n = 4 is capped at 64 registers (8 blocks of kThreads per SM): the extra
-// occupancy beats the few spills it costs (measured 1.17x at N(0,10²), 1.25x
+// occupancy beats the few spills it costs (measured 1.20x at N(0,10²), 1.25x
 // at N(0,1)); n = 8 would spill heavily there and gets the register file.
 template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
 
