@@ -29,6 +29,9 @@ constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
 constexpr float kExpandErr = 1e-2f;   // extrapolate full steps while the error is above this,
 constexpr float kTailErr = 16.f;      // ... or above kTailErr·tol while the last step cut the
 constexpr float kTailRatio = 0.2f;    //     error by less than 1/kTailRatio (the e-fold tail)
+// Sinkhorn sweeps before the first Newton iteration: a Newton step costs
+// relatively more at n = 8 (measured: notes/benchmarks.md).
+template <int N> constexpr int init_sweeps() { return N <= 4 ? 3 : 5; }
 constexpr int kMaxExpand = 2;         // up to 4x the Newton step (4 doublings saved no
                                       // iterations and cost a warp 15% more trials)
 
@@ -516,26 +519,32 @@ MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, doubl
     }
   }
   if (!(tmin >= kTinyEntry)) return false;
-  // One Sinkhorn sweep (columns, then rows), as the reference starts. More
-  // sweeps save Newton iterations on hard inputs but cost more than they
-  // save on easy ones (measured: notes/benchmarks.md).
+  // A few Sinkhorn sweeps (columns, then rows). Each costs about a third of
+  // a Newton iteration at n = 4; three there save about one iteration per
+  // warp on N(0,1) and half of one on N(0,10²) (more cost more than they
+  // save; measured: notes/benchmarks.md). Each half-sweep shrinks the smallest entry by at
+  // most a factor N, so from kTinyEntry every sum stays a normal float; an
+  // entry pushed below kTinyEntry sends the matrix to the robust solver at
+  // the first marginal check.
+  for (int k = 0; k < init_sweeps<N>(); ++k) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    float c = 0.f;
+    for (int j = 0; j < N; ++j) {
+      float c = 0.f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) c += T[i][j];
-    const float inv = mhc_rcp(c);
+      for (int i = 0; i < N; ++i) c += T[i][j];
+      const float inv = fast_rcp(c);
 #pragma unroll
-    for (int i = 0; i < N; ++i) T[i][j] *= inv;
-  }
+      for (int i = 0; i < N; ++i) T[i][j] *= inv;
+    }
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float s = 0.f;
+    for (int i = 0; i < N; ++i) {
+      float s = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) s += T[i][j];
-    const float inv = mhc_rcp(s);
+      for (int j = 0; j < N; ++j) s += T[i][j];
+      const float inv = fast_rcp(s);
 #pragma unroll
-    for (int j = 0; j < N; ++j) T[i][j] *= inv;
+      for (int j = 0; j < N; ++j) T[i][j] *= inv;
+    }
   }
   float prev_errf = 3.4e38f;
   for (;;) {
