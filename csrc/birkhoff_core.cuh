@@ -327,15 +327,18 @@ MHC_HD void implicit_grad(const float (&T)[N][N], float (&G)[N][N]) {
 // and its gradient is the column sums minus 1.
 // ----------------------------------------------------------------------------
 
-// Marginal error of T (returned; in float64, the contract's measure, once the
-// fp32 error is too close to tol to decide, and then g from the float64 sums
-// too), the dual gradient g, the fp32 error and the smallest entry.
+// Marginal error of T, the dual gradient g, the fp32 error errf and the
+// smallest entry. The fp32 sums are within (N-1)·2^-24 each of the exact
+// sums of T while they stay below 2 (errf < 1), so the fp32 error is within
+// kF32Slack of the float64 one (the contract's measure): outside that band
+// of tol the fp32 error decides and is returned; inside it, or always when
+// `exact` (the caller reports the error), the float64 sums give the error
+// and g.
 template <int N>
-MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], float& errf, float& tmin) {
+MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], float& errf, float& tmin,
+                        bool exact = false) {
   constexpr int M = N - 1;
-  // The fp32 error is within 2N(N-1)·eps of the float64 one (2N sums of N
-  // terms, each sum near 1), so only calls closer than that need float64.
-  const float near = tol + 2.f * N * (N - 1) * kEps;
+  constexpr float kSumSlack = 2.f * N * (N - 1) * 5.9604645e-08f;  // 2N sums of N terms, half-ulp 2^-24
   float cs[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) cs[j] = 0.f;
@@ -356,7 +359,10 @@ MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], fl
   for (int j = 0; j < N; ++j) errf += fabsf(cs[j] - 1.f);
 #pragma unroll
   for (int j = 0; j < M; ++j) g[j] = cs[j] - 1.f;
-  if (!(errf <= near)) return (double)errf;
+  // errf itself carries a relative rounding of at most 2N·2^-24 (< 2^-19).
+  const float slack = fmaf(errf, 1.f / 524288.f, kSumSlack);
+  if (!(errf <= tol + slack)) return (double)errf;
+  if (!exact && errf + slack < 0.999f * tol) return (double)errf;  // margin for float64 rounding
   double cd[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) cd[j] = 0.0;
@@ -419,18 +425,12 @@ MHC_HD bool newton_direction(const float (&T)[N][N], const float (&g)[N - 1], fl
   return ok;
 }
 
-// Multiplicative trial of step t along dp: E_j = e^{t d_j}, s_i = Σ_j T_ij E_j.
-// Returns the change of the dual objective, Σ_i log s_i - t Σ_j d_j, with one
+// Row sums s_i = Σ_j T_ij E_j of a multiplicative trial with column factors
+// E, and the change of the dual objective, Σ_i log s_i - t Σ_j d_j, with one
 // log per pair of rows (t|d| <= kMaxCheapStep keeps each s_i within e^{±40},
-// so a product of two cannot leave the normal range): N-1 exps and N/2 logs
-// instead of the N² exps of a log-domain trial.
+// so a product of two cannot leave the normal range).
 template <int N>
-MHC_HD float trial_merit(const float (&T)[N][N], const float (&dp)[N], float t, float dsum, float (&E)[N],
-                         float (&s)[N]) {
-  constexpr int M = N - 1;
-  const float t2 = t * kLog2e;
-#pragma unroll
-  for (int j = 0; j < N; ++j) E[j] = (j < M) ? fast_exp2(t2 * dp[j]) : 1.f;
+MHC_HD float trial_merit(const float (&T)[N][N], const float (&E)[N], float t, float dsum, float (&s)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     float acc = 0.f;
@@ -444,47 +444,66 @@ MHC_HD float trial_merit(const float (&T)[N][N], const float (&dp)[N], float t, 
   return fmaf(kLn2, log2_prod, -t * dsum);
 }
 
-// Armijo backtracking over multiplicative trials. When `expand` (far from the
-// solution, or in the e-fold tail) an accepted full step is doubled while the
-// objective keeps falling. On success T <- diag(1/s) T diag(E) (rows stay
-// normalised), s gets the row sums before normalising (log s_i is the row
-// shift) and t the step. Exact while every T_ij >= kTinyEntry: then each
-// product T_ij e^{t d_j} (t|d| <= kMaxCheapStep) is a normal float or
-// negligible. Returns false, T untouched, when no trial is accepted.
+// E_j = e^{t d_j} (E_{N-1} = 1, the gauge).
+template <int N>
+MHC_HD void step_factors(const float (&dp)[N], float t, float (&E)[N]) {
+  const float t2 = t * kLog2e;
+#pragma unroll
+  for (int j = 0; j < N; ++j) E[j] = (j < N - 1) ? fast_exp2(t2 * dp[j]) : 1.f;
+}
+
+// Armijo backtracking over multiplicative trials: N-1 exps and N/2 logs per
+// trial instead of the N² exps of a log-domain trial. When `expand` (far
+// from the solution, or in the e-fold tail) an accepted full step is doubled
+// while the objective keeps falling (factors squared, no new exps). On
+// success T <- diag(1/s) T diag(E) (rows stay normalised), s gets the row
+// sums before normalising (log s_i is the row shift) and t the step. Exact
+// while every T_ij >= kTinyEntry: then each product T_ij e^{t d_j}
+// (t|d| <= kMaxCheapStep) is a normal float or negligible. Returns false, T
+// untouched, when no trial is accepted. The search leaves its loop before
+// renormalising, so a warp whose lanes accept at different steps
+// renormalises once.
 template <int N>
 MHC_HD bool multiplicative_search(float (&T)[N][N], const float (&dp)[N], float slope, float dsum, float dmax,
                                   bool expand, float& t, float (&s)[N]) {
   const float slack = 8.f * N * kEps;
-  float E[N];
+  float E[N], f1 = 0.f;
+  bool found = false;
   t = 1.f;
   for (int h = 0; h < kMaxHalvings; ++h, t *= 0.5f) {
-    float f1 = trial_merit<N>(T, dp, t, dsum, E, s);
-    if (!(f1 <= fmaf(kArmijoC1 * t, slope, slack))) continue;
-    if (h == 0 && expand) {
-      for (int k = 0; k < kMaxExpand; ++k) {
-        const float t2 = 2.f * t;
-        if (t2 * dmax > kMaxCheapStep) break;
-        float E2[N], s2[N];
-        const float f2 = trial_merit<N>(T, dp, t2, dsum, E2, s2);
-        if (!(f2 < f1)) break;
-        t = t2;
-        f1 = f2;
+    step_factors<N>(dp, t, E);
+    f1 = trial_merit<N>(T, E, t, dsum, s);
+    if (f1 <= fmaf(kArmijoC1 * t, slope, slack)) {
+      found = true;
+      break;
+    }
+  }
+  if (!found) return false;
+  if (expand && t == 1.f) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          E[j] = E2[j];
-          s[j] = s2[j];
-        }
+    for (int k = 0; k < kMaxExpand; ++k) {
+      if (2.f * t * dmax > kMaxCheapStep) break;
+      float E2[N], s2[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) E2[j] = E[j] * E[j];
+      const float f2 = trial_merit<N>(T, E2, 2.f * t, dsum, s2);
+      if (!(f2 < f1)) break;
+      t *= 2.f;
+      f1 = f2;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        E[j] = E2[j];
+        s[j] = s2[j];
       }
     }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float inv = fast_rcp(s[i]);
-#pragma unroll
-      for (int j = 0; j < N; ++j) T[i][j] = T[i][j] * E[j] * inv;
-    }
-    return true;
   }
-  return false;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float inv = fast_rcp(s[i]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) T[i][j] = T[i][j] * E[j] * inv;
+  }
+  return true;
 }
 
 // ----------------------------------------------------------------------------
@@ -495,7 +514,7 @@ MHC_HD bool multiplicative_search(float (&T)[N][N], const float (&dp)[N], float 
 // `it` counts Newton iterations, err_out gets the float64 marginal error.
 // ----------------------------------------------------------------------------
 template <int N>
-MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, double& err_out) {
+MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, double& err_out, bool exact_err) {
   constexpr int M = N - 1;
   it = 0;
   // Row softmax of R (accurate exps: these fix the problem, not the iterate).
@@ -519,37 +538,41 @@ MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, doubl
     }
   }
   if (!(tmin >= kTinyEntry)) return false;
-  // A few Sinkhorn sweeps (columns, then rows). Each costs about a third of
-  // a Newton iteration at n = 4; three there save about one iteration per
-  // warp on N(0,1) and half of one on N(0,10²) (more cost more than they
-  // save; measured: notes/benchmarks.md). Each half-sweep shrinks the smallest entry by at
-  // most a factor N, so from kTinyEntry every sum stays a normal float; an
-  // entry pushed below kTinyEntry sends the matrix to the robust solver at
-  // the first marginal check.
+  // A few Sinkhorn sweeps (columns, then rows), on row and column factors
+  // u, v with T <- diag(u) T diag(v) once at the end: 2N² FMAs and 2N
+  // reciprocals per sweep. Three save about one Newton iteration per warp
+  // on N(0,1) and half of one on N(0,10²) at n = 4 (more cost more than they
+  // save; measured: notes/benchmarks.md). Each half-sweep shrinks the
+  // smallest entry by at most a factor N, so from kTinyEntry every sum stays
+  // a normal float; an entry pushed below kTinyEntry sends the matrix to the
+  // robust solver at the first marginal check.
+  float u[N], v[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) u[i] = 1.f;
   for (int k = 0; k < init_sweeps<N>(); ++k) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       float c = 0.f;
 #pragma unroll
-      for (int i = 0; i < N; ++i) c += T[i][j];
-      const float inv = fast_rcp(c);
-#pragma unroll
-      for (int i = 0; i < N; ++i) T[i][j] *= inv;
+      for (int i = 0; i < N; ++i) c = fmaf(T[i][j], u[i], c);
+      v[j] = fast_rcp(c);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      float s = 0.f;
+      float r = 0.f;
 #pragma unroll
-      for (int j = 0; j < N; ++j) s += T[i][j];
-      const float inv = fast_rcp(s);
-#pragma unroll
-      for (int j = 0; j < N; ++j) T[i][j] *= inv;
+      for (int j = 0; j < N; ++j) r = fmaf(T[i][j], v[j], r);
+      u[i] = fast_rcp(r);
     }
   }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) T[i][j] *= u[i] * v[j];
   float prev_errf = 3.4e38f;
   for (;;) {
     float g[M], errf;
-    const double err = marginals<N>(T, tol, g, errf, tmin);
+    const double err = marginals<N>(T, tol, g, errf, tmin, exact_err);
     if (!(err > (double)tol) || it >= max_iter) {
       err_out = err;
       return true;
@@ -608,10 +631,10 @@ struct Solver {
 
   // Check the marginals; if tol is met (or max_iter reached) set err_out and
   // return true, else take one globalised Newton step (or a sweep).
-  MHC_HD bool step(float tol, int max_iter, double& err_out) {
+  MHC_HD bool step(float tol, int max_iter, double& err_out, bool exact_err) {
     const float slack = 8.f * N * kEps;
     float g[M], errf, tmin;
-    const double err = marginals<N>(T, tol, g, errf, tmin);
+    const double err = marginals<N>(T, tol, g, errf, tmin, exact_err);
     if (!(err > (double)tol) || it >= max_iter) {
       err_out = err;
       return true;
@@ -698,17 +721,18 @@ MHC_HD bool wants_robust(const float (&R)[N][N]) {
 // is only called for the robust solver (so a kernel can re-read R from
 // memory instead of keeping a copy in registers). Returns the number of
 // Newton iterations (both solvers together, at most max_iter); err_out gets
-// the float64 marginal error.
+// the marginal error: the float64 one when `exact_err`, otherwise possibly
+// the fp32 estimate where that already decides err <= tol (see marginals).
 template <int N, typename Reload>
 MHC_HD int solve_matrix(float (&T)[N][N], Reload&& reload, float tol, int max_iter, double& err_out,
-                        bool robust = false) {
+                        bool robust = false, bool exact_err = true) {
   int it = 0;
-  if (!robust && fast_solve<N>(T, tol, max_iter, it, err_out)) return it;
+  if (!robust && fast_solve<N>(T, tol, max_iter, it, err_out, exact_err)) return it;
   Solver<N> S;
   reload(S.L);
   S.init();
   const int budget = max_iter - it;
-  while (!S.step(tol, budget, err_out)) {
+  while (!S.step(tol, budget, err_out, exact_err)) {
   }
 #pragma unroll
   for (int i = 0; i < N; ++i)

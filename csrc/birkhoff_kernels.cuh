@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_fo
   if (finite) {
     // The robust solver re-reads R rather than keeping a copy in registers.
     auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
-    iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust);
+    // The float64 error only where the caller asks for it (info).
+    iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust, iters_out != nullptr);
     if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
   } else {
 #pragma unroll
