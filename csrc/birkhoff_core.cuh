@@ -25,15 +25,21 @@ constexpr float kTinyEntry = 1e-30f;  // multiplicative steps only while every T
 constexpr float kRobustRange = 69.f;  // a row of R spanning more than this (e^-69 ≈ kTinyEntry):
                                       // the robust solver from the start (see wants_robust)
 constexpr float kMaxCheapStep = 40.f; // ... and every |t d_j| <= this
-constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step
-constexpr float kExpandErr = 1e-2f;   // extrapolate full steps while the error is above this,
-constexpr float kTailErr = 16.f;      // ... or above kTailErr·tol while the last step cut the
+constexpr float kMaxStep = 24.f;      // largest dual move of one Newton step (robust solver)
+constexpr float kFastMaxStep = 8.f;   // ... of the fast solver (fewer iterations on N(0,10²);
+                                      // the robust solver stalls more with it at N(0,30²))
+constexpr float kExpandErr = 1e-2f;   // robust solver: extrapolate full steps while the error is above this
+constexpr float kTailErr = 16.f;      // fast solver: also while above kTailErr·tol and the last step cut the
 constexpr float kTailRatio = 0.2f;    //     error by less than 1/kTailRatio (the e-fold tail)
-// Sinkhorn sweeps before the first Newton iteration: a Newton step costs
-// relatively more at n = 8 (measured: notes/benchmarks.md).
+constexpr int kMaxExpand = 2;         // up to 4x the Newton step (3 doublings cost more trials
+                                      // than they saved iterations)
+// Per-n settings of the fast solver, each measured on the H200 (kernel-only,
+// notes/benchmarks.md): Sinkhorn sweeps before the first Newton iteration (a
+// Newton step costs relatively more at n = 8), and the error above which it
+// extrapolates (1e-3 saves iterations on N(0,10²) at both n but costs more
+// than it saves on N(0,1) at n = 8).
 template <int N> constexpr int init_sweeps() { return N <= 4 ? 3 : 5; }
-constexpr int kMaxExpand = 2;         // up to 4x the Newton step (4 doublings saved no
-                                      // iterations and cost a warp 15% more trials)
+template <int N> constexpr float expand_err() { return N <= 4 ? 1e-3f : 1e-2f; }
 
 // Correctly rounded reciprocal, without the IEEE division's slow path.
 MHC_HD float mhc_rcp(float x) {
@@ -394,7 +400,7 @@ MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], fl
 // rounding leaves over.
 template <int N>
 MHC_HD bool newton_direction(const float (&T)[N][N], const float (&g)[N - 1], float (&dp)[N], float& slope,
-                             float& dsum, float& dmax) {
+                             float& dsum, float& dmax, float max_step) {
   constexpr int M = N - 1;
   float H[M][M], neg_g[M], d[M];
   dual_hessian<N>(T, H);
@@ -403,22 +409,22 @@ MHC_HD bool newton_direction(const float (&T)[N][N], const float (&g)[N - 1], fl
   bool ok = spd_solve<M>(H, neg_g, d);
   direction_stats<M>(g, d, slope, dsum, dmax);
   ok = ok && (slope < 0.f);
-  if (ok && dmax > kMaxStep) {
+  if (ok && dmax > max_step) {
     float gn = 0.f;
 #pragma unroll
     for (int j = 0; j < M; ++j) gn = fmaf(g[j], g[j], gn);
     dual_hessian<N>(T, H);
-    ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / kMaxStep));
+    ok = spd_solve<M>(H, neg_g, d, sqrtf(gn) * (1.f / max_step));
     direction_stats<M>(g, d, slope, dsum, dmax);
     ok = ok && (slope < 0.f);
   }
-  if (ok && dmax > kMaxStep) {
-    const float sc = kMaxStep / dmax;
+  if (ok && dmax > max_step) {
+    const float sc = max_step / dmax;
 #pragma unroll
     for (int j = 0; j < M; ++j) d[j] *= sc;
     slope *= sc;
     dsum *= sc;
-    dmax = kMaxStep;
+    dmax = max_step;
   }
 #pragma unroll
   for (int j = 0; j < N; ++j) dp[j] = (j < M) ? d[j < M ? j : 0] : 0.f;
@@ -580,11 +586,11 @@ MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, doubl
     if (!(tmin >= kTinyEntry)) return false;
     ++it;
     float dp[N], slope, dsum, dmax, t, rows[N];
-    if (!newton_direction<N>(T, g, dp, slope, dsum, dmax)) return false;
+    if (!newton_direction<N>(T, g, dp, slope, dsum, dmax, kFastMaxStep)) return false;
     // Far from the solution, or in the linear tail where each full step only
     // shrinks the error by ~e (entries of T heading to 0 move one e-fold per
     // Newton step): try longer steps.
-    const bool expand = errf > kExpandErr || (errf > kTailErr * tol && errf > kTailRatio * prev_errf);
+    const bool expand = errf > expand_err<N>() || (errf > kTailErr * tol && errf > kTailRatio * prev_errf);
     prev_errf = errf;
     if (!multiplicative_search<N>(T, dp, slope, dsum, dmax, expand, t, rows)) return false;
   }
@@ -641,7 +647,7 @@ struct Solver {
     }
     ++it;
     float dp[N], slope, dsum, dmax;
-    const bool ok = newton_direction<N>(T, g, dp, slope, dsum, dmax);
+    const bool ok = newton_direction<N>(T, g, dp, slope, dsum, dmax, kMaxStep);
     bool accepted = false, trashed = false;
     if (ok && tmin >= kTinyEntry) {
       float t, rows[N];
