@@ -336,13 +336,13 @@ MHC_HD void implicit_grad(const float (&T)[N][N], float (&G)[N][N]) {
 // Marginal error of T, the dual gradient g, the fp32 error errf and the
 // smallest entry. The fp32 sums are within (N-1)·2^-24 each of the exact
 // sums of T while they stay below 2 (errf < 1), so the fp32 error is within
-// kF32Slack of the float64 one (the contract's measure): outside that band
-// of tol the fp32 error decides and is returned; inside it, or always when
-// `exact` (the caller reports the error), the float64 sums give the error
-// and g.
+// kSumSlack (plus errf's own rounding) of the float64 one (the contract's
+// measure): outside that band of tol the fp32 error decides and is returned;
+// inside it, or always when `exact` (the caller reports the error), the
+// float64 sums give the error and g.
 template <int N>
 MHC_HD double marginals(const float (&T)[N][N], float tol, float (&g)[N - 1], float& errf, float& tmin,
-                        bool exact = false) {
+                        bool exact) {
   constexpr int M = N - 1;
   constexpr float kSumSlack = 2.f * N * (N - 1) * 5.9604645e-08f;  // 2N sums of N terms, half-ulp 2^-24
   float cs[N];
@@ -517,7 +517,8 @@ MHC_HD bool multiplicative_search(float (&T)[N][N], const float (&dp)[N], float 
 // holds the (finite) logits R; on exit the plan. Returns false when the
 // matrix needs the robust solver (an entry near fp32 underflow, or no
 // accepted step); the caller then restarts from R with Solver below.
-// `it` counts Newton iterations, err_out gets the float64 marginal error.
+// `it` counts Newton iterations, err_out gets the marginal error (float64
+// when `exact_err`, else possibly the fp32 estimate; see marginals).
 // ----------------------------------------------------------------------------
 template <int N>
 MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, double& err_out, bool exact_err) {
