@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import fused
 from .projection import birkhoff_project
 
 __all__ = ["MHCBlock", "MODES", "INITS", "PROJECTIONS", "check_options"]
@@ -106,6 +107,10 @@ class MHCBlock(nn.Module):
         projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
         tol: tolerance of the Newton projection.
         sinkhorn_iters: steps for ``projection="sinkhorn"``.
+        fused: with ``mode="mhc"``, run CUDA streams on the fused Triton
+            kernels of :mod:`mhc.fused` (fewer passes over the streams, same
+            maths); ``False`` keeps the PyTorch path everywhere. CPU streams
+            always take the PyTorch path.
 
     Shapes:
         ``forward(x: [..., n, C], *args, **kwargs) -> [..., n, C]`` (or a tuple
@@ -126,6 +131,7 @@ class MHCBlock(nn.Module):
         projection: str = "newton",
         tol: float = 1e-6,
         sinkhorn_iters: int = 20,
+        fused: bool = True,
     ):
         super().__init__()
         check_options(mode, init, projection)
@@ -142,6 +148,7 @@ class MHCBlock(nn.Module):
         self.tol = tol
         self.sinkhorn_iters = sinkhorn_iters
         self.alpha_init = alpha_init
+        self.fused = fused
         if mode == "residual":
             return
 
@@ -228,6 +235,12 @@ class MHCBlock(nn.Module):
 
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)
+        if self._use_fused(x):
+            return fused.mhc_site(
+                x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
+                norm_eps=self.norm_eps, tol=self.tol, projection=self.projection,
+                sinkhorn_iters=self.sinkhorn_iters, branch_args=args, branch_kwargs=kwargs,
+            )
         H_pre, H_post, H_res = self.coefficients(x)
         # The mixes are written around stream 0: Σ_i h_i x_i = (Σ_i h_i) x_0 +
         # Σ_i h_i (x_i - x_0). Same maths, but on identical streams (a freshly
@@ -254,6 +267,16 @@ class MHCBlock(nn.Module):
             x_new = mixed.to(x.dtype)
         return x_new if rest is None else (x_new, *rest)
 
+    def _use_fused(self, x: Tensor) -> bool:
+        return (
+            self.fused
+            and self.mode == "mhc"
+            and x.is_cuda
+            and x.dtype in fused.SUPPORTED_DTYPES
+            and x.numel() > 0
+            and fused.available()
+        )
+
     @property
     def _exact_rows(self) -> bool:
         return self.mode == "mhc" and self.projection == "newton"
@@ -262,4 +285,6 @@ class MHCBlock(nn.Module):
         s = f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, mode={self.mode!r}"
         if self.mode != "residual":
             s += f", init={self.init!r}, layer_index={self.layer_index}, projection={self.projection!r}"
+        if self.mode == "mhc" and not self.fused:
+            s += ", fused=False"
         return s

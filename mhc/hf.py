@@ -92,6 +92,7 @@ class MHCConfig(_BaseConfig):
         projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
         tol: Newton tolerance on the marginal error.
         sinkhorn_iters: steps for ``projection="sinkhorn"``.
+        fused: run CUDA streams on the fused Triton kernels (``MHCBlock(fused=...)``).
         alpha_init: initial dynamic scale ``α``.
         norm_eps: epsilon of the coefficient RMSNorm.
         expand: how the embedding enters the streams; ``"copy"`` (the only
@@ -111,6 +112,7 @@ class MHCConfig(_BaseConfig):
         projection: str = "newton",
         tol: float = 1e-6,
         sinkhorn_iters: int = 20,
+        fused: bool = True,
         alpha_init: float = 0.01,
         norm_eps: float = 1e-6,
         expand: str = "copy",
@@ -144,6 +146,7 @@ class MHCConfig(_BaseConfig):
         self.projection = projection
         self.tol = float(tol)
         self.sinkhorn_iters = int(sinkhorn_iters)
+        self.fused = bool(fused)
         self.alpha_init = float(alpha_init)
         self.norm_eps = float(norm_eps)
         self.expand = expand
@@ -198,6 +201,7 @@ def _block_options(config: MHCConfig) -> dict[str, Any]:
         projection=config.projection,
         tol=config.tol,
         sinkhorn_iters=config.sinkhorn_iters,
+        fused=config.fused,
     )
 
 

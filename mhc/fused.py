@@ -1,0 +1,248 @@
+"""Fused mHC site for CUDA: the streams are read and written in a few passes.
+
+:class:`mhc.MHCBlock` (``mode="mhc"``) sends CUDA streams here when Triton is
+importable; the PyTorch code in :mod:`mhc.block` stays the reference and the
+CPU implementation. The kernels are in :mod:`mhc.fused_kernels`.
+
+The site is three autograd nodes around the sublayer ``F``::
+
+    z      = _Coefficients(x)              # RMSNorm(x_flat) φᵀ, [T, n²+2n] fp32
+    H_*    = σ / 2σ / birkhoff_project(z)  # tiny per-token ops, plain autograd
+    u      = _PreMix(x, H_pre)
+    y      = F(u)
+    x'     = _PostMix(x, y, H_post, H_res)
+
+Backward order is fixed by the graph: ``_PostMix``, ``F``, ``_PreMix``,
+the coefficient ops, ``_Coefficients``. The two mixes return no gradient for
+``x``; they leave ``dx'`` and ``du`` in a per-call :class:`_SiteState`, and
+``_Coefficients`` writes the whole ``dx`` in one pass (three separate
+gradients would cost two extra reads and writes of the streams to add up).
+Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .projection import birkhoff_project
+
+__all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+try:
+    from . import fused_kernels as _k
+except ImportError:  # no Triton (CPU-only PyTorch builds)
+    _k = None
+
+
+def available() -> bool:
+    """Whether the Triton kernels can be used (Triton importable)."""
+    return _k is not None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int, lo: int = 1) -> int:
+    return max(lo, 1 << (int(v) - 1).bit_length())
+
+
+def _coef_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _numerics(x: Tensor) -> dict:
+    # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
+    # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
+    precise = x.dtype in (torch.float32, torch.float64)
+    return dict(PRECISION="ieee" if precise else "tf32", ACC=_k.acc_type(x.dtype))
+
+
+class _SiteState:
+    """What the three nodes of one call share in backward (detached tensors)."""
+
+    __slots__ = ("h_pre", "h_res", "d_out", "d_u")
+
+    def __init__(self):
+        self.h_pre = self.h_res = self.d_out = self.d_u = None
+
+
+class _Coefficients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, phi: Tensor, eps: float, state: _SiteState) -> Tensor:
+        T, n, C = x.shape
+        K, Z = n * C, phi.shape[0]
+        z = x.new_empty((T, Z), dtype=_coef_dtype(x))
+        r = x.new_empty((T,), dtype=_coef_dtype(x))
+        BM, BK = 32, 128
+        _k.coeff_fwd[(_cdiv(T, BM),)](
+            x, phi, z, r, T, K, Z, eps, BM=BM, BK=BK, ZP=_pow2(Z, 16), **_numerics(x),
+        )
+        ctx.save_for_backward(x, phi, z, r)
+        ctx.state = state
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dz: Tensor):
+        x, phi, z, r = ctx.saved_tensors
+        state: _SiteState = ctx.state
+        T, n, C = x.shape
+        K, Z = n * C, phi.shape[0]
+        dz = dz.contiguous()
+        ZP = _pow2(Z, 16)
+        dx = dphi = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of z = r·x φᵀ: r·(dz φ) − r³·x·⟨dz φ, x⟩/K, and ⟨dz φ, x⟩ = ⟨dz, z⟩/r.
+            c2 = (dz * z).sum(-1) * r * r / K
+            d_out = state.d_out.contiguous()
+            has_du = state.d_u is not None
+            d_u = state.d_u.contiguous() if has_du else d_out
+            dx = torch.empty_like(x)
+            BM, BC = 16, 64
+            _k.stream_grad[(_cdiv(T, BM), _cdiv(C, BC))](
+                d_out, d_u, x, dz, r, c2, phi, state.h_pre, state.h_res, dx, T, C, Z,
+                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, HAS_DU=has_du, **_numerics(x),
+            )
+        if ctx.needs_input_grad[1]:
+            dzr = dz * r[:, None]
+            BT, BN = 32, 128
+            splits = max(1, min(16, T // 1024))
+            per = _cdiv(_cdiv(T, splits), BT) * BT
+            splits = _cdiv(T, per)
+            part = x.new_empty((splits, ZP, K), dtype=_coef_dtype(x))
+            _k.phi_grad[(_cdiv(K, BN), splits)](
+                dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x),
+            )
+            dphi = part.sum(0)[:Z]
+        state.d_out = state.d_u = None
+        return dx, dphi, None, None
+
+
+class _PreMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, h_pre: Tensor, state: _SiteState) -> Tensor:
+        T, n, C = x.shape
+        h_pre = h_pre.contiguous()
+        u = x.new_empty((T, C))
+        BC = min(1024, _pow2(C, 16))
+        _k.premix_fwd[(T, _cdiv(C, BC))](x, h_pre, u, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        state.h_pre = h_pre.detach()
+        ctx.save_for_backward(x)
+        ctx.state = state
+        return u
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, du: Tensor):
+        (x,) = ctx.saved_tensors
+        T, n, C = x.shape
+        du = du.contiguous()
+        g_pre = x.new_empty((T, n), dtype=_coef_dtype(x))
+        _k.premix_bwd[(T,)](du, x, g_pre, C, n=n, NP=_pow2(n), BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype))
+        ctx.state.d_u = du
+        return None, g_pre, None
+
+
+class _PostMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor, h_post: Tensor, h_res: Tensor, exact_rows: bool, state: _SiteState):
+        T, n, C = x.shape
+        h_post, h_res = h_post.contiguous(), h_res.contiguous()
+        out = torch.empty_like(x)
+        BC = min(1024 // _pow2(n), _pow2(C, 16))
+        _k.postmix_fwd[(T, _cdiv(C, BC))](
+            x, y, h_post, h_res, out, C, n=n, NP=_pow2(n), BC=BC, EXACT_ROWS=exact_rows, ACC=_k.acc_type(x.dtype),
+        )
+        state.h_res = h_res.detach()
+        ctx.save_for_backward(x, y, h_post)
+        ctx.state = state
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor):
+        x, y, h_post = ctx.saved_tensors
+        T, n, C = x.shape
+        dout = dout.contiguous()
+        dy = torch.empty_like(y)
+        g_post = x.new_empty((T, n), dtype=_coef_dtype(x))
+        g_res = x.new_empty((T, n, n), dtype=_coef_dtype(x))
+        NP = _pow2(n)
+        BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
+        _k.postmix_bwd[(T,)](dout, x, y, h_post, dy, g_post, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.state.d_out = dout
+        return None, dy, g_post, g_res, None, None
+
+
+def mhc_site(
+    x: Tensor,
+    branch,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    *,
+    norm_eps: float,
+    tol: float,
+    projection: str = "newton",
+    sinkhorn_iters: int = 20,
+    branch_args: tuple = (),
+    branch_kwargs: dict | None = None,
+):
+    """One mHC site ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` on the fused kernels.
+
+    Same maths, parameters and outputs as :meth:`mhc.MHCBlock.forward` with
+    ``mode="mhc"`` (see there); used by it for CUDA streams.
+
+    Args:
+        x: streams ``[..., n, C]``, float32 / bfloat16 / float16 / float64, on the
+            device of the parameters (CUDA; CPU only under
+            ``TRITON_INTERPRET=1``).
+        branch: the sublayer, called as ``branch(u, *branch_args, **branch_kwargs)``
+            with ``u: [..., C]`` in ``x``'s dtype; a tuple result mixes its
+            first element and returns the rest beside the new streams.
+        phi: ``[n² + 2n, n·C]``; ``alpha [3]``, ``b_pre [n]``, ``b_post [n]``,
+            ``b_res [n, n]``; float32 parameters (the coefficients are
+            computed in float32, float64 for float64 streams).
+
+    Returns:
+        ``x'`` with the shape and dtype of ``x`` (or ``(x', *rest)``).
+    """
+    if _k is None:
+        raise RuntimeError("mhc.fused needs Triton, which this PyTorch install does not have")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fused mHC site supports {SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dim() < 2 or x.numel() == 0:
+        raise ValueError(f"fused mHC site needs streams [..., n, C] with at least one token, got {tuple(x.shape)}")
+    n, C = x.shape[-2:]
+    if phi.shape != (n * n + 2 * n, n * C):
+        raise ValueError(f"phi must be [{n * n + 2 * n}, {n * C}] for streams [..., {n}, {C}], got {tuple(phi.shape)}")
+    if phi.device != x.device:
+        raise ValueError(f"streams are on {x.device} but phi is on {phi.device}")
+    lead = x.shape[:-2]
+    xs = x.reshape(-1, n, C).contiguous()
+    T = xs.shape[0]
+    cdt = _coef_dtype(x)
+    state = _SiteState()
+    z = _Coefficients.apply(xs, phi.to(cdt).contiguous(), float(norm_eps), state)
+    pre, post, res = z.split([n, n, n * n], dim=-1)
+    a_pre, a_post, a_res = alpha.to(cdt)
+    b_pre, b_post, b_res = b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt)
+    H_pre = torch.sigmoid(a_pre * pre + b_pre)
+    H_post = 2 * torch.sigmoid(a_post * post + b_post)
+    H_res = birkhoff_project(a_res * res.reshape(T, n, n) + b_res, tol=tol, method=projection, iters=sinkhorn_iters)
+    u = _PreMix.apply(xs, H_pre, state)
+
+    out = branch(u.reshape(*lead, C), *branch_args, **(branch_kwargs or {}))
+    y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+    if y.shape != (*lead, C):
+        raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {(*lead, C)}")
+    y = y.reshape(T, C).to(x.dtype).contiguous()
+    x_new = _PostMix.apply(xs, y, H_post, H_res, projection == "newton", state).reshape(x.shape)
+    return x_new if rest is None else (x_new, *rest)

@@ -1,0 +1,196 @@
+"""Triton kernels of the fused mHC site (used by :mod:`mhc.fused`).
+
+Layouts: streams ``x [T, n, C]`` and their gradient contiguous, in the
+streams' dtype; ``F``'s input/output ``[T, C]``; coefficients in ``ACC``
+(``z [T, Z]`` with ``Z = n² + 2n``, ``h_pre``/``h_post [T, n]``,
+``h_res [T, n, n]``). ``ACC`` is float32, or float64 for float64 streams
+(gradcheck); every product and reduction runs in it.
+
+One kernel per memory pass (design.md §1 for the maths):
+
+* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ`` and the per-token ``1/rms``
+  (one read of the streams; the skinny GEMM runs on the tensor cores).
+* ``premix_fwd``: ``u = Σ_i h_pre[i] x_i``.
+* ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + h_post[i] y``.
+* ``postmix_bwd``: ``dy = Σ_i h_post[i] dx'_i`` and the per-token reductions
+  ``g_post[i] = ⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
+* ``premix_bwd``: ``g_pre[i] = ⟨du, x_i⟩``.
+* ``stream_grad``: the whole ``dx`` in one write: through the norm and
+  ``φ`` (``r·(dz φ) − r²·c·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
+* ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
+
+The mixes are written around stream 0 (``Σ_i h_i x_i = (Σ_i h_i) x_0 +
+Σ_i h_i (x_i − x_0)``), as :class:`mhc.MHCBlock` does, so that identical
+streams give ``x + F(x)`` to the bit.
+
+Set ``TRITON_INTERPRET=1`` before importing this module to run the kernels
+on CPU tensors (the tests do, on machines without CUDA).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def coeff_fwd(
+    x_ptr, phi_ptr, z_ptr, r_ptr, T, K, Z, eps,
+    BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rz = tl.arange(0, ZP)
+    row_ok = rm < T
+    rows = rm.to(tl.int64) * K
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    sumsq = tl.zeros((BM,), dtype=ACC)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+        xt = xt.to(ACC)
+        sumsq += tl.sum(xt * xt, axis=1)
+        w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rz[None, :] < Z), other=0.0)
+        acc = tl.dot(xt, w, acc, input_precision=PRECISION)
+    r = tl.rsqrt(sumsq / K + eps)
+    tl.store(z_ptr + rm[:, None] * Z + rz[None, :], acc * r[:, None], mask=row_ok[:, None] & (rz[None, :] < Z))
+    tl.store(r_ptr + rm, r, mask=row_ok)
+
+
+@triton.jit
+def premix_fwd(x_ptr, h_ptr, u_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    ri = tl.arange(0, NP)
+    c_ok = rc < C
+    h = tl.load(h_ptr + t * n + ri, mask=ri < n, other=0.0)
+    base = x_ptr + t * n * C
+    xs = tl.load(base + ri[:, None] * C + rc[None, :], mask=(ri[:, None] < n) & c_ok[None, :], other=0.0).to(ACC)
+    x0 = tl.load(base + rc, mask=c_ok, other=0.0).to(ACC)
+    u = tl.sum(h, axis=0) * x0 + tl.sum(h[:, None] * (xs - x0[None, :]), axis=0)
+    tl.store(u_ptr + t * C + rc, u.to(u_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def postmix_fwd(
+    x_ptr, y_ptr, hpost_ptr, hres_ptr, out_ptr, C,
+    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, EXACT_ROWS: tl.constexpr, ACC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    rj = tl.arange(0, NP)
+    c_ok = rc < C
+    base = x_ptr + t * n * C
+    xs = tl.load(base + rj[:, None] * C + rc[None, :], mask=(rj[:, None] < n) & c_ok[None, :], other=0.0).to(ACC)
+    x0 = tl.load(base + rc, mask=c_ok, other=0.0).to(ACC)
+    dev = xs - x0[None, :]
+    y = tl.load(y_ptr + t * C + rc, mask=c_ok, other=0.0).to(ACC)
+    for i in tl.static_range(n):
+        h = tl.load(hres_ptr + (t * n + i) * n + rj, mask=rj < n, other=0.0)
+        # Newton's rows sum to one by construction: use the exact 1.
+        rows = 1.0 if EXACT_ROWS else tl.sum(h, axis=0)
+        out = rows * x0 + tl.sum(h[:, None] * dev, axis=0) + tl.load(hpost_ptr + t * n + i) * y
+        tl.store(out_ptr + (t * n + i) * C + rc, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def postmix_bwd(
+    dout_ptr, x_ptr, y_ptr, hpost_ptr, dy_ptr, gpost_ptr, gres_ptr, C,
+    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ri = tl.arange(0, NP)
+    i_ok = ri < n
+    hpost = tl.load(hpost_ptr + t * n + ri, mask=i_ok, other=0.0)
+    gpost = tl.zeros((NP, BC), dtype=ACC)
+    gres = tl.zeros((NP, NP, BC), dtype=ACC)
+    for c0 in range(0, C, BC):
+        rc = c0 + tl.arange(0, BC)
+        m = i_ok[:, None] & (rc[None, :] < C)
+        offs = t * n * C + ri[:, None] * C + rc[None, :]
+        d = tl.load(dout_ptr + offs, mask=m, other=0.0).to(ACC)
+        xs = tl.load(x_ptr + offs, mask=m, other=0.0).to(ACC)
+        y = tl.load(y_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
+        tl.store(dy_ptr + t * C + rc, tl.sum(hpost[:, None] * d, axis=0).to(dy_ptr.dtype.element_ty), mask=rc < C)
+        gpost += d * y[None, :]
+        gres += d[:, None, :] * xs[None, :, :]
+    tl.store(gpost_ptr + t * n + ri, tl.sum(gpost, axis=1), mask=i_ok)
+    rj = tl.arange(0, NP)
+    tl.store(gres_ptr + (t * n + ri[:, None]) * n + rj[None, :], tl.sum(gres, axis=2), mask=i_ok[:, None] & (rj[None, :] < n))
+
+
+@triton.jit
+def premix_bwd(du_ptr, x_ptr, gpre_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ri = tl.arange(0, NP)
+    i_ok = ri < n
+    acc = tl.zeros((NP, BC), dtype=ACC)
+    for c0 in range(0, C, BC):
+        rc = c0 + tl.arange(0, BC)
+        xs = tl.load(x_ptr + t * n * C + ri[:, None] * C + rc[None, :], mask=i_ok[:, None] & (rc[None, :] < C), other=0.0)
+        du = tl.load(du_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
+        acc += xs.to(ACC) * du[None, :]
+    tl.store(gpre_ptr + t * n + ri, tl.sum(acc, axis=1), mask=i_ok)
+
+
+@triton.jit
+def stream_grad(
+    dout_ptr, du_ptr, x_ptr, dz_ptr, r_ptr, c2_ptr, phi_ptr, hpre_ptr, hres_ptr, dx_ptr, T, C, Z,
+    n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+    HAS_DU: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    rz = tl.arange(0, ZP)
+    ri = tl.arange(0, NP)
+    m_ok = rm < T
+    c_ok = rc < C
+    mc = m_ok[:, None] & c_ok[None, :]
+    K = n * C
+    tok = rm.to(tl.int64)
+    dz = tl.load(dz_ptr + tok[:, None] * Z + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
+    r = tl.load(r_ptr + rm, mask=m_ok, other=0.0)
+    c2 = tl.load(c2_ptr + rm, mask=m_ok, other=0.0)
+    # dx'[t, i, c] for every stream i: [BM, NP, BC]
+    d_offs = tok[:, None, None] * K + ri[None, :, None] * C + rc[None, None, :]
+    d_mask = mc[:, None, :] & (ri[None, :, None] < n)
+    d = tl.load(dout_ptr + d_offs, mask=d_mask, other=0.0).to(ACC)
+    if HAS_DU:
+        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=mc, other=0.0).to(ACC)
+    for j in tl.static_range(n):
+        w = tl.load(phi_ptr + rz[:, None] * K + j * C + rc[None, :], mask=(rz[:, None] < Z) & c_ok[None, :], other=0.0)
+        g = tl.dot(dz, w, input_precision=PRECISION, out_dtype=ACC)
+        xj = tl.load(x_ptr + tok[:, None] * K + j * C + rc[None, :], mask=mc, other=0.0).to(ACC)
+        acc = r[:, None] * g - c2[:, None] * xj
+        hcol = tl.load(hres_ptr + tok[:, None] * (n * n) + ri[None, :] * n + j, mask=m_ok[:, None] & (ri[None, :] < n), other=0.0)
+        acc += tl.sum(hcol[:, :, None] * d, axis=1)
+        if HAS_DU:
+            acc += tl.load(hpre_ptr + tok * n + j, mask=m_ok, other=0.0)[:, None] * du
+        tl.store(dx_ptr + tok[:, None] * K + j * C + rc[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def phi_grad(
+    dzr_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
+    ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(1)
+    rz = tl.arange(0, ZP)
+    n_ok = rn < K
+    acc = tl.zeros((ZP, BN), dtype=ACC)
+    t_begin = split * tokens_per_split
+    t_end = tl.minimum(t_begin + tokens_per_split, T)
+    for t0 in range(t_begin, t_end, BT):
+        rt = t0 + tl.arange(0, BT)
+        t_ok = rt < t_end
+        a = tl.load(dzr_ptr + rt[None, :] * Z + rz[:, None], mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
+        xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION)
+    tl.store(out_ptr + (split * ZP + rz[:, None]) * K + rn[None, :], acc, mask=n_ok[None, :])
+
+
+def acc_type(dtype):
+    """The ``ACC`` of streams of this torch dtype: float64 for float64, else float32."""
+    import torch
+
+    return tl.float64 if dtype == torch.float64 else tl.float32

@@ -1,0 +1,170 @@
+"""Fused mHC site (mhc.fused, Triton) against the PyTorch MHCBlock.
+
+On CUDA the kernels are compiled; without CUDA they run in Triton's
+interpreter on CPU tensors (tests/conftest.py), so the same comparisons run
+in CI.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import mhc
+from mhc import fused
+
+pytestmark = pytest.mark.skipif(
+    not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton (compiled on CUDA, or its CPU interpreter)",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _blocks(n, C, dtype, seed=0):
+    """A reference block (PyTorch path) and a fused copy with non-trivial coefficients."""
+    torch.manual_seed(seed)
+    branch = nn.Sequential(nn.RMSNorm(C), nn.Linear(C, 2 * C), nn.SiLU(), nn.Linear(2 * C, C))
+    ref = mhc.MHCBlock(branch, C, n, init="paper", fused=False)
+    with torch.no_grad():
+        ref.b_res.normal_(0, 3)
+        ref.b_pre.normal_()
+        ref.b_post.normal_()
+        ref.alpha.copy_(torch.tensor([0.5, 0.7, 2.0]))
+    ref = ref.to(DEVICE)
+    ref.branch.to(dtype)
+    fast = copy.deepcopy(ref)
+    fast.fused = True
+    return ref, fast
+
+
+def _compare(ref, fast, x, tol_out, tol_grad):
+    x_ref = x.detach().clone().requires_grad_()
+    x_fast = x.detach().clone().requires_grad_()
+    out_ref, out_fast = ref(x_ref), fast(x_fast)
+    assert out_fast.dtype == x.dtype and out_fast.shape == x.shape
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fast.backward(g)
+    assert _rel(out_fast, out_ref) < tol_out
+    assert _rel(x_fast.grad, x_ref.grad) < tol_grad
+    for (name, p_ref), (_, p_fast) in zip(ref.named_parameters(), fast.named_parameters()):
+        assert _rel(p_fast.grad, p_ref.grad) < tol_grad, name
+
+
+@pytest.mark.parametrize("n", [4, 8, 3])
+@pytest.mark.parametrize("C", [64, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_site_matches_reference(n, C, dtype):
+    ref, fast = _blocks(n, C, dtype)
+    if DEVICE == "cuda":
+        fast_calls = []
+        orig = fused.mhc_site
+        fused.mhc_site = lambda *a, **k: fast_calls.append(1) or orig(*a, **k)
+    try:
+        x = torch.randn(2, 9, n, C, device=DEVICE).to(dtype)
+        tight = dtype == torch.float32
+        _compare(ref, fast, x, 1e-5 if tight else 1e-2, 1e-4 if tight else 3e-2)
+    finally:
+        if DEVICE == "cuda":
+            fused.mhc_site = orig
+    if DEVICE == "cuda":
+        assert fast_calls, "MHCBlock did not take the fused path on CUDA"
+
+
+def test_fused_site_non_contiguous_and_large_values():
+    n, C = 4, 96
+    ref, fast = _blocks(n, C, torch.float32, seed=1)
+    # [S, B, n, C] viewed as [B, S, n, C]: not contiguous; large magnitudes.
+    x = (torch.randn(7, 3, n, C, device=DEVICE) * 300).transpose(0, 1)
+    assert not x.is_contiguous()
+    _compare(ref, fast, x, 1e-5, 1e-4)
+
+
+def test_fused_site_gradcheck_float64():
+    torch.manual_seed(0)
+    n, C = 3, 8
+    lin = nn.Linear(C, C).double().to(DEVICE)
+    params = [
+        torch.randn(n * n + 2 * n, n * C, dtype=torch.float64, device=DEVICE) * 0.3,
+        torch.tensor([0.5, 0.7, 1.5], dtype=torch.float64, device=DEVICE),
+        torch.randn(n, dtype=torch.float64, device=DEVICE),
+        torch.randn(n, dtype=torch.float64, device=DEVICE),
+        torch.randn(n, n, dtype=torch.float64, device=DEVICE),
+    ]
+    x = torch.randn(2, n, C, dtype=torch.float64, device=DEVICE)
+
+    def site(x, phi, alpha, b_pre, b_post, b_res):
+        return fused.mhc_site(x, lambda u: torch.tanh(lin(u)), phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-12)
+
+    inputs = [t.requires_grad_() for t in (x, *params)]
+    assert torch.autograd.gradcheck(site, inputs, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identity_init_on_identical_streams_is_exact(dtype):
+    """A converted model (φ = 0, identical streams) gives x + F(x) to the bit, as the PyTorch path does."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter truncates float32 -> bfloat16 casts instead of rounding them")
+    C, n = 64, 4
+    torch.manual_seed(0)
+    branch = nn.Sequential(nn.Linear(C, C), nn.GELU()).to(DEVICE, dtype)
+    block = mhc.MHCBlock(branch, C, n, layer_index=2).to(DEVICE)
+    h = torch.randn(3, 5, C, device=DEVICE, dtype=dtype)
+    x = mhc.expand_streams(h, n)
+    out = fused.mhc_site(x, block.branch, block.phi, block.alpha, block.b_pre, block.b_post, block.b_res, norm_eps=1e-6, tol=1e-6)
+    expected = h + branch(h)
+    for i in range(n):
+        assert torch.equal(out[..., i, :], expected)
+
+
+def test_branch_tuple_and_arguments_pass_through():
+    n, C = 4, 32
+    torch.manual_seed(0)
+    lin = nn.Linear(C, C).to(DEVICE)
+    seen = {}
+
+    def branch(u, scale, *, tag):
+        seen["tag"] = tag
+        return lin(u) * scale, "extra"
+
+    block = mhc.MHCBlock(branch, C, n, init="paper").to(DEVICE)
+    x = torch.randn(2, 3, n, C, device=DEVICE)
+    out = fused.mhc_site(x, branch, block.phi, block.alpha, block.b_pre, block.b_post, block.b_res,
+                         norm_eps=1e-6, tol=1e-6, branch_args=(2.0,), branch_kwargs={"tag": "t"})
+    ref = mhc.MHCBlock(branch, C, n, init="paper", fused=False).to(DEVICE)
+    ref.load_state_dict(block.state_dict())
+    expected = ref(x, 2.0, tag="t")
+    assert out[1] == "extra" and seen["tag"] == "t"
+    assert _rel(out[0], expected[0]) < 1e-5
+
+
+def test_bad_inputs_are_rejected():
+    n, C = 4, 16
+    block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
+    args = (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)
+    with pytest.raises(TypeError, match="supports"):
+        fused.mhc_site(torch.zeros(2, n, C, dtype=torch.int32, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="at least one token"):
+        fused.mhc_site(torch.zeros(0, n, C, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="phi must be"):
+        fused.mhc_site(torch.zeros(2, n, C + 1, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="branch returned shape"):
+        fused.mhc_site(torch.zeros(2, n, C, device=DEVICE), lambda u: u[..., :-1], *args, norm_eps=1e-6, tol=1e-6)
+
+
+def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
+    n, C = 4, 16
+    block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
+    assert not block._use_fused(torch.zeros(2, n, C))
+    assert not block._use_fused(torch.zeros(0, n, C, device=DEVICE))
+    assert block._use_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
+    assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE)._use_fused(torch.zeros(2, n, C, device=DEVICE))
+    # An empty batch still works end to end (PyTorch path).
+    assert block(torch.zeros(0, n, C, device=DEVICE)).shape == (0, n, C)
