@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the fused Birkhoff kernels: install, build, smoke test,
-# GPU pytest, benchmark. Logs go to $OUT (or ./gpu_out).
-# Usage: scripts/gpu_check.sh [all|smoke|test|bench] [pytest -k expression]
+# One-shot GPU check: install, build, then the projection kernels (smoke test,
+# GPU pytest, benchmark) or the fused block (stage "block": its tests and
+# scripts/bench_block.py). Logs go to $OUT (or ./gpu_out).
+# Usage: scripts/gpu_check.sh [all|smoke|test|bench|block] [pytest -k expression]
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu_out}
@@ -13,6 +14,17 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 SECONDS=0
 python3 -m mhc.cuda_build >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: ${SECONDS}s"
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" | tee -a "$OUT/env.log"
+
+if [ "$STAGE" = block ]; then
+  SECONDS=0
+  timeout 300 python3 -m pytest -q -rs tests/test_fused_block.py tests/test_block.py ${2:+-k "$2"} 2>&1 | tee "$OUT/pytest_block.log" | tail -15
+  echo "pytest: ${SECONDS}s"
+  SECONDS=0
+  timeout 400 python3 scripts/bench_block.py 2>&1 | tee "$OUT/bench_block.log"
+  echo "bench: ${SECONDS}s"
+  exit 0
+fi
 
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
 import time, torch, mhc
