@@ -35,7 +35,7 @@ import triton.language as tl
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phi_ptr, z_ptr, r_ptr, T, K, Z, eps,
+    x_ptr, phit_ptr, z_ptr, r_ptr, T, K, Z, eps,
     BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -49,8 +49,8 @@ def coeff_fwd(
         xt = tl.load(x_ptr + rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
         xt = xt.to(ACC)
         sumsq += tl.sum(xt * xt, axis=1)
-        w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rz[None, :] < Z), other=0.0)
-        acc = tl.dot(xt, w, acc, input_precision=PRECISION)
+        w = tl.load(phit_ptr + rk[:, None] * ZP + rz[None, :], mask=rk[:, None] < K, other=0.0)
+        acc = tl.dot(xt, w, acc, input_precision=PRECISION, out_dtype=ACC)
     r = tl.rsqrt(sumsq / K + eps)
     tl.store(z_ptr + rm[:, None] * Z + rz[None, :], acc * r[:, None], mask=row_ok[:, None] & (rz[None, :] < Z))
     tl.store(r_ptr + rm, r, mask=row_ok)
@@ -97,25 +97,26 @@ def postmix_bwd(
     dout_ptr, x_ptr, y_ptr, hpost_ptr, dy_ptr, gpost_ptr, gres_ptr, C,
     n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
+    # Everything is loaded straight into the 3-d layout of the [i, j, c]
+    # products, so that no register layout has to be converted in the loop.
     t = tl.program_id(0).to(tl.int64)
-    ri = tl.arange(0, NP)
-    i_ok = ri < n
-    hpost = tl.load(hpost_ptr + t * n + ri, mask=i_ok, other=0.0)
-    gpost = tl.zeros((NP, BC), dtype=ACC)
+    ri = tl.arange(0, NP)[:, None, None]
+    rj = tl.arange(0, NP)[None, :, None]
+    hpost = tl.load(hpost_ptr + t * n + ri, mask=ri < n, other=0.0)
     gres = tl.zeros((NP, NP, BC), dtype=ACC)
+    gpost = tl.zeros((NP, 1, BC), dtype=ACC)
     for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
-        m = i_ok[:, None] & (rc[None, :] < C)
-        offs = t * n * C + ri[:, None] * C + rc[None, :]
-        d = tl.load(dout_ptr + offs, mask=m, other=0.0).to(ACC)
-        xs = tl.load(x_ptr + offs, mask=m, other=0.0).to(ACC)
-        y = tl.load(y_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
-        tl.store(dy_ptr + t * C + rc, tl.sum(hpost[:, None] * d, axis=0).to(dy_ptr.dtype.element_ty), mask=rc < C)
-        gpost += d * y[None, :]
-        gres += d[:, None, :] * xs[None, :, :]
-    tl.store(gpost_ptr + t * n + ri, tl.sum(gpost, axis=1), mask=i_ok)
-    rj = tl.arange(0, NP)
-    tl.store(gres_ptr + (t * n + ri[:, None]) * n + rj[None, :], tl.sum(gres, axis=2), mask=i_ok[:, None] & (rj[None, :] < n))
+        rc = c0 + tl.arange(0, BC)[None, None, :]
+        c_ok = rc < C
+        d = tl.load(dout_ptr + t * n * C + ri * C + rc, mask=(ri < n) & c_ok, other=0.0).to(ACC)
+        xs = tl.load(x_ptr + t * n * C + rj * C + rc, mask=(rj < n) & c_ok, other=0.0).to(ACC)
+        y = tl.load(y_ptr + t * C + rc, mask=c_ok, other=0.0).to(ACC)
+        dy = tl.sum(hpost * d, axis=0, keep_dims=True)
+        tl.store(dy_ptr + t * C + rc, dy.to(dy_ptr.dtype.element_ty), mask=c_ok)
+        gpost += d * y
+        gres += d * xs
+    tl.store(gpost_ptr + t * n + ri, tl.sum(gpost, axis=2, keep_dims=True), mask=ri < n)
+    tl.store(gres_ptr + (t * n + ri) * n + rj, tl.sum(gres, axis=2, keep_dims=True), mask=(ri < n) & (rj < n))
 
 
 @triton.jit
@@ -161,8 +162,9 @@ def stream_grad(
         g = tl.dot(dz, w, input_precision=PRECISION, out_dtype=ACC)
         xj = tl.load(x_ptr + tok[:, None] * K + j * C + rc[None, :], mask=mc, other=0.0).to(ACC)
         acc = r[:, None] * g - c2[:, None] * xj
-        hcol = tl.load(hres_ptr + tok[:, None] * (n * n) + ri[None, :] * n + j, mask=m_ok[:, None] & (ri[None, :] < n), other=0.0)
-        acc += tl.sum(hcol[:, :, None] * d, axis=1)
+        hcol = tl.load(hres_ptr + tok[:, None, None] * (n * n) + ri[None, :, None] * n + j,
+                       mask=m_ok[:, None, None] & (ri[None, :, None] < n), other=0.0)
+        acc += tl.sum(hcol * d, axis=1)
         if HAS_DU:
             acc += tl.load(hpre_ptr + tok * n + j, mask=m_ok, other=0.0)[:, None] * du
         tl.store(dx_ptr + tok[:, None] * K + j * C + rc[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mc)
@@ -185,7 +187,7 @@ def phi_grad(
         t_ok = rt < t_end
         a = tl.load(dzr_ptr + rt[None, :] * Z + rz[:, None], mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
         xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION)
+        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     tl.store(out_ptr + (split * ZP + rz[:, None]) * K + rn[None, :], acc, mask=n_ok[None, :])
 
 
