@@ -103,7 +103,8 @@ class _Coefficients(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # d/dx of z = r·x φᵀ: r·(dz φ) − r³·x·⟨dz φ, x⟩/K, and ⟨dz φ, x⟩ = ⟨dz, z⟩/r.
             c2 = (dz * z).sum(-1) * r * r / K
-            d_out = state.d_out.contiguous()
+            # No dx' when the site's output took no part in the loss (only z did).
+            d_out = state.d_out.contiguous() if state.d_out is not None else torch.zeros_like(x)
             has_du = state.d_u is not None
             d_u = state.d_u.contiguous() if has_du else d_out
             dx = torch.empty_like(x)
