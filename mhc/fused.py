@@ -4,23 +4,24 @@
 importable; the PyTorch code in :mod:`mhc.block` stays the reference and the
 CPU implementation. The kernels are in :mod:`mhc.fused_kernels`.
 
-The site is three autograd nodes around the sublayer ``F``::
+The site is two autograd nodes around the sublayer ``F`` (plus the
+projection's own)::
 
-    z      = _Coefficients(x)              # RMSNorm(x_flat) φᵀ, [T, n²+2n] fp32
-    H_*    = σ / 2σ / birkhoff_project(z)  # tiny per-token ops, plain autograd
-    u      = _PreMix(x, H_pre)
-    y      = F(u)
-    x'     = _PostMix(x, y, H_post, H_res)
+    u, H_post, R = _SitePre(x, φ, α, b)     # RMSNorm(x_flat) φᵀ, σ / 2σ, Σ H_pre[i] x_i
+    H_res        = birkhoff_project(R)
+    y            = F(u)
+    x'           = _PostMix(x, y, H_post, H_res)
 
-Backward order is fixed by the graph: ``_PostMix``, ``F``, ``_PreMix``,
-the coefficient ops, ``_Coefficients``. The two mixes return no gradient for
-``x``; they leave ``dx'`` and ``du`` in a per-call :class:`_SiteState`, and
-``_Coefficients`` writes the whole ``dx`` in one pass (three separate
-gradients would cost two extra reads and writes of the streams to add up).
-Double backward is not supported.
+Backward order is fixed by the graph: ``_PostMix``, ``F`` and the
+projection, then ``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it
+leaves ``dx'`` in a per-call :class:`_SiteState`, and ``_SitePre`` writes the
+whole ``dx`` in one pass (separate gradients would cost extra reads and
+writes of the streams to add up). Double backward is not supported.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -51,6 +52,13 @@ def _pow2(v: int, lo: int = 1) -> int:
     return max(lo, 1 << (int(v) - 1).bit_length())
 
 
+@functools.cache
+def _column_groups(n: int, device: torch.device) -> Tensor:
+    """Which α scales each column of ``z``: 0 for H_pre's n, 1 for H_post's n, 2 for R's n²."""
+    # Cached: building it per call would be a blocking host-to-device copy.
+    return torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
+
+
 def _coef_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -63,17 +71,25 @@ def _numerics(x: Tensor) -> dict:
 
 
 class _SiteState:
-    """What the three nodes of one call share in backward (detached tensors)."""
+    """What the two nodes of one call share in backward (detached tensors)."""
 
-    __slots__ = ("h_pre", "h_res", "d_out", "d_u")
+    __slots__ = ("h_res", "d_out")
 
     def __init__(self):
-        self.h_pre = self.h_res = self.d_out = self.d_u = None
+        self.h_res = self.d_out = None
 
 
-class _Coefficients(torch.autograd.Function):
+class _SitePre(torch.autograd.Function):
+    """Streams and coefficient parameters -> ``(u, H_post, R)``; ``H_res = Π_B(exp(R))`` is taken outside.
+
+    One node for the norm, ``φ``, the σ / 2σ activations and the pre-mix, so
+    that a site costs a few host-side launches instead of a graph of small ops.
+    The activations are the same PyTorch ops as :meth:`mhc.MHCBlock.coefficients`
+    (so ``φ = 0`` reproduces them bit for bit), run without autograd.
+    """
+
     @staticmethod
-    def forward(ctx, x: Tensor, phi: Tensor, eps: float, state: _SiteState) -> Tensor:
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, state: _SiteState):
         T, n, C = x.shape
         K, Z = n * C, phi.shape[0]
         ZP = _pow2(Z, 16)
@@ -83,35 +99,53 @@ class _Coefficients(torch.autograd.Function):
         phit = phi.new_zeros((K, ZP))
         phit[:, :Z] = phi.t()
         BM, BK = 64, 64
-        _k.coeff_fwd[(_cdiv(T, BM),)](
-            x, phit, z, r, T, K, Z, eps, BM=BM, BK=BK, ZP=ZP, **_numerics(x),
-        )
-        ctx.save_for_backward(x, phi, z, r)
+        _k.coeff_fwd[(_cdiv(T, BM),)](x, phit, z, r, T, K, Z, eps, BM=BM, BK=BK, ZP=ZP, **_numerics(x))
+
+        # Per-column α and bias: columns [0, n) are H_pre's, [n, 2n) H_post's, the rest R's.
+        group = _column_groups(n, x.device)
+        scale = alpha.index_select(0, group)
+        v = z * scale + torch.cat([b_pre, b_post, b_res.reshape(-1)])
+        h_pre = torch.sigmoid(v[:, :n])
+        h_post = 2 * torch.sigmoid(v[:, n : 2 * n])
+        R = v[:, 2 * n :].reshape(T, n, n)
+
+        u = x.new_empty((T, C))
+        BC = min(4096 // _pow2(n), _pow2(C, 16))
+        _k.premix_fwd[(T, _cdiv(C, BC))](x, h_pre, u, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(x, phi, z, r, h_pre, h_post, group, scale)
         ctx.state = state
-        return z
+        return u, h_post, R
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dz: Tensor):
-        x, phi, z, r = ctx.saved_tensors
+    def backward(ctx, du, d_post, dR):
+        x, phi, z, r, h_pre, h_post, group, scale = ctx.saved_tensors
         state: _SiteState = ctx.state
         T, n, C = x.shape
         K, Z = n * C, phi.shape[0]
-        dz = dz.contiguous()
         ZP = _pow2(Z, 16)
+        du = du.contiguous()
+        g_pre = x.new_empty((T, n), dtype=z.dtype)
+        _k.premix_bwd[(T,)](du, x, g_pre, C, n=n, NP=_pow2(n), BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype))
+        # Back through σ, 2σ and the affine map v = α·z + b.
+        dv = torch.cat([g_pre * h_pre * (1 - h_pre), d_post * h_post * (1 - 0.5 * h_post), dR.reshape(T, n * n)], 1)
+        d_alpha = None
+        if ctx.needs_input_grad[2]:
+            d_alpha = scale.new_zeros(3).index_add_(0, group, (dv * z).sum(0))
+        db_pre, db_post, db_res = dv.sum(0).split([n, n, n * n])
+        dz = dv * scale
+
         dx = dphi = None
         if ctx.needs_input_grad[0]:
             # d/dx of z = r·x φᵀ: r·(dz φ) − r³·x·⟨dz φ, x⟩/K, and ⟨dz φ, x⟩ = ⟨dz, z⟩/r.
             c2 = (dz * z).sum(-1) * r * r / K
-            # No dx' when the site's output took no part in the loss (only z did).
+            # No dx' when the site's output took no part in the loss (only H_post / R did).
             d_out = state.d_out.contiguous() if state.d_out is not None else torch.zeros_like(x)
-            has_du = state.d_u is not None
-            d_u = state.d_u.contiguous() if has_du else d_out
             dx = torch.empty_like(x)
             BM, BC = 16, 64
             _k.stream_grad[(_cdiv(T, BM), _cdiv(C, BC))](
-                d_out, d_u, x, dz, r, c2, phi, state.h_pre, state.h_res, dx, T, C, Z,
-                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, HAS_DU=has_du, **_numerics(x),
+                d_out, du, x, dz, r, c2, phi, h_pre, state.h_res, dx, T, C, Z,
+                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, HAS_DU=True, **_numerics(x),
             )
         if ctx.needs_input_grad[1]:
             dzr = dz * r[:, None]
@@ -119,38 +153,11 @@ class _Coefficients(torch.autograd.Function):
             splits = max(1, min(16, T // 1024))
             per = _cdiv(_cdiv(T, splits), BT) * BT
             splits = _cdiv(T, per)
-            part = x.new_empty((splits, ZP, K), dtype=_coef_dtype(x))
-            _k.phi_grad[(_cdiv(K, BN), splits)](
-                dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x),
-            )
+            part = x.new_empty((splits, ZP, K), dtype=z.dtype)
+            _k.phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
             dphi = part.sum(0)[:Z]
-        state.d_out = state.d_u = None
-        return dx, dphi, None, None
-
-
-class _PreMix(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, h_pre: Tensor, state: _SiteState) -> Tensor:
-        T, n, C = x.shape
-        h_pre = h_pre.contiguous()
-        u = x.new_empty((T, C))
-        BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _k.premix_fwd[(T, _cdiv(C, BC))](x, h_pre, u, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        state.h_pre = h_pre.detach()
-        ctx.save_for_backward(x)
-        ctx.state = state
-        return u
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, du: Tensor):
-        (x,) = ctx.saved_tensors
-        T, n, C = x.shape
-        du = du.contiguous()
-        g_pre = x.new_empty((T, n), dtype=_coef_dtype(x))
-        _k.premix_bwd[(T,)](du, x, g_pre, C, n=n, NP=_pow2(n), BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype))
-        ctx.state.d_u = du
-        return None, g_pre, None
+        state.d_out = None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res.reshape(n, n), None, None
 
 
 class _PostMix(torch.autograd.Function):
@@ -239,14 +246,11 @@ def mhc_site(
     T = xs.shape[0]
     cdt = _coef_dtype(x)
     state = _SiteState()
-    z = _Coefficients.apply(xs, phi.to(cdt).contiguous(), float(norm_eps), state)
-    pre, post, res = z.split([n, n, n * n], dim=-1)
-    a_pre, a_post, a_res = alpha.to(cdt)
-    b_pre, b_post, b_res = b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt)
-    H_pre = torch.sigmoid(a_pre * pre + b_pre)
-    H_post = 2 * torch.sigmoid(a_post * post + b_post)
-    H_res = birkhoff_project(a_res * res.reshape(T, n, n) + b_res, tol=tol, method=projection, iters=sinkhorn_iters)
-    u = _PreMix.apply(xs, H_pre, state)
+    u, H_post, R = _SitePre.apply(
+        xs, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt),
+        float(norm_eps), state,
+    )
+    H_res = birkhoff_project(R, tol=tol, method=projection, iters=sinkhorn_iters)
 
     out = branch(u.reshape(*lead, C), *branch_args, **(branch_kwargs or {}))
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
