@@ -52,16 +52,6 @@ def _pow2(v: int, lo: int = 1) -> int:
     return max(lo, 1 << (int(v) - 1).bit_length())
 
 
-# Coefficient GEMM tiles, and how many programs split n·C so that a small
-# batch still fills the GPU (measured on the H200: notes/block_benchmarks.md).
-_COEFF_BM, _COEFF_BK = 64, 64
-_COEFF_SPLIT_TARGET = 1024  # programs
-
-
-def _coeff_splits(T: int, K: int) -> int:
-    return max(1, min(_COEFF_SPLIT_TARGET // _cdiv(T, _COEFF_BM), K // (4 * _COEFF_BK)))
-
-
 @functools.cache
 def _column_groups(n: int, device: torch.device) -> Tensor:
     """Which α scales each column of ``z``: 0 for H_pre's n, 1 for H_post's n, 2 for R's n²."""
@@ -103,17 +93,12 @@ class _SitePre(torch.autograd.Function):
         T, n, C = x.shape
         K, Z = n * C, phi.shape[0]
         ZP = _pow2(Z, 16)
-        # φ as [K, ZP], zero-padded: the kernel's tiles are then contiguous rows.
-        phit = phi.new_zeros((K, ZP))
-        phit[:, :Z] = phi.t()
-        BM, BK, splits = _COEFF_BM, _COEFF_BK, _coeff_splits(T, K)
-        per = _cdiv(_cdiv(K, splits), BK) * BK
-        splits = _cdiv(K, per)
-        acc = x.new_empty((splits, T, ZP), dtype=_coef_dtype(x))
-        sumsq = x.new_empty((splits, T), dtype=_coef_dtype(x))
-        _k.coeff_fwd[(_cdiv(T, BM), splits)](x, phit, acc, sumsq, T, K, per, BM=BM, BK=BK, ZP=ZP, **_numerics(x))
-        r = torch.rsqrt(sumsq.sum(0) / K + eps)
-        z = acc.sum(0)[:, :Z] * r[:, None]
+        z = x.new_empty((T, Z), dtype=_coef_dtype(x))
+        r = x.new_empty((T,), dtype=_coef_dtype(x))
+        # Measured on the H200 (n=4, C=2048): neither other tile shapes nor a split
+        # over n·C beat 64 x 64 tiles (notes/block_benchmarks.md).
+        BM, BK = 64, 64
+        _k.coeff_fwd[(_cdiv(T, BM),)](x, phi, z, r, T, K, Z, eps, BM=BM, BK=BK, ZP=ZP, **_numerics(x))
 
         # Per-column α and bias: columns [0, n) are H_pre's, [n, 2n) H_post's, the rest R's.
         group = _column_groups(n, x.device)
