@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from . import fused
 from .projection import birkhoff_project
@@ -111,6 +112,10 @@ class MHCBlock(nn.Module):
             kernels of :mod:`mhc.fused` (fewer passes over the streams, same
             maths); ``False`` keeps the PyTorch path everywhere. CPU streams
             always take the PyTorch path.
+        recompute: keep only the block's inputs (the streams and the branch's
+            arguments) for backward and run the site's forward again there,
+            ``F`` included (``torch.utils.checkpoint``, non-reentrant): less
+            memory for one more forward.
 
     Shapes:
         ``forward(x: [..., n, C], *args, **kwargs) -> [..., n, C]`` (or a tuple
@@ -132,6 +137,7 @@ class MHCBlock(nn.Module):
         tol: float = 1e-6,
         sinkhorn_iters: int = 20,
         fused: bool = True,
+        recompute: bool = False,
     ):
         super().__init__()
         check_options(mode, init, projection)
@@ -149,6 +155,7 @@ class MHCBlock(nn.Module):
         self.sinkhorn_iters = sinkhorn_iters
         self.alpha_init = alpha_init
         self.fused = fused
+        self.recompute = recompute
         if mode == "residual":
             return
 
@@ -235,6 +242,11 @@ class MHCBlock(nn.Module):
 
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._site, x, *args, use_reentrant=False, **kwargs)
+        return self._site(x, *args, **kwargs)
+
+    def _site(self, x: Tensor, *args, **kwargs):
         if self._use_fused(x):
             return fused.mhc_site(
                 x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
@@ -287,4 +299,6 @@ class MHCBlock(nn.Module):
             s += f", init={self.init!r}, layer_index={self.layer_index}, projection={self.projection!r}"
         if self.mode == "mhc" and not self.fused:
             s += ", fused=False"
+        if self.recompute:
+            s += ", recompute=True"
         return s

@@ -93,6 +93,8 @@ class MHCConfig(_BaseConfig):
         tol: Newton tolerance on the marginal error.
         sinkhorn_iters: steps for ``projection="sinkhorn"``.
         fused: run CUDA streams on the fused Triton kernels (``MHCBlock(fused=...)``).
+        recompute: each site keeps only its inputs for backward and runs its
+            forward again there (``MHCBlock(recompute=...)``).
         alpha_init: initial dynamic scale ``α``.
         norm_eps: epsilon of the coefficient RMSNorm.
         expand: how the embedding enters the streams; ``"copy"`` (the only
@@ -113,6 +115,7 @@ class MHCConfig(_BaseConfig):
         tol: float = 1e-6,
         sinkhorn_iters: int = 20,
         fused: bool = True,
+        recompute: bool = False,
         alpha_init: float = 0.01,
         norm_eps: float = 1e-6,
         expand: str = "copy",
@@ -147,6 +150,7 @@ class MHCConfig(_BaseConfig):
         self.tol = float(tol)
         self.sinkhorn_iters = int(sinkhorn_iters)
         self.fused = bool(fused)
+        self.recompute = bool(recompute)
         self.alpha_init = float(alpha_init)
         self.norm_eps = float(norm_eps)
         self.expand = expand
@@ -202,6 +206,7 @@ def _block_options(config: MHCConfig) -> dict[str, Any]:
         tol=config.tol,
         sinkhorn_iters=config.sinkhorn_iters,
         fused=config.fused,
+        recompute=config.recompute,
     )
 
 

@@ -186,3 +186,31 @@ def test_extra_repr_and_sinkhorn_option():
     text = repr(block)
     assert "n_streams=4" in text and "mode='mhc'" in text and "projection='sinkhorn'" in text
     assert block(torch.randn(2, 4, C)).shape == (2, 4, C)
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_recompute_matches_and_reruns_the_branch(mode):
+    torch.manual_seed(0)
+    C, n = 24, 4
+    calls = []
+    lin = nn.Linear(C, C)
+
+    def branch(u):
+        calls.append(1)
+        return torch.tanh(lin(u))
+
+    plain = MHCBlock(branch, C, n, mode=mode, init="paper")
+    again = MHCBlock(branch, C, n, mode=mode, init="paper", recompute=True)
+    again.load_state_dict(plain.state_dict())
+    assert "recompute=True" in repr(again)
+    x = torch.randn(3, 5, n, C)
+    grads = []
+    for block in (plain, again):
+        calls.clear()
+        xg = x.clone().requires_grad_()
+        block(xg).square().sum().backward()
+        grads.append((xg.grad, *[p.grad.clone() for p in block.parameters(recurse=False)]))
+        assert len(calls) == (2 if block.recompute else 1)
+        lin.zero_grad()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
