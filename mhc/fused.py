@@ -104,7 +104,7 @@ class _SitePre(torch.autograd.Function):
         group = _column_groups(n, x.device)
         scale = alpha.index_select(0, group)
         v = z * scale + torch.cat([b_pre, b_post, b_res.reshape(-1)])
-        h_pre = torch.sigmoid(v[:, :n])
+        h_pre = torch.sigmoid(v[:, :n]).contiguous()  # the pre-mix kernel reads it as [T, n]
         h_post = 2 * torch.sigmoid(v[:, n : 2 * n])
         R = v[:, 2 * n :].reshape(T, n, n)
 
@@ -144,7 +144,7 @@ class _SitePre(torch.autograd.Function):
             BM, BC = 16, 64
             _k.stream_grad[(_cdiv(T, BM), _cdiv(C, BC))](
                 d_out, du, x, dz, r, c2, phi, h_pre, state.h_res, dx, T, C, Z,
-                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, HAS_DU=True, **_numerics(x),
+                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, **_numerics(x),
             )
         if ctx.needs_input_grad[1]:
             dzr = dz * r[:, None]

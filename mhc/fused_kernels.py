@@ -138,7 +138,7 @@ def premix_bwd(du_ptr, x_ptr, gpre_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC
 def stream_grad(
     dout_ptr, du_ptr, x_ptr, dz_ptr, r_ptr, c2_ptr, phi_ptr, hpre_ptr, hres_ptr, dx_ptr, T, C, Z,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    HAS_DU: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -156,8 +156,7 @@ def stream_grad(
     d_offs = tok[:, None, None] * K + ri[None, :, None] * C + rc[None, None, :]
     d_mask = mc[:, None, :] & (ri[None, :, None] < n)
     d = tl.load(dout_ptr + d_offs, mask=d_mask, other=0.0).to(ACC)
-    if HAS_DU:
-        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=mc, other=0.0).to(ACC)
+    du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=mc, other=0.0).to(ACC)
     for j in tl.static_range(n):
         w = tl.load(phi_ptr + rz[:, None] * K + j * C + rc[None, :], mask=(rz[:, None] < Z) & c_ok[None, :], other=0.0)
         g = tl.dot(dz, w, input_precision=PRECISION, out_dtype=ACC)
@@ -166,8 +165,7 @@ def stream_grad(
         hcol = tl.load(hres_ptr + tok[:, None, None] * (n * n) + ri[None, :, None] * n + j,
                        mask=m_ok[:, None, None] & (ri[None, :, None] < n), other=0.0)
         acc += tl.sum(hcol * d, axis=1)
-        if HAS_DU:
-            acc += tl.load(hpre_ptr + tok * n + j, mask=m_ok, other=0.0)[:, None] * du
+        acc += tl.load(hpre_ptr + tok * n + j, mask=m_ok, other=0.0)[:, None] * du
         tl.store(dx_ptr + tok[:, None] * K + j * C + rc[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mc)
 
 
