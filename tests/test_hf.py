@@ -403,3 +403,26 @@ def test_output_attentions_eager():
     assert len(out) == len(ref) == 2
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_recompute_option_same_gradients_and_saved(arch, tmp_path):
+    """MHCConfig(recompute=True) reaches every block, survives save/load and leaves gradients unchanged."""
+    x = ids(batch=2, seq=8)
+    grads = []
+    for recompute in (False, True):
+        model = convert_to_mhc(tiny_base(arch), n_streams=4, recompute=recompute, fused=not recompute)
+        perturb_mhc(model)
+        model.train()
+        blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+        assert blocks and all(b.recompute == recompute and b.fused == (not recompute) for b in blocks)
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, again = grads
+    assert plain.keys() == again.keys()
+    for name in plain:
+        torch.testing.assert_close(again[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    model.save_pretrained(tmp_path)
+    loaded = MHCForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.recompute is True and loaded.config.fused is False
+    assert all(b.recompute for b in loaded.modules() if isinstance(b, MHCBlock))
