@@ -29,6 +29,7 @@ on CPU tensors (the tests do, on machines without CUDA).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -190,8 +191,6 @@ def phi_grad(
     tl.store(out_ptr + (split * ZP + rz[:, None]) * K + rn[None, :], acc, mask=n_ok[None, :])
 
 
-def acc_type(dtype):
+def acc_type(dtype: torch.dtype):
     """The ``ACC`` of streams of this torch dtype: float64 for float64, else float32."""
-    import torch
-
     return tl.float64 if dtype == torch.float64 else tl.float32
