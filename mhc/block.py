@@ -108,10 +108,10 @@ class MHCBlock(nn.Module):
         projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
         tol: tolerance of the Newton projection.
         sinkhorn_iters: steps for ``projection="sinkhorn"``.
-        fused: with ``mode="mhc"``, run CUDA streams on the fused Triton
-            kernels of :mod:`mhc.fused` (fewer passes over the streams, same
-            maths); ``False`` keeps the PyTorch path everywhere. CPU streams
-            always take the PyTorch path.
+        fused: with ``mode="mhc"`` and ``projection="newton"``, run CUDA
+            streams on the fused Triton kernels of :mod:`mhc.fused` (fewer
+            passes over the streams, same maths); ``False`` keeps the PyTorch
+            path everywhere. CPU streams always take the PyTorch path.
         recompute: keep only the block's inputs (the streams and the branch's
             arguments) for backward and run the site's forward again there,
             ``F`` included (``torch.utils.checkpoint``, non-reentrant): less
@@ -250,8 +250,7 @@ class MHCBlock(nn.Module):
         if self._use_fused(x):
             return fused.mhc_site(
                 x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
-                norm_eps=self.norm_eps, tol=self.tol, projection=self.projection,
-                sinkhorn_iters=self.sinkhorn_iters, branch_args=args, branch_kwargs=kwargs,
+                norm_eps=self.norm_eps, tol=self.tol, branch_args=args, branch_kwargs=kwargs,
             )
         H_pre, H_post, H_res = self.coefficients(x)
         # The mixes are written around stream 0: Σ_i h_i x_i = (Σ_i h_i) x_0 +
@@ -283,6 +282,7 @@ class MHCBlock(nn.Module):
         return (
             self.fused
             and self.mode == "mhc"
+            and self.projection == "newton"
             and x.is_cuda
             and x.dtype in fused.SUPPORTED_DTYPES
             and x.numel() > 0

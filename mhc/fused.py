@@ -1,22 +1,27 @@
 """Fused mHC site for CUDA: the streams are read and written in a few passes.
 
-:class:`mhc.MHCBlock` (``mode="mhc"``) sends CUDA streams here when Triton is
-importable; the PyTorch code in :mod:`mhc.block` stays the reference and the
-CPU implementation. The kernels are in :mod:`mhc.fused_kernels`.
+:class:`mhc.MHCBlock` (``mode="mhc"``, Newton projection) sends CUDA streams
+here when Triton is importable; the PyTorch code in :mod:`mhc.block` stays
+the reference and the CPU implementation. The kernels are in
+:mod:`mhc.fused_kernels`.
 
-The site is two autograd nodes around the sublayer ``F`` (plus the
-projection's own)::
+The site is two autograd nodes around the sublayer ``F``::
 
-    u, H_post, R = _SitePre(x, φ, α, b)     # RMSNorm(x_flat) φᵀ, σ / 2σ, Σ H_pre[i] x_i
-    H_res        = birkhoff_project(R)
-    y            = F(u)
-    x'           = _PostMix(x, y, H_post, H_res)
+    u, H_post, H_res = _SitePre(x, φ, α, b)   # RMSNorm(x_flat) φᵀ, σ / 2σ, Π_B(exp(·)), Σ H_pre[i] x_i
+    y                = F(u)
+    x'               = _PostMix(x, y, H_post, H_res)
 
-Backward order is fixed by the graph: ``_PostMix``, ``F`` and the
-projection, then ``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it
-leaves ``dx'`` in a per-call :class:`_SiteState`, and ``_SitePre`` writes the
-whole ``dx`` in one pass (separate gradients would cost extra reads and
-writes of the streams to add up). Double backward is not supported.
+Few nodes and few host-side launches matter as much as the kernels: at the
+width of a ~125M model a site is bound by its launch overhead, not by the GPU
+(notes/block_benchmarks.md). So the projection runs inside ``_SitePre`` (its
+implicit backward needs only ``H_res``), and each backward is one kernel per
+memory pass plus a couple of small reductions.
+
+Backward order is fixed by the graph: ``_PostMix``, ``F``, then
+``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it leaves ``dx'``
+in a per-call :class:`_SiteState`, and ``_SitePre`` writes the whole ``dx``
+in one pass (separate gradients would cost extra reads and writes of the
+streams to add up). Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .projection import birkhoff_project
+from .projection import birkhoff_project, newton_grad
 
 __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
@@ -37,6 +42,67 @@ try:
     from . import fused_kernels as _k
 except ImportError:  # no Triton (CPU-only PyTorch builds)
     _k = None
+
+
+def _arg_key(a):
+    # What Triton specializes a compiled variant on: dtypes, 16-byte alignment of
+    # pointers, and integers equal to 1, divisible by 16 or beyond int32.
+    if isinstance(a, Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int):
+        return int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+    return type(a)
+
+
+class _Launcher:
+    """``launcher[grid](*args, **constexprs)`` for one Triton kernel, with less host time per call.
+
+    ``kernel[grid](...)`` binds and specializes every argument again on each
+    call (15-40 µs of host time on the H200's host, measured); a site makes
+    seven launches per step, and at the width of a ~125M model host time, not
+    the GPU, sets the step time. The compiled variant depends only on the
+    constexprs, the current device and :func:`_arg_key` of each argument, so
+    after Triton's own first launch of a variant this keeps it and makes the
+    call Triton would make (launch hooks included). Positional arguments must
+    be the kernel's leading (runtime) parameters and the keywords its
+    constexprs (plus launch options such as ``num_warps``). Under Triton's
+    interpreter every call takes Triton's own path.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.variants = {}
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **meta):
+        if not args[0].is_cuda:  # Triton's interpreter, on CPU tensors
+            self.kernel[grid](*args, **meta)
+            return
+        key = (torch.cuda.current_device(), tuple(meta.items()), tuple(map(_arg_key, args)))
+        hit = self.variants.get(key)
+        if hit is None:
+            compiled = self.kernel[grid](*args, **meta)
+            # Triton before its `knobs` module is not handled.
+            if getattr(compiled, "function", None) is not None and hasattr(_k.triton, "knobs"):
+                self.variants[key] = (compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
+            return
+        compiled, constexprs = hit
+        full = (*args, *constexprs)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        stream = torch.cuda.current_stream().cuda_stream
+        runtime = _k.triton.knobs.runtime
+        compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
+                     runtime.launch_exit_hook, *full)
+
+
+if _k is not None:
+    _coeff_fwd, _premix_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = map(
+        _Launcher,
+        (_k.coeff_fwd, _k.premix_fwd, _k.postmix_fwd, _k.postmix_bwd, _k.coeff_bwd, _k.stream_grad, _k.phi_grad),
+    )
 
 
 def available() -> bool:
@@ -53,10 +119,11 @@ def _pow2(v: int, lo: int = 1) -> int:
 
 
 @functools.cache
-def _column_groups(n: int, device: torch.device) -> Tensor:
-    """Which α scales each column of ``z``: 0 for H_pre's n, 1 for H_post's n, 2 for R's n²."""
+def _column_groups(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[Z, 3]`` one-hot: which α scales each column of ``z`` (H_pre's n, H_post's n, R's n²)."""
     # Cached: building it per call would be a blocking host-to-device copy.
-    return torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
+    group = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
+    return torch.nn.functional.one_hot(group, 3).to(dtype)
 
 
 def _coef_dtype(x: Tensor) -> torch.dtype:
@@ -71,107 +138,107 @@ def _numerics(x: Tensor) -> dict:
 
 
 class _SiteState:
-    """What the two nodes of one call share in backward (detached tensors)."""
+    """What ``_PostMix`` hands to ``_SitePre`` in backward: ``dx'`` (detached)."""
 
-    __slots__ = ("h_res", "d_out")
+    __slots__ = ("d_out",)
 
     def __init__(self):
-        self.h_res = self.d_out = None
+        self.d_out = None
 
 
 class _SitePre(torch.autograd.Function):
-    """Streams and coefficient parameters -> ``(u, H_post, R)``; ``H_res = Π_B(exp(R))`` is taken outside.
+    """Streams and coefficient parameters -> ``(u, H_post, H_res)``.
 
-    One node for the norm, ``φ``, the σ / 2σ activations and the pre-mix, so
-    that a site costs a few host-side launches instead of a graph of small ops.
-    The activations are the same PyTorch ops as :meth:`mhc.MHCBlock.coefficients`
-    (so ``φ = 0`` reproduces them bit for bit), run without autograd.
+    One node for the norm, ``φ``, the σ / 2σ activations, the projection and
+    the pre-mix. σ is PyTorch's (so ``φ = 0`` reproduces
+    :meth:`mhc.MHCBlock.coefficients` bit for bit), run without autograd.
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, state: _SiteState):
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, state: _SiteState):
         T, n, C = x.shape
-        K, Z = n * C, phi.shape[0]
-        ZP = _pow2(Z, 16)
-        z = x.new_empty((T, Z), dtype=_coef_dtype(x))
-        r = x.new_empty((T,), dtype=_coef_dtype(x))
+        cdt = _coef_dtype(x)
+        z = x.new_empty((T, n * n + 2 * n), dtype=cdt)
+        r = x.new_empty((T,), dtype=cdt)
+        v = x.new_empty((T, 2 * n), dtype=cdt)  # α·z + b of H_pre's and H_post's columns
+        R = x.new_empty((T, n, n), dtype=cdt)  # ... and of R's
         # Measured on the H200 (n=4, C=2048): neither other tile shapes nor a split
         # over n·C beat 64 x 64 tiles (notes/block_benchmarks.md).
         BM, BK = 64, 64
-        _k.coeff_fwd[(_cdiv(T, BM),)](x, phi, z, r, T, K, Z, eps, BM=BM, BK=BK, ZP=ZP, **_numerics(x))
-
-        # Per-column α and bias: columns [0, n) are H_pre's, [n, 2n) H_post's, the rest R's.
-        group = _column_groups(n, x.device)
-        scale = alpha.index_select(0, group)
-        v = z * scale + torch.cat([b_pre, b_post, b_res.reshape(-1)])
-        h_pre = torch.sigmoid(v[:, :n]).contiguous()  # the pre-mix kernel reads it as [T, n]
-        h_post = 2 * torch.sigmoid(v[:, n : 2 * n])
-        R = v[:, 2 * n :].reshape(T, n, n)
+        _coeff_fwd[(_cdiv(T, BM),)](
+            x, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
+            n=n, BM=BM, BK=BK, ZP=_pow2(z.shape[1], 16), **_numerics(x),
+        )
+        h = torch.sigmoid(v)
+        h_post = 2 * h[:, n:]
+        H_res = birkhoff_project(R, tol=tol)
 
         u = x.new_empty((T, C))
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _k.premix_fwd[(T, _cdiv(C, BC))](x, h_pre, u, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        ctx.save_for_backward(x, phi, z, r, h_pre, h_post, group, scale)
+        _premix_fwd[(T, _cdiv(C, BC))](x, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(x, phi, alpha, z, r, h, H_res)
         ctx.state = state
-        return u, h_post, R
+        return u, h_post, H_res
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, du, d_post, dR):
-        x, phi, z, r, h_pre, h_post, group, scale = ctx.saved_tensors
+    def backward(ctx, du, d_post, d_res):
+        x, phi, alpha, z, r, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
         T, n, C = x.shape
-        K, Z = n * C, phi.shape[0]
+        Z = z.shape[1]
         ZP = _pow2(Z, 16)
         du = du.contiguous()
-        g_pre = x.new_empty((T, n), dtype=z.dtype)
-        _k.premix_bwd[(T,)](du, x, g_pre, C, n=n, NP=_pow2(n), BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype))
-        # Back through σ, 2σ and the affine map v = α·z + b.
-        dv = torch.cat([g_pre * h_pre * (1 - h_pre), d_post * h_post * (1 - 0.5 * h_post), dR.reshape(T, n * n)], 1)
-        d_alpha = None
-        if ctx.needs_input_grad[2]:
-            d_alpha = scale.new_zeros(3).index_add_(0, group, (dv * z).sum(0))
-        db_pre, db_post, db_res = dv.sum(0).split([n, n, n * n])
-        dz = dv * scale
+        dR = newton_grad(H_res, d_res).contiguous()
+        dzr = torch.empty_like(z)
+        c2 = torch.empty_like(r)
+        rows = z.new_empty((T, 2 * Z))
+        _coeff_bwd[(T,)](
+            du, x, h, d_post.contiguous(), dR, z, r, alpha, dzr, c2, rows, C,
+            n=n, NP=_pow2(n), ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype), num_warps=2,
+        )
+        sums = rows.sum(0)
+        db_pre, db_post, db_res = sums[:Z].split([n, n, n * n])
+        d_alpha = sums[Z:] @ _column_groups(n, x.device, sums.dtype) if ctx.needs_input_grad[2] else None
 
         dx = dphi = None
         if ctx.needs_input_grad[0]:
-            # d/dx of z = r·x φᵀ: r·(dz φ) − r³·x·⟨dz φ, x⟩/K, and ⟨dz φ, x⟩ = ⟨dz, z⟩/r.
-            c2 = (dz * z).sum(-1) * r * r / K
-            # No dx' when the site's output took no part in the loss (only H_post / R did).
+            # No dx' when the site's output took no part in the loss (only H_post / H_res did).
             d_out = state.d_out.contiguous() if state.d_out is not None else torch.zeros_like(x)
             dx = torch.empty_like(x)
-            BM, BC = 16, 64
-            _k.stream_grad[(_cdiv(T, BM), _cdiv(C, BC))](
-                d_out, du, x, dz, r, c2, phi, h_pre, state.h_res, dx, T, C, Z,
-                n=n, NP=_pow2(n), ZP=ZP, BM=BM, BC=BC, **_numerics(x),
+            # Measured on the H200 (n=4, T=16384): 16-token steps over 128 tokens per
+            # program and 64 columns, 4 warps: 118 µs at C=768, 511 µs at C=4096. Wider n
+            # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
+            NP, BM, TB = _pow2(n), 16, 128
+            BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
+            _stream_grad[(_cdiv(C, BC), _cdiv(T, TB))](
+                d_out, du, x, dzr, c2, phi, h, H_res, dx, T, C, TB,
+                n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **_numerics(x), num_warps=4 if ZP * NP * BC <= 8192 else 8,
             )
         if ctx.needs_input_grad[1]:
-            dzr = dz * r[:, None]
+            K = n * C
             BT, BN = 32, 128
             splits = max(1, min(16, T // 1024))
             per = _cdiv(_cdiv(T, splits), BT) * BT
             splits = _cdiv(T, per)
             part = x.new_empty((splits, ZP, K), dtype=z.dtype)
-            _k.phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
+            _phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
             dphi = part.sum(0)[:Z]
         state.d_out = None
-        return dx, dphi, d_alpha, db_pre, db_post, db_res.reshape(n, n), None, None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res.reshape(n, n), None, None, None
 
 
 class _PostMix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h_post: Tensor, h_res: Tensor, exact_rows: bool, state: _SiteState):
+    def forward(ctx, x: Tensor, y: Tensor, h_post: Tensor, h_res: Tensor, state: _SiteState):
         T, n, C = x.shape
-        h_post, h_res = h_post.contiguous(), h_res.contiguous()
         out = torch.empty_like(x)
         # Measured on the H200 (n=4, C=2048): [n, 1024] tiles with 4 warps run at
         # copy speed; 256- or 512-wide tiles, or 8 warps, were 8-30x slower.
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _k.postmix_fwd[(T, _cdiv(C, BC))](
-            x, y, h_post, h_res, out, C, n=n, NP=_pow2(n), BC=BC, EXACT_ROWS=exact_rows, ACC=_k.acc_type(x.dtype),
+        _postmix_fwd[(T, _cdiv(C, BC))](
+            x, y, h_post, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype),
         )
-        state.h_res = h_res.detach()
         ctx.save_for_backward(x, y, h_post)
         ctx.state = state
         return out
@@ -186,12 +253,14 @@ class _PostMix(torch.autograd.Function):
         g_post = x.new_empty((T, n), dtype=_coef_dtype(x))
         g_res = x.new_empty((T, n, n), dtype=_coef_dtype(x))
         NP = _pow2(n)
+        # Measured on the H200 (n=4, T=16384): one warp per token beat two by 30%
+        # at C=768 and C=4096 (83 vs 116 µs, 360 vs 526 µs).
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
-        _k.postmix_bwd[(T,)](
-            dout, x, y, h_post, dy, g_post, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=2,
+        _postmix_bwd[(T,)](
+            dout, x, y, h_post, dy, g_post, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=1,
         )
         ctx.state.d_out = dout
-        return None, dy, g_post, g_res, None, None
+        return None, dy, g_post, g_res, None
 
 
 def mhc_site(
@@ -205,15 +274,14 @@ def mhc_site(
     *,
     norm_eps: float,
     tol: float,
-    projection: str = "newton",
-    sinkhorn_iters: int = 20,
     branch_args: tuple = (),
     branch_kwargs: dict | None = None,
 ):
     """One mHC site ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` on the fused kernels.
 
     Same maths, parameters and outputs as :meth:`mhc.MHCBlock.forward` with
-    ``mode="mhc"`` (see there); used by it for CUDA streams.
+    ``mode="mhc"`` and ``projection="newton"`` (see there); used by it for
+    CUDA streams.
 
     Args:
         x: streams ``[..., n, C]``, float32 / bfloat16 / float16 / float64, on the
@@ -225,6 +293,8 @@ def mhc_site(
         phi: ``[n² + 2n, n·C]``; ``alpha [3]``, ``b_pre [n]``, ``b_post [n]``,
             ``b_res [n, n]``; float32 parameters (the coefficients are
             computed in float32, float64 for float64 streams).
+        norm_eps: the flattened RMSNorm's epsilon.
+        tol: tolerance of the Newton projection (:func:`mhc.birkhoff_project`).
 
     Returns:
         ``x'`` with the shape and dtype of ``x`` (or ``(x', *rest)``).
@@ -245,16 +315,14 @@ def mhc_site(
     T = xs.shape[0]
     cdt = _coef_dtype(x)
     state = _SiteState()
-    u, H_post, R = _SitePre.apply(
-        xs, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt),
-        float(norm_eps), state,
+    u, H_post, H_res = _SitePre.apply(
+        xs, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt).contiguous(),
+        float(norm_eps), float(tol), state,
     )
-    H_res = birkhoff_project(R, tol=tol, method=projection, iters=sinkhorn_iters)
-
     out = branch(u.reshape(*lead, C), *branch_args, **(branch_kwargs or {}))
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != (*lead, C):
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {(*lead, C)}")
     y = y.reshape(T, C).to(x.dtype).contiguous()
-    x_new = _PostMix.apply(xs, y, H_post, H_res, projection == "newton", state).reshape(x.shape)
+    x_new = _PostMix.apply(xs, y, H_post, H_res, state).reshape(x.shape)
     return x_new if rest is None else (x_new, *rest)

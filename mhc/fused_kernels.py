@@ -2,21 +2,25 @@
 
 Layouts: streams ``x [T, n, C]`` and their gradient contiguous, in the
 streams' dtype; ``F``'s input/output ``[T, C]``; coefficients in ``ACC``
-(``z [T, Z]`` with ``Z = n² + 2n``, ``h_pre``/``h_post [T, n]``,
-``h_res [T, n, n]``). ``ACC`` is float32, or float64 for float64 streams
-(gradcheck); every product and reduction runs in it.
+(``z [T, Z]`` with ``Z = n² + 2n``, ``h [T, 2n]`` = σ of H_pre's and
+H_post's columns, ``h_post [T, n]``, ``h_res [T, n, n]``). ``ACC`` is
+float32, or float64 for float64 streams (gradcheck); every product and
+reduction runs in it.
 
 One kernel per memory pass (design.md §1 for the maths):
 
-* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ`` and the per-token ``1/rms``
-  (one read of the streams; the skinny GEMM runs on the tensor cores).
+* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms`` and the
+  affine map ``α·z + b`` of every column (one read of the streams; the skinny
+  GEMM runs on the tensor cores).
 * ``premix_fwd``: ``u = Σ_i h_pre[i] x_i``.
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + h_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i h_post[i] dx'_i`` and the per-token reductions
   ``g_post[i] = ⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
-* ``premix_bwd``: ``g_pre[i] = ⟨du, x_i⟩``.
+* ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
+  to ``z``: through σ / 2σ and ``α·z + b`` (``r·dz``, the norm's ``c2``, and
+  the rows whose column sums give ``dα`` and ``db``).
 * ``stream_grad``: the whole ``dx`` in one write: through the norm and
-  ``φ`` (``r·(dz φ) − r²·c·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
+  ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
 
 The mixes are written around stream 0 (``Σ_i h_i x_i = (Σ_i h_i) x_0 +
@@ -36,9 +40,10 @@ import triton.language as tl
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phi_ptr, z_ptr, r_ptr, T, K, Z, eps,
-    BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, z_ptr, r_ptr, act_ptr, res_ptr, T, K, eps,
+    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
+    Z: tl.constexpr = n * n + 2 * n
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rz = tl.arange(0, ZP)
     row_ok = rm < T
@@ -54,17 +59,30 @@ def coeff_fwd(
         w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rz[None, :] < Z), other=0.0)
         acc = tl.dot(xt, w, acc, input_precision=PRECISION, out_dtype=ACC)
     r = tl.rsqrt(sumsq / K + eps)
-    tl.store(z_ptr + rm[:, None] * Z + rz[None, :], acc * r[:, None], mask=row_ok[:, None] & (rz[None, :] < Z))
+    z = acc * r[:, None]
+    # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
+    col = rz[None, :]
+    is_pre = col < n
+    is_post = (col >= n) & (col < 2 * n)
+    is_res = (col >= 2 * n) & (col < Z)
+    a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
+    b = (tl.load(bpre_ptr + col, mask=is_pre, other=0.0) + tl.load(bpost_ptr + col - n, mask=is_post, other=0.0)
+         + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0))
+    v = z * a + b
+    ok = row_ok[:, None]
+    tl.store(z_ptr + rm[:, None] * Z + col, z, mask=ok & (col < Z))
+    tl.store(act_ptr + rm[:, None] * (2 * n) + col, v, mask=ok & (col < 2 * n))
+    tl.store(res_ptr + rm[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
     tl.store(r_ptr + rm, r, mask=row_ok)
 
 
 @triton.jit
-def premix_fwd(x_ptr, h_ptr, u_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+def premix_fwd(x_ptr, h_ptr, u_ptr, C, h_stride, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     ri = tl.arange(0, NP)
     c_ok = rc < C
-    h = tl.load(h_ptr + t * n + ri, mask=ri < n, other=0.0)
+    h = tl.load(h_ptr + t * h_stride + ri, mask=ri < n, other=0.0)
     base = x_ptr + t * n * C
     xs = tl.load(base + ri[:, None] * C + rc[None, :], mask=(ri[:, None] < n) & c_ok[None, :], other=0.0).to(ACC)
     x0 = tl.load(base + rc, mask=c_ok, other=0.0).to(ACC)
@@ -75,7 +93,7 @@ def premix_fwd(x_ptr, h_ptr, u_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC: tl
 @triton.jit
 def postmix_fwd(
     x_ptr, y_ptr, hpost_ptr, hres_ptr, out_ptr, C,
-    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, EXACT_ROWS: tl.constexpr, ACC: tl.constexpr,
+    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -88,9 +106,8 @@ def postmix_fwd(
     y = tl.load(y_ptr + t * C + rc, mask=c_ok, other=0.0).to(ACC)
     for i in tl.static_range(n):
         h = tl.load(hres_ptr + (t * n + i) * n + rj, mask=rj < n, other=0.0)
-        # Newton's rows sum to one by construction: use the exact 1.
-        rows = 1.0 if EXACT_ROWS else tl.sum(h, axis=0)
-        out = rows * x0 + tl.sum(h[:, None] * dev, axis=0) + tl.load(hpost_ptr + t * n + i) * y
+        # Newton's rows sum to one by construction: Σ_j h[i, j] x_j = x_0 + Σ_j h[i, j] (x_j − x_0).
+        out = x0 + tl.sum(h[:, None] * dev, axis=0) + tl.load(hpost_ptr + t * n + i) * y
         tl.store(out_ptr + (t * n + i) * C + rc, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
@@ -122,7 +139,11 @@ def postmix_bwd(
 
 
 @triton.jit
-def premix_bwd(du_ptr, x_ptr, gpre_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+def coeff_bwd(
+    du_ptr, x_ptr, h_ptr, dpost_ptr, dres_ptr, z_ptr, r_ptr, alpha_ptr, dzr_ptr, c2_ptr, g_ptr, C,
+    n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+):
+    Z: tl.constexpr = n * n + 2 * n
     t = tl.program_id(0).to(tl.int64)
     ri = tl.arange(0, NP)
     i_ok = ri < n
@@ -132,42 +153,74 @@ def premix_bwd(du_ptr, x_ptr, gpre_ptr, C, n: tl.constexpr, NP: tl.constexpr, BC
         xs = tl.load(x_ptr + t * n * C + ri[:, None] * C + rc[None, :], mask=i_ok[:, None] & (rc[None, :] < C), other=0.0)
         du = tl.load(du_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
         acc += xs.to(ACC) * du[None, :]
-    tl.store(gpre_ptr + t * n + ri, tl.sum(acc, axis=1), mask=i_ok)
+    g_pre = tl.sum(acc, axis=1)  # ⟨du, x_i⟩
+    # Everything below is per column k of z ([0, n) H_pre's, [n, 2n) H_post's,
+    # [2n, Z) R's); g_pre is moved onto those columns with a one-hot sum.
+    k = tl.arange(0, ZP)
+    is_pre = k < n
+    is_post = (k >= n) & (k < 2 * n)
+    is_res = (k >= 2 * n) & (k < Z)
+    g_pre = tl.sum(tl.where(ri[:, None] == k[None, :], g_pre[:, None], 0.0), axis=0)
+    h = tl.load(h_ptr + t * (2 * n) + k, mask=k < 2 * n, other=0.0)  # σ of H_pre's and H_post's columns
+    dsig = h * (1 - h)
+    d_post = tl.load(dpost_ptr + t * n + k - n, mask=is_post, other=0.0)
+    d_res = tl.load(dres_ptr + t * (n * n) + k - 2 * n, mask=is_res, other=0.0)
+    dv = tl.where(is_pre, g_pre * dsig, tl.where(is_post, 2 * d_post * dsig, d_res))
+    a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
+    z = tl.load(z_ptr + t * Z + k, mask=k < Z, other=0.0)
+    r = tl.load(r_ptr + t)
+    dz = dv * a
+    tl.store(dzr_ptr + t * Z + k, dz * r, mask=k < Z)
+    # Through the norm: z = r·x φᵀ, so d/dx picks up −r³·x·⟨dz φ, x⟩/K = −x·r²·⟨dz, z⟩/K.
+    tl.store(c2_ptr + t, tl.sum(dz * z, axis=0) * r * r / (n * C))
+    # The parameter gradients are column sums of dv (biases) and dv·z (α), taken afterwards.
+    tl.store(g_ptr + t * (2 * Z) + k, dv, mask=k < Z)
+    tl.store(g_ptr + t * (2 * Z) + Z + k, dv * z, mask=k < Z)
 
 
 @triton.jit
 def stream_grad(
-    dout_ptr, du_ptr, x_ptr, dz_ptr, r_ptr, c2_ptr, phi_ptr, hpre_ptr, hres_ptr, dx_ptr, T, C, Z,
+    dout_ptr, du_ptr, x_ptr, dzr_ptr, c2_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    rz = tl.arange(0, ZP)
-    ri = tl.arange(0, NP)
-    m_ok = rm < T
-    c_ok = rc < C
-    mc = m_ok[:, None] & c_ok[None, :]
+    # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
+    # block, for every stream, are loaded once and kept across its token loop
+    # (re-reading them per 16 tokens made the kernel 1.6-1.9x slower on the H200).
+    Z: tl.constexpr = n * n + 2 * n
     K = n * C
-    tok = rm.to(tl.int64)
-    dz = tl.load(dz_ptr + tok[:, None] * Z + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
-    r = tl.load(r_ptr + rm, mask=m_ok, other=0.0)
-    c2 = tl.load(c2_ptr + rm, mask=m_ok, other=0.0)
-    # dx'[t, i, c] for every stream i: [BM, NP, BC]
-    d_offs = tok[:, None, None] * K + ri[None, :, None] * C + rc[None, None, :]
-    d_mask = mc[:, None, :] & (ri[None, :, None] < n)
-    d = tl.load(dout_ptr + d_offs, mask=d_mask, other=0.0).to(ACC)
-    du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=mc, other=0.0).to(ACC)
-    for j in tl.static_range(n):
-        w = tl.load(phi_ptr + rz[:, None] * K + j * C + rc[None, :], mask=(rz[:, None] < Z) & c_ok[None, :], other=0.0)
-        g = tl.dot(dz, w, input_precision=PRECISION, out_dtype=ACC)
-        xj = tl.load(x_ptr + tok[:, None] * K + j * C + rc[None, :], mask=mc, other=0.0).to(ACC)
-        acc = r[:, None] * g - c2[:, None] * xj
-        hcol = tl.load(hres_ptr + tok[:, None, None] * (n * n) + ri[None, :, None] * n + j,
-                       mask=m_ok[:, None, None] & (ri[None, :, None] < n), other=0.0)
-        acc += tl.sum(hcol * d, axis=1)
-        acc += tl.load(hpre_ptr + tok * n + j, mask=m_ok, other=0.0)[:, None] * du
-        tl.store(dx_ptr + tok[:, None] * K + j * C + rc[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mc)
+    rc = tl.program_id(0) * BC + tl.arange(0, BC)
+    rz = tl.arange(0, ZP)
+    rj = tl.arange(0, NP)
+    c_ok = rc < C
+    jc_ok = (rj[:, None] < n) & c_ok[None, :]
+    w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
+                mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
+    w = tl.reshape(w, (ZP, NP * BC))
+    t_begin = tl.program_id(1) * tokens_per_prog
+    t_end = tl.minimum(t_begin + tokens_per_prog, T)
+    for t0 in range(t_begin, t_end, BM):
+        rm = t0 + tl.arange(0, BM)
+        m_ok = rm < t_end
+        tok = rm.to(tl.int64)
+        # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
+        dzr = tl.load(dzr_ptr + tok[:, None] * Z + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
+        acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
+        offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
+        mask3 = m_ok[:, None, None] & jc_ok[None, :, :]
+        c2 = tl.load(c2_ptr + rm, mask=m_ok, other=0.0)
+        acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
+        # + h_pre[j] du
+        row_j = m_ok[:, None] & (rj[None, :] < n)
+        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+        hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
+        acc += hpre[:, :, None] * du[:, None, :]
+        # + Σ_i h_res[i, j] dx'_i
+        for i in tl.static_range(n):
+            hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
+            di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+            acc += hi[:, :, None] * di.to(ACC)[:, None, :]
+        tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
 
 
 @triton.jit

@@ -148,6 +148,25 @@ def test_branch_tuple_and_arguments_pass_through():
     assert _rel(out[0], expected[0]) < 1e-5
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+def test_cached_launches_match_tritons_own():
+    """The second call of a configuration goes through the kept compiled kernels, with the same results."""
+    ref, fast = _blocks(4, 96, torch.bfloat16, seed=3)
+    x = torch.randn(3, 7, 4, 96, device=DEVICE, dtype=torch.bfloat16)
+    for launcher in (fused._coeff_fwd, fused._stream_grad):
+        launcher.variants.clear()
+    results = []
+    for _ in range(2):
+        xg = x.clone().requires_grad_()
+        out = fast(xg)
+        out.backward(torch.ones_like(out))
+        results.append((out, xg.grad, fast.phi.grad.clone()))
+        fast.zero_grad()
+    assert fused._coeff_fwd.variants and fused._stream_grad.variants
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+
+
 def test_bad_inputs_are_rejected():
     n, C = 4, 16
     block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
