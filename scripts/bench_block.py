@@ -147,13 +147,20 @@ def block_table(n: int = 4, B: int = 4, S: int = 4096) -> None:
             torch.cuda.empty_cache()
 
 
-def model_step(batch: int = 8, seq: int = 2048) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_134m(seq: int = 2048):
+    """The LlamaConfig of the model-step benchmark (hidden 768, 12 layers, ~134M parameters)."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
         intermediate_size=2048, vocab_size=32000, max_position_embeddings=seq, attn_implementation="sdpa",
     )
+
+
+def model_step(batch: int = 8, seq: int = 2048) -> None:
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_134m(seq)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
     def step_ms(model, steps: int = 10) -> float:

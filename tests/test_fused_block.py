@@ -188,6 +188,9 @@ def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
     assert not block._use_fused(torch.zeros(0, n, C, device=DEVICE))
     assert block._use_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
     assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE)._use_fused(torch.zeros(2, n, C, device=DEVICE))
+    # Sinkhorn blocks (backward through the iterations) stay on the PyTorch path.
+    sinkhorn = mhc.MHCBlock(nn.Identity(), C, n, projection="sinkhorn").to(DEVICE)
+    assert not sinkhorn._use_fused(torch.zeros(2, n, C, device=DEVICE))
     # An empty batch still works end to end (PyTorch path).
     assert block(torch.zeros(0, n, C, device=DEVICE)).shape == (0, n, C)
 
