@@ -66,7 +66,7 @@ class _Launcher:
     call Triton would make (launch hooks included). Positional arguments must
     be the kernel's leading (runtime) parameters and the keywords its
     constexprs (plus launch options such as ``num_warps``). Under Triton's
-    interpreter every call takes Triton's own path.
+    interpreter and under ``torch.compile`` every call takes Triton's own path.
     """
 
     def __init__(self, kernel):
@@ -77,7 +77,9 @@ class _Launcher:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **meta):
-        if not args[0].is_cuda:  # Triton's interpreter, on CPU tensors
+        # Triton's interpreter (CPU tensors), and torch.compile, which traces
+        # Triton's own launch as a user-defined kernel, take Triton's path.
+        if not args[0].is_cuda or torch.compiler.is_compiling():
             self.kernel[grid](*args, **meta)
             return
         key = (torch.cuda.current_device(), tuple(meta.items()), tuple(map(_arg_key, args)))
