@@ -463,7 +463,6 @@ def _birkhoff_project_torch(
     return (T, info) if return_info else T
 
 
-
 def newton_grad(T: Tensor, grad_T: Tensor) -> Tensor:
     """``∂L/∂logits`` of ``birkhoff_project(logits, method="newton")`` from its output, without autograd.
 
@@ -484,6 +483,7 @@ def newton_grad(T: Tensor, grad_T: Tensor) -> Tensor:
     if _projection_cuda.supports(T) and _projection_cuda.available():
         return torch.ops.mhc.birkhoff_backward(T3.contiguous(), G3.contiguous()).reshape(shape)
     return birkhoff_backward(T3, G3).reshape(shape)
+
 
 # The CUDA wrapper imports this module's names, so it is imported last.
 from . import projection_cuda as _projection_cuda  # noqa: E402
