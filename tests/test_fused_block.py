@@ -90,6 +90,13 @@ def test_fused_site_non_contiguous_and_large_values():
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
+def test_fused_site_many_tokens():
+    """2100 tokens: dx runs over several 128-token programs (the last one partial), dφ over two token splits."""
+    ref, fast = _blocks(4, 48, torch.float32, seed=4)
+    x = torch.randn(3, 700, 4, 48, device=DEVICE)
+    _compare(ref, fast, x, 1e-5, 1e-4)
+
+
 def test_fused_site_gradcheck_float64():
     torch.manual_seed(0)
     n, C = 3, 8
