@@ -102,7 +102,7 @@ def _fused_bytes(T: int, n: int, C: int, elt: int = 2) -> tuple[int, int]:
     """Stream bytes the fused kernels read and write: (forward, backward)."""
     nC = n * C
     fwd = (nC) + (nC + C) + (nC + C + nC)  # coefficients; pre-mix; post-mix
-    bwd = (2 * nC + 2 * C) + (nC + C) + (2 * nC + C + nC) + nC  # post bwd; pre bwd; dx; dphi
+    bwd = (2 * nC + 2 * C) + (nC + C) + (2 * nC + C + nC) + nC  # postmix_bwd; coeff_bwd; stream_grad (dx); phi_grad
     return fwd * T * elt, bwd * T * elt
 
 
