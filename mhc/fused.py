@@ -7,9 +7,9 @@ the reference and the CPU implementation. The kernels are in
 
 The site is two autograd nodes around the sublayer ``F``::
 
-    u, H_post, H_res = _SitePre(x, φ, α, b)   # RMSNorm(x_flat) φᵀ, σ / 2σ, Π_B(exp(·)), Σ H_pre[i] x_i
-    y                = F(u)
-    x'               = _PostMix(x, y, H_post, H_res)
+    u, h, H_res = _SitePre(x, φ, α, b)   # RMSNorm(x_flat) φᵀ, h = σ(·), Π_B(exp(·)), Σ H_pre[i] x_i
+    y           = F(u)
+    x'          = _PostMix(x, y, h, H_res)  # H_res·x + H_post ⊗ y, H_post = 2·h[:, n:]
 
 Few nodes and few host-side launches matter as much as the kernels: at the
 width of a ~125M model a site is bound by its launch overhead, not by the GPU
@@ -120,14 +120,6 @@ def _pow2(v: int, lo: int = 1) -> int:
     return max(lo, 1 << (int(v) - 1).bit_length())
 
 
-@functools.cache
-def _column_groups(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``[Z, 3]`` one-hot: which α scales each column of ``z`` (H_pre's n, H_post's n, R's n²)."""
-    # Cached: building it per call would be a blocking host-to-device copy.
-    group = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
-    return torch.nn.functional.one_hot(group, 3).to(dtype)
-
-
 def _coef_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -149,16 +141,21 @@ class _SiteState:
 
 
 class _SitePre(torch.autograd.Function):
-    """Streams and coefficient parameters -> ``(u, H_post, H_res)``.
+    """Streams and coefficient parameters -> ``(u, h, H_res)``.
 
-    One node for the norm, ``φ``, the σ / 2σ activations, the projection and
-    the pre-mix. σ is PyTorch's (so ``φ = 0`` reproduces
-    :meth:`mhc.MHCBlock.coefficients` bit for bit), run without autograd.
+    One node for the norm, ``φ``, the σ activations, the projection and the
+    pre-mix. ``h [T, 2n]`` is σ of H_pre's and H_post's columns (``H_post =
+    2·h[:, n:]`` is formed in the kernels that use it). σ is PyTorch's, so
+    ``φ = 0`` reproduces :meth:`mhc.MHCBlock.coefficients` bit for bit. ``x``
+    keeps its leading shape through the node (flattening it outside would
+    add autograd view nodes, each with its own host cost per step).
     """
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, state: _SiteState):
-        T, n, C = x.shape
+        n, C = x.shape[-2:]
+        xs = x.reshape(-1, n, C)
+        T = xs.shape[0]
         cdt = _coef_dtype(x)
         z = x.new_empty((T, n * n + 2 * n), dtype=cdt)
         r = x.new_empty((T,), dtype=cdt)
@@ -168,45 +165,42 @@ class _SitePre(torch.autograd.Function):
         # over n·C beat 64 x 64 tiles (notes/block_benchmarks.md).
         BM, BK = 64, 64
         _coeff_fwd[(_cdiv(T, BM),)](
-            x, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
+            xs, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
             n=n, BM=BM, BK=BK, ZP=_pow2(z.shape[1], 16), **_numerics(x),
         )
         h = torch.sigmoid(v)
-        h_post = 2 * h[:, n:]
         H_res = birkhoff_project(R, tol=tol)
 
         u = x.new_empty((T, C))
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _premix_fwd[(T, _cdiv(C, BC))](x, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        ctx.save_for_backward(x, phi, alpha, z, r, h, H_res)
-        ctx.state = state
-        return u, h_post, H_res
+        _premix_fwd[(T, _cdiv(C, BC))](xs, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(xs, phi, alpha, z, r, h, H_res)
+        ctx.state, ctx.x_shape = state, x.shape
+        return u.view(*x.shape[:-2], C), h, H_res
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, du, d_post, d_res):
+    def backward(ctx, du, d_h, d_res):
         x, phi, alpha, z, r, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
         T, n, C = x.shape
         Z = z.shape[1]
         ZP = _pow2(Z, 16)
-        du = du.contiguous()
+        du = du.reshape(T, C).contiguous()
         dR = newton_grad(H_res, d_res).contiguous()
         dzr = torch.empty_like(z)
         c2 = torch.empty_like(r)
-        rows = z.new_empty((T, 2 * Z))
+        rows = z.new_empty((T, Z + 3))
         _coeff_bwd[(T,)](
-            du, x, h, d_post.contiguous(), dR, z, r, alpha, dzr, c2, rows, C,
+            du, x, h, d_h.contiguous(), dR, z, r, alpha, dzr, c2, rows, C,
             n=n, NP=_pow2(n), ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype), num_warps=2,
         )
-        sums = rows.sum(0)
-        db_pre, db_post, db_res = sums[:Z].split([n, n, n * n])
-        d_alpha = sums[Z:] @ _column_groups(n, x.device, sums.dtype) if ctx.needs_input_grad[2] else None
+        db_pre, db_post, db_res, d_alpha = rows.sum(0).split([n, n, n * n, 3])
 
         dx = dphi = None
         if ctx.needs_input_grad[0]:
             # No dx' when the site's output took no part in the loss (only H_post / H_res did).
-            d_out = state.d_out.contiguous() if state.d_out is not None else torch.zeros_like(x)
+            d_out = state.d_out if state.d_out is not None else torch.zeros_like(x)
             dx = torch.empty_like(x)
             # Measured on the H200 (n=4, T=16384): 16-token steps over 128 tokens per
             # program and 64 columns, 4 warps: 118 µs at C=768, 511 µs at C=4096. Wider n
@@ -217,6 +211,7 @@ class _SitePre(torch.autograd.Function):
                 d_out, du, x, dzr, c2, phi, h, H_res, dx, T, C, TB,
                 n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **_numerics(x), num_warps=4 if ZP * NP * BC <= 8192 else 8,
             )
+            dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             K = n * C
             BT, BN = 32, 128
@@ -227,42 +222,44 @@ class _SitePre(torch.autograd.Function):
             _phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
             dphi = part.sum(0)[:Z]
         state.d_out = None
-        return dx, dphi, d_alpha, db_pre, db_post, db_res.reshape(n, n), None, None, None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None, None, None
 
 
 class _PostMix(torch.autograd.Function):
+    """``(x, y, h, H_res) -> x' = H_res·x + H_post ⊗ y`` with ``H_post = 2·h[:, n:]``; ``x`` and ``y`` keep their leading shape."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h_post: Tensor, h_res: Tensor, state: _SiteState):
-        T, n, C = x.shape
-        out = torch.empty_like(x)
+    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
+        n, C = x.shape[-2:]
+        xs, ys = x.reshape(-1, n, C), y.reshape(-1, C)
+        T = xs.shape[0]
+        out = torch.empty_like(xs)
         # Measured on the H200 (n=4, C=2048): [n, 1024] tiles with 4 warps run at
         # copy speed; 256- or 512-wide tiles, or 8 warps, were 8-30x slower.
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _postmix_fwd[(T, _cdiv(C, BC))](
-            x, y, h_post, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype),
-        )
-        ctx.save_for_backward(x, y, h_post)
-        ctx.state = state
-        return out
+        _postmix_fwd[(T, _cdiv(C, BC))](xs, ys, h, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(xs, ys, h)
+        ctx.state, ctx.y_shape = state, y.shape
+        return out.view(x.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
-        x, y, h_post = ctx.saved_tensors
+        x, y, h = ctx.saved_tensors
         T, n, C = x.shape
-        dout = dout.contiguous()
+        dout = dout.reshape(T, n, C).contiguous()
         dy = torch.empty_like(y)
-        g_post = x.new_empty((T, n), dtype=_coef_dtype(x))
-        g_res = x.new_empty((T, n, n), dtype=_coef_dtype(x))
+        g_h = torch.empty_like(h)
+        g_res = x.new_empty((T, n, n), dtype=h.dtype)
         NP = _pow2(n)
         # Measured on the H200 (n=4, T=16384): one warp per token beat two by 30%
         # at C=768 and C=4096 (83 vs 116 µs, 360 vs 526 µs).
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
         _postmix_bwd[(T,)](
-            dout, x, y, h_post, dy, g_post, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=1,
+            dout, x, y, h, dy, g_h, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=1,
         )
         ctx.state.d_out = dout
-        return None, dy, g_post, g_res, None
+        return None, dy.view(ctx.y_shape), g_h, g_res, None
 
 
 def mhc_site(
@@ -313,18 +310,17 @@ def mhc_site(
     if phi.device != x.device:
         raise ValueError(f"streams are on {x.device} but phi is on {phi.device}")
     lead = x.shape[:-2]
-    xs = x.reshape(-1, n, C).contiguous()
-    T = xs.shape[0]
+    # The kernels need contiguous streams; a strided input is copied once here.
+    x = x.contiguous()
     cdt = _coef_dtype(x)
     state = _SiteState()
-    u, H_post, H_res = _SitePre.apply(
-        xs, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt).contiguous(),
+    u, h, H_res = _SitePre.apply(
+        x, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt).contiguous(),
         float(norm_eps), float(tol), state,
     )
-    out = branch(u.reshape(*lead, C), *branch_args, **(branch_kwargs or {}))
+    out = branch(u, *branch_args, **(branch_kwargs or {}))
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != (*lead, C):
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {(*lead, C)}")
-    y = y.reshape(T, C).to(x.dtype).contiguous()
-    x_new = _PostMix.apply(xs, y, H_post, H_res, state).reshape(x.shape)
+    x_new = _PostMix.apply(x, y.to(x.dtype).contiguous(), h, H_res, state)
     return x_new if rest is None else (x_new, *rest)

@@ -3,7 +3,8 @@
 Layouts: streams ``x [T, n, C]`` and their gradient contiguous, in the
 streams' dtype; ``F``'s input/output ``[T, C]``; coefficients in ``ACC``
 (``z [T, Z]`` with ``Z = n² + 2n``, ``h [T, 2n]`` = σ of H_pre's and
-H_post's columns, ``h_post [T, n]``, ``h_res [T, n, n]``). ``ACC`` is
+H_post's columns, so ``H_pre = h[:, :n]`` and ``H_post = 2·h[:, n:]``;
+``h_res [T, n, n]``). ``ACC`` is
 float32, or float64 for float64 streams (gradcheck); every product and
 reduction runs in it.
 
@@ -14,11 +15,11 @@ One kernel per memory pass (design.md §1 for the maths):
   GEMM runs on the tensor cores).
 * ``premix_fwd``: ``u = Σ_i h_pre[i] x_i``.
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + h_post[i] y``.
-* ``postmix_bwd``: ``dy = Σ_i h_post[i] dx'_i`` and the per-token reductions
-  ``g_post[i] = ⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
+* ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
+  ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
-  to ``z``: through σ / 2σ and ``α·z + b`` (``r·dz``, the norm's ``c2``, and
-  the rows whose column sums give ``dα`` and ``db``).
+  to ``z``: through σ and ``α·z + b`` (``r·dz``, the norm's ``c2``, and
+  the rows whose column sums give ``db`` and ``dα``).
 * ``stream_grad``: the whole ``dx`` in one write: through the norm and
   ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
@@ -92,7 +93,7 @@ def premix_fwd(x_ptr, h_ptr, u_ptr, C, h_stride, n: tl.constexpr, NP: tl.constex
 
 @triton.jit
 def postmix_fwd(
-    x_ptr, y_ptr, hpost_ptr, hres_ptr, out_ptr, C,
+    x_ptr, y_ptr, h_ptr, hres_ptr, out_ptr, C,
     n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -107,13 +108,13 @@ def postmix_fwd(
     for i in tl.static_range(n):
         h = tl.load(hres_ptr + (t * n + i) * n + rj, mask=rj < n, other=0.0)
         # Newton's rows sum to one by construction: Σ_j h[i, j] x_j = x_0 + Σ_j h[i, j] (x_j − x_0).
-        out = x0 + tl.sum(h[:, None] * dev, axis=0) + tl.load(hpost_ptr + t * n + i) * y
+        out = x0 + tl.sum(h[:, None] * dev, axis=0) + 2 * tl.load(h_ptr + t * (2 * n) + n + i) * y
         tl.store(out_ptr + (t * n + i) * C + rc, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit
 def postmix_bwd(
-    dout_ptr, x_ptr, y_ptr, hpost_ptr, dy_ptr, gpost_ptr, gres_ptr, C,
+    dout_ptr, x_ptr, y_ptr, h_ptr, dy_ptr, gh_ptr, gres_ptr, C,
     n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
     # Everything is loaded straight into the 3-d layout of the [i, j, c]
@@ -121,7 +122,7 @@ def postmix_bwd(
     t = tl.program_id(0).to(tl.int64)
     ri = tl.arange(0, NP)[:, None, None]
     rj = tl.arange(0, NP)[None, :, None]
-    hpost = tl.load(hpost_ptr + t * n + ri, mask=ri < n, other=0.0)
+    hpost = 2 * tl.load(h_ptr + t * (2 * n) + n + ri, mask=ri < n, other=0.0)
     gres = tl.zeros((NP, NP, BC), dtype=ACC)
     gpost = tl.zeros((NP, 1, BC), dtype=ACC)
     for c0 in range(0, C, BC):
@@ -134,13 +135,15 @@ def postmix_bwd(
         tl.store(dy_ptr + t * C + rc, dy.to(dy_ptr.dtype.element_ty), mask=c_ok)
         gpost += d * y
         gres += d * xs
-    tl.store(gpost_ptr + t * n + ri, tl.sum(gpost, axis=2, keep_dims=True), mask=ri < n)
+    # The gradient of h = [σ_pre, σ_post]: H_post = 2·σ_post, and H_pre is not used here.
+    tl.store(gh_ptr + t * (2 * n) + ri, tl.zeros((NP, 1, 1), dtype=ACC), mask=ri < n)
+    tl.store(gh_ptr + t * (2 * n) + n + ri, 2 * tl.sum(gpost, axis=2, keep_dims=True), mask=ri < n)
     tl.store(gres_ptr + (t * n + ri) * n + rj, tl.sum(gres, axis=2, keep_dims=True), mask=(ri < n) & (rj < n))
 
 
 @triton.jit
 def coeff_bwd(
-    du_ptr, x_ptr, h_ptr, dpost_ptr, dres_ptr, z_ptr, r_ptr, alpha_ptr, dzr_ptr, c2_ptr, g_ptr, C,
+    du_ptr, x_ptr, h_ptr, dh_ptr, dres_ptr, z_ptr, r_ptr, alpha_ptr, dzr_ptr, c2_ptr, g_ptr, C,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
     Z: tl.constexpr = n * n + 2 * n
@@ -163,9 +166,9 @@ def coeff_bwd(
     g_pre = tl.sum(tl.where(ri[:, None] == k[None, :], g_pre[:, None], 0.0), axis=0)
     h = tl.load(h_ptr + t * (2 * n) + k, mask=k < 2 * n, other=0.0)  # σ of H_pre's and H_post's columns
     dsig = h * (1 - h)
-    d_post = tl.load(dpost_ptr + t * n + k - n, mask=is_post, other=0.0)
+    d_h = tl.load(dh_ptr + t * (2 * n) + k, mask=k < 2 * n, other=0.0)
     d_res = tl.load(dres_ptr + t * (n * n) + k - 2 * n, mask=is_res, other=0.0)
-    dv = tl.where(is_pre, g_pre * dsig, tl.where(is_post, 2 * d_post * dsig, d_res))
+    dv = tl.where(is_res, d_res, (g_pre + d_h) * dsig)  # g_pre is 0 off H_pre's columns
     a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
     z = tl.load(z_ptr + t * Z + k, mask=k < Z, other=0.0)
     r = tl.load(r_ptr + t)
@@ -173,9 +176,14 @@ def coeff_bwd(
     tl.store(dzr_ptr + t * Z + k, dz * r, mask=k < Z)
     # Through the norm: z = r·x φᵀ, so d/dx picks up −r³·x·⟨dz φ, x⟩/K = −x·r²·⟨dz, z⟩/K.
     tl.store(c2_ptr + t, tl.sum(dz * z, axis=0) * r * r / (n * C))
-    # The parameter gradients are column sums of dv (biases) and dv·z (α), taken afterwards.
-    tl.store(g_ptr + t * (2 * Z) + k, dv, mask=k < Z)
-    tl.store(g_ptr + t * (2 * Z) + Z + k, dv * z, mask=k < Z)
+    # The parameter gradients are column sums, taken afterwards, of the rows
+    # [dv (the biases'), Σ dv·z over each column group (α's)].
+    dvz = dv * z
+    row = g_ptr + t * (Z + 3)
+    tl.store(row + k, dv, mask=k < Z)
+    tl.store(row + Z, tl.sum(tl.where(is_pre, dvz, 0.0), axis=0))
+    tl.store(row + Z + 1, tl.sum(tl.where(is_post, dvz, 0.0), axis=0))
+    tl.store(row + Z + 2, tl.sum(tl.where(is_res, dvz, 0.0), axis=0))
 
 
 @triton.jit
