@@ -82,7 +82,11 @@ class _Launcher:
         if not args[0].is_cuda or torch.compiler.is_compiling():
             self.kernel[grid](*args, **meta)
             return
-        key = (torch.cuda.current_device(), tuple(meta.items()), tuple(map(_arg_key, args)))
+        # Triton's own device and stream getters: torch.cuda.current_stream() took
+        # ~50 µs per call on the H200's host, more than the rest of the launch.
+        driver = _k.triton.runtime.driver.active
+        device = driver.get_current_device()
+        key = (device, tuple(meta.items()), tuple(map(_arg_key, args)))
         hit = self.variants.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, **meta)
@@ -93,7 +97,7 @@ class _Launcher:
         compiled, constexprs = hit
         full = (*args, *constexprs)
         gx, gy, gz = (*grid, 1, 1)[:3]
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = driver.get_current_stream(device)
         runtime = _k.triton.knobs.runtime
         compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
@@ -140,22 +144,35 @@ class _SiteState:
         self.d_out = None
 
 
+def _dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` as a contiguous tensor of ``dtype``, with no dispatcher call when it already is one.
+
+    A site runs a few dozen such calls per step, and on the H200's host each
+    no-op ``.to()`` / ``.contiguous()`` / ``.reshape()`` still costs
+    microseconds of dispatch (notes/block_benchmarks.md).
+    """
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 class _SitePre(torch.autograd.Function):
     """Streams and coefficient parameters -> ``(u, h, H_res)``.
 
     One node for the norm, ``φ``, the σ activations, the projection and the
     pre-mix. ``h [T, 2n]`` is σ of H_pre's and H_post's columns (``H_post =
     2·h[:, n:]`` is formed in the kernels that use it). σ is PyTorch's, so
-    ``φ = 0`` reproduces :meth:`mhc.MHCBlock.coefficients` bit for bit. ``x``
-    keeps its leading shape through the node (flattening it outside would
-    add autograd view nodes, each with its own host cost per step).
+    ``φ = 0`` reproduces :meth:`mhc.MHCBlock.coefficients` bit for bit.
+
+    ``x [..., n, C]`` (contiguous) keeps its leading shape through the node,
+    and ``u`` has it too: the kernels only need the token count, and
+    flattening outside the node would add autograd view nodes.
     """
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, state: _SiteState):
         n, C = x.shape[-2:]
-        xs = x.reshape(-1, n, C)
-        T = xs.shape[0]
+        T = x.numel() // (n * C)
         cdt = _coef_dtype(x)
         z = x.new_empty((T, n * n + 2 * n), dtype=cdt)
         r = x.new_empty((T,), dtype=cdt)
@@ -165,34 +182,34 @@ class _SitePre(torch.autograd.Function):
         # over n·C beat 64 x 64 tiles (notes/block_benchmarks.md).
         BM, BK = 64, 64
         _coeff_fwd[(_cdiv(T, BM),)](
-            xs, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
+            x, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
             n=n, BM=BM, BK=BK, ZP=_pow2(z.shape[1], 16), **_numerics(x),
         )
         h = torch.sigmoid(v)
         H_res = birkhoff_project(R, tol=tol)
 
-        u = x.new_empty((T, C))
+        u = x.new_empty((*x.shape[:-2], C))
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _premix_fwd[(T, _cdiv(C, BC))](xs, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        ctx.save_for_backward(xs, phi, alpha, z, r, h, H_res)
-        ctx.state, ctx.x_shape = state, x.shape
-        return u.view(*x.shape[:-2], C), h, H_res
+        _premix_fwd[(T, _cdiv(C, BC))](x, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(x, phi, alpha, z, r, h, H_res)
+        ctx.state = state
+        return u, h, H_res
 
     @staticmethod
     @once_differentiable
     def backward(ctx, du, d_h, d_res):
         x, phi, alpha, z, r, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
-        T, n, C = x.shape
-        Z = z.shape[1]
+        n, C = x.shape[-2:]
+        T, Z = z.shape
         ZP = _pow2(Z, 16)
-        du = du.reshape(T, C).contiguous()
-        dR = newton_grad(H_res, d_res).contiguous()
+        du = _dense(du)
+        dR = newton_grad(H_res, d_res)
         dzr = torch.empty_like(z)
         c2 = torch.empty_like(r)
         rows = z.new_empty((T, Z + 3))
         _coeff_bwd[(T,)](
-            du, x, h, d_h.contiguous(), dR, z, r, alpha, dzr, c2, rows, C,
+            du, x, h, _dense(d_h), dR, z, r, alpha, dzr, c2, rows, C,
             n=n, NP=_pow2(n), ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype), num_warps=2,
         )
         db_pre, db_post, db_res, d_alpha = rows.sum(0).split([n, n, n * n, 3])
@@ -211,46 +228,48 @@ class _SitePre(torch.autograd.Function):
                 d_out, du, x, dzr, c2, phi, h, H_res, dx, T, C, TB,
                 n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **_numerics(x), num_warps=4 if ZP * NP * BC <= 8192 else 8,
             )
-            dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             K = n * C
             BT, BN = 32, 128
             splits = max(1, min(16, T // 1024))
             per = _cdiv(_cdiv(T, splits), BT) * BT
             splits = _cdiv(T, per)
-            part = x.new_empty((splits, ZP, K), dtype=z.dtype)
+            part = x.new_empty((splits, Z, K), dtype=z.dtype)
             _phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
-            dphi = part.sum(0)[:Z]
+            dphi = part.sum(0)
         state.d_out = None
         return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None, None, None
 
 
 class _PostMix(torch.autograd.Function):
-    """``(x, y, h, H_res) -> x' = H_res·x + H_post ⊗ y`` with ``H_post = 2·h[:, n:]``; ``x`` and ``y`` keep their leading shape."""
+    """``(x, y, h, H_res) -> x' = H_res·x + H_post ⊗ y`` with ``H_post = 2·h[:, n:]``.
+
+    ``x [..., n, C]`` and ``y [..., C]`` (contiguous) keep their leading shape, as in :class:`_SitePre`.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
         n, C = x.shape[-2:]
-        xs, ys = x.reshape(-1, n, C), y.reshape(-1, C)
-        T = xs.shape[0]
-        out = torch.empty_like(xs)
+        T = h.shape[0]
+        out = torch.empty_like(x)
         # Measured on the H200 (n=4, C=2048): [n, 1024] tiles with 4 warps run at
         # copy speed; 256- or 512-wide tiles, or 8 warps, were 8-30x slower.
         BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _postmix_fwd[(T, _cdiv(C, BC))](xs, ys, h, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        ctx.save_for_backward(xs, ys, h)
-        ctx.state, ctx.y_shape = state, y.shape
-        return out.view(x.shape)
+        _postmix_fwd[(T, _cdiv(C, BC))](x, y, h, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        ctx.save_for_backward(x, y, h)
+        ctx.state = state
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
-        T, n, C = x.shape
-        dout = dout.reshape(T, n, C).contiguous()
+        n, C = x.shape[-2:]
+        T = h.shape[0]
+        dout = _dense(dout)
         dy = torch.empty_like(y)
         g_h = torch.empty_like(h)
-        g_res = x.new_empty((T, n, n), dtype=h.dtype)
+        g_res = h.new_empty((T, n, n))
         NP = _pow2(n)
         # Measured on the H200 (n=4, T=16384): one warp per token beat two by 30%
         # at C=768 and C=4096 (83 vs 116 µs, 360 vs 526 µs).
@@ -259,7 +278,7 @@ class _PostMix(torch.autograd.Function):
             dout, x, y, h, dy, g_h, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=1,
         )
         ctx.state.d_out = dout
-        return None, dy.view(ctx.y_shape), g_h, g_res, None
+        return None, dy, g_h, g_res, None
 
 
 def mhc_site(
@@ -310,17 +329,16 @@ def mhc_site(
     if phi.device != x.device:
         raise ValueError(f"streams are on {x.device} but phi is on {phi.device}")
     lead = x.shape[:-2]
-    # The kernels need contiguous streams; a strided input is copied once here.
-    x = x.contiguous()
+    x = _dense(x)  # a strided input is copied once here
     cdt = _coef_dtype(x)
     state = _SiteState()
     u, h, H_res = _SitePre.apply(
-        x, phi.to(cdt).contiguous(), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt).contiguous(),
+        x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt),
         float(norm_eps), float(tol), state,
     )
     out = branch(u, *branch_args, **(branch_kwargs or {}))
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != (*lead, C):
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {(*lead, C)}")
-    x_new = _PostMix.apply(x, y.to(x.dtype).contiguous(), h, H_res, state)
+    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, state)
     return x_new if rest is None else (x_new, *rest)

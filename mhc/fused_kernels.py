@@ -249,7 +249,7 @@ def phi_grad(
         a = tl.load(dzr_ptr + rt[None, :] * Z + rz[:, None], mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
         xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
-    tl.store(out_ptr + (split * ZP + rz[:, None]) * K + rn[None, :], acc, mask=n_ok[None, :])
+    tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])
 
 
 def acc_type(dtype: torch.dtype):
