@@ -176,7 +176,7 @@ class _SitePre(torch.autograd.Function):
         cdt = _coef_dtype(x)
         z = x.new_empty((T, n * n + 2 * n), dtype=cdt)
         r = x.new_empty((T,), dtype=cdt)
-        v = x.new_empty((T, 2 * n), dtype=cdt)  # α·z + b of H_pre's and H_post's columns
+        v = x.new_empty((T, 2 * n), dtype=cdt)  # α·z + b of H_pre's and H_post's columns (σ taken in place)
         R = x.new_empty((T, n, n), dtype=cdt)  # ... and of R's
         # Measured on the H200 (n=4, T=16384): 64 x 128 tiles, 4 warps, were the best of
         # 10 shapes (80 µs at C=768, 394 µs at C=4096; notes/block_benchmarks.md).
@@ -185,7 +185,7 @@ class _SitePre(torch.autograd.Function):
             x, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
             n=n, BM=BM, BK=BK, ZP=_pow2(z.shape[1], 16), **_numerics(x),
         )
-        h = torch.sigmoid(v)
+        h = v.sigmoid_()  # in place: the same bits as torch.sigmoid, one allocation fewer
         H_res = birkhoff_project(R, tol=tol)
 
         u = x.new_empty((*x.shape[:-2], C))
