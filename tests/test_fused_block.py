@@ -97,6 +97,19 @@ def test_fused_site_many_tokens():
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
+@pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
+def test_fused_site_keeps_any_leading_shape(lead):
+    """The nodes pass the streams' leading shape through (no flattening outside them): u, x', dx and dy keep it."""
+    n, C = 4, 40
+    ref, fast = _blocks(n, C, torch.float32, seed=5)
+    seen = []
+    inner = fast.branch.forward
+    fast.branch.forward = lambda u: seen.append(u.shape) or inner(u)
+    x = torch.randn(*lead, n, C, device=DEVICE)
+    _compare(ref, fast, x, 1e-5, 1e-4)
+    assert seen == [torch.Size((*lead, C))]
+
+
 def test_fused_site_gradcheck_float64():
     torch.manual_seed(0)
     n, C = 3, 8
