@@ -82,8 +82,8 @@ class _Launcher:
         if not args[0].is_cuda or torch.compiler.is_compiling():
             self.kernel[grid](*args, **meta)
             return
-        # Triton's own device and stream getters: torch.cuda.current_stream() took
-        # ~50 µs per call on the H200's host, more than the rest of the launch.
+        # Triton's own device and stream getters: torch.cuda.current_stream().cuda_stream
+        # took 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
         driver = _k.triton.runtime.driver.active
         device = driver.get_current_device()
         key = (device, tuple(meta.items()), tuple(map(_arg_key, args)))

@@ -4,9 +4,8 @@ Layouts: streams ``x [T, n, C]`` and their gradient contiguous, in the
 streams' dtype; ``F``'s input/output ``[T, C]``; coefficients in ``ACC``
 (``z [T, Z]`` with ``Z = n² + 2n``, ``h [T, 2n]`` = σ of H_pre's and
 H_post's columns, so ``H_pre = h[:, :n]`` and ``H_post = 2·h[:, n:]``;
-``h_res [T, n, n]``). ``ACC`` is
-float32, or float64 for float64 streams (gradcheck); every product and
-reduction runs in it.
+``h_res [T, n, n]``). ``ACC`` is float32, or float64 for float64 streams
+(gradcheck); every product and reduction runs in it.
 
 One kernel per memory pass (design.md §1 for the maths):
 
@@ -14,7 +13,7 @@ One kernel per memory pass (design.md §1 for the maths):
   affine map ``α·z + b`` of every column (one read of the streams; the skinny
   GEMM runs on the tensor cores).
 * ``premix_fwd``: ``u = Σ_i h_pre[i] x_i``.
-* ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + h_post[i] y``.
+* ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
