@@ -248,9 +248,10 @@ class MHCBlock(nn.Module):
 
     def _site(self, x: Tensor, *args, **kwargs):
         if self._use_fused(x):
-            return fused.mhc_site(
-                x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
-                norm_eps=self.norm_eps, tol=self.tol, branch_args=args, branch_kwargs=kwargs,
+            # forward() checked the streams and _use_fused the rest of what mhc_site checks.
+            return fused.run_site(
+                x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self.norm_eps, self.tol,
+                args, kwargs,
             )
         H_pre, H_post, H_res = self.coefficients(x)
         # The mixes are written around stream 0: Σ_i h_i x_i = (Σ_i h_i) x_0 +

@@ -14,8 +14,10 @@ The site is two autograd nodes around the sublayer ``F``::
 Few nodes and few host-side launches matter as much as the kernels: at the
 width of a ~125M model a site is bound by its launch overhead, not by the GPU
 (notes/block_benchmarks.md). So the projection runs inside ``_SitePre`` (its
-implicit backward needs only ``H_res``), and each backward is one kernel per
-memory pass plus a couple of small reductions.
+implicit backward needs only ``H_res``), each backward is one kernel per
+memory pass plus a couple of small reductions, the launch geometry of a
+shape is worked out once (:class:`_Plan`), and compiled kernels are
+launched directly (:class:`_Launcher`).
 
 Backward order is fixed by the graph: ``_PostMix``, ``F``, then
 ``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it leaves ``dx'``
@@ -26,17 +28,17 @@ streams to add up). Double backward is not supported.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import projection_cuda as _projection_cuda
 from .projection import birkhoff_project, newton_grad
 
 __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_ITER = 100  # Newton iterations of the projection, birkhoff_project's default
 
 try:
     from . import fused_kernels as _k
@@ -44,70 +46,69 @@ except ImportError:  # no Triton (CPU-only PyTorch builds)
     _k = None
 
 
-def _arg_key(a):
-    # What Triton specializes a compiled variant on: dtypes, 16-byte alignment of
-    # pointers, and integers equal to 1, divisible by 16 or beyond int32.
-    if isinstance(a, Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, int):
-        return int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31
-    return type(a)
-
-
 class _Launcher:
-    """``launcher[grid](*args, **constexprs)`` for one Triton kernel, with less host time per call.
+    """``launcher(spec, *args)``: one Triton kernel, with less host time per call.
 
     ``kernel[grid](...)`` binds and specializes every argument again on each
-    call (15-40 µs of host time on the H200's host, measured); a site makes
-    seven launches per step, and at the width of a ~125M model host time, not
-    the GPU, sets the step time. The compiled variant depends only on the
-    constexprs, the current device and :func:`_arg_key` of each argument, so
-    after Triton's own first launch of a variant this keeps it and makes the
-    call Triton would make (launch hooks included). Positional arguments must
-    be the kernel's leading (runtime) parameters and the keywords its
-    constexprs (plus launch options such as ``num_warps``). Under Triton's
-    interpreter and under ``torch.compile`` every call takes Triton's own path.
+    call (15-40 µs of host time on the H200's host, measured), and at the width
+    of a ~125M model host time, not the GPU, sets the step time. Every argument
+    this module passes is contiguous and 16-byte aligned (:func:`_dense`), its
+    dtype follows from the streams', and its integers from their shape, so the
+    compiled variant is fixed by the :class:`_Launch` spec that :class:`_Plan`
+    builds once per shape. After Triton's own first launch of a variant this
+    keeps it and makes the call Triton would make (launch hooks included).
+    Positional arguments are the kernel's runtime parameters; the spec holds its
+    constexprs. Under Triton's interpreter and under ``torch.compile`` every
+    call takes Triton's own path.
     """
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.variants = {}
 
-    def __getitem__(self, grid):
-        return functools.partial(self._launch, grid)
-
-    def _launch(self, grid, *args, **meta):
-        # Triton's interpreter (CPU tensors), and torch.compile, which traces
-        # Triton's own launch as a user-defined kernel, take Triton's path.
-        if not args[0].is_cuda or torch.compiler.is_compiling():
-            self.kernel[grid](*args, **meta)
+    def __call__(self, spec: "_Launch", *args) -> None:
+        # torch.compile traces Triton's own launch as a user-defined kernel.
+        if not spec.cached or torch.compiler.is_compiling():
+            self.kernel[spec.grid](*args, **spec.meta)
             return
-        # Triton's own device and stream getters: torch.cuda.current_stream().cuda_stream
-        # took 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
-        driver = _k.triton.runtime.driver.active
-        device = driver.get_current_device()
-        key = (device, tuple(meta.items()), tuple(map(_arg_key, args)))
-        hit = self.variants.get(key)
+        hit = self.variants.get(spec.variant)
         if hit is None:
-            compiled = self.kernel[grid](*args, **meta)
+            compiled = self.kernel[spec.grid](*args, **spec.meta)
             # Triton before its `knobs` module is not handled.
             if getattr(compiled, "function", None) is not None and hasattr(_k.triton, "knobs"):
-                self.variants[key] = (compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
+                constexprs = tuple(spec.meta[name] for name in self.kernel.arg_names[len(args):])
+                self.variants[spec.variant] = (compiled, compiled.run, constexprs)
             return
-        compiled, constexprs = hit
+        compiled, run, constexprs = hit
         full = (*args, *constexprs)
-        gx, gy, gz = (*grid, 1, 1)[:3]
-        stream = driver.get_current_stream(device)
+        # Triton's own stream getter: torch.cuda.current_stream().cuda_stream took
+        # 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
+        stream = _k.triton.runtime.driver.active.get_current_stream(spec.device)
         runtime = _k.triton.knobs.runtime
-        compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *full), runtime.launch_enter_hook,
-                     runtime.launch_exit_hook, *full)
+        enter = runtime.launch_enter_hook
+        metadata = None if enter is None else compiled.launch_metadata(spec.grid, stream, *full)
+        run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter,
+            runtime.launch_exit_hook, *full)
+
+
+class _Launch:
+    """Grid and constexprs of one kernel launch, and the key of its compiled variant."""
+
+    __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant")
+
+    def __init__(self, grid: tuple, meta: dict, ints: tuple, dtype: torch.dtype, device: torch.device):
+        self.grid, self.grid3, self.meta = grid, (*grid, 1, 1)[:3], meta
+        self.cached = device.type == "cuda"
+        self.device = device.index
+        # What Triton specializes a variant on, besides the (fixed) pointer alignment and
+        # dtypes: integers equal to 1, divisible by 16, or beyond int32.
+        int_key = tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints)
+        self.variant = (self.device, dtype, int_key, tuple(meta.items()))
 
 
 if _k is not None:
-    _coeff_fwd, _premix_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = map(
-        _Launcher,
-        (_k.coeff_fwd, _k.premix_fwd, _k.postmix_fwd, _k.postmix_bwd, _k.coeff_bwd, _k.stream_grad, _k.phi_grad),
+    _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = map(
+        _Launcher, (_k.coeff_fwd, _k.postmix_fwd, _k.postmix_bwd, _k.coeff_bwd, _k.stream_grad, _k.phi_grad)
     )
 
 
@@ -124,15 +125,75 @@ def _pow2(v: int, lo: int = 1) -> int:
     return max(lo, 1 << (int(v) - 1).bit_length())
 
 
-def _coef_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+class _Plan:
+    """Every launch of a site for streams of one shape, dtype and device, worked out once.
+
+    Shapes: ``n`` streams of width ``C`` over ``T`` tokens; ``Z = n² + 2n``
+    coefficient columns. Tile sizes are the best of the sweeps on the H200
+    (notes/block_benchmarks.md).
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        n, C = shape[-2:]
+        T = shape.numel() // (n * C)
+        Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
+        self.T, self.n, self.C, self.Z = T, n, C, Z
+        self.cuda_device = device.index if device.type == "cuda" else None
+        self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = _k.acc_type(dtype)
+        # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
+        # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
+        numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
+
+        def launch(grid, ints, **meta):
+            return _Launch(grid, meta, ints, dtype, device)
+
+        # 64 tokens x 128 columns, 4 warps: the best of 10 shapes for the norm and φ, and of 6 for
+        # the pre-mix that follows (120 µs at C=768, 591 µs at C=4096; the separate pre-mix kernel
+        # was 8 µs and 37 µs faster, but cost a launch and a σ op on the host).
+        BM = 64
+        self.coeff_fwd = launch(
+            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **numerics, LIBDEVICE=device.type == "cuda",
+        )
+        # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
+        # were 8-30x slower (n=4, C=2048).
+        BC = min(4096 // NP, _pow2(C, 16))
+        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc)
+        # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
+        BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
+        self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
+        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=acc, num_warps=2)
+        # 16-token steps over 128 tokens per program and 64 columns, 4 warps: 118 µs at
+        # C=768, 511 µs at C=4096. Wider n narrows the columns to keep φ's block
+        # [ZP, NP·BC] at 8K values per program.
+        BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
+        self.stream_grad = launch(
+            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens), n=n, NP=NP, ZP=ZP, BM=16, BC=BC, **numerics,
+            num_warps=4 if ZP * NP * BC <= 8192 else 8,
+        )
+        K, BT, BN = n * C, 32, 128
+        splits = max(1, min(16, T // 1024))
+        self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
+        self.phi_splits = _cdiv(T, self.phi_tokens)
+        self.phi_grad = launch(
+            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
+        )
+        # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
+        probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
+        self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
 
 
-def _numerics(x: Tensor) -> dict:
-    # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
-    # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
-    precise = x.dtype in (torch.float32, torch.float64)
-    return dict(PRECISION="ieee" if precise else "tf32", ACC=_k.acc_type(x.dtype))
+_PLANS: dict = {}
+
+
+def _plan(x: Tensor) -> _Plan:
+    key = (x.shape, x.dtype, x.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:  # e.g. generation, one token count per step
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(*key)
+    return plan
 
 
 class _SiteState:
@@ -145,15 +206,18 @@ class _SiteState:
 
 
 def _dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` as a contiguous tensor of ``dtype``, with no dispatcher call when it already is one.
+    """``t`` as a contiguous, 16-byte aligned tensor of ``dtype``; no dispatcher call when it is one.
 
-    A site runs a few dozen such calls per step, and on the H200's host each
-    no-op ``.to()`` / ``.contiguous()`` / ``.reshape()`` still costs
-    microseconds of dispatch (notes/block_benchmarks.md).
+    Every tensor a kernel sees passes through here or is a fresh allocation,
+    which is what lets :class:`_Launcher` reuse compiled variants. A site runs a
+    few dozen such calls per step, and on the H200's host each no-op ``.to()`` /
+    ``.contiguous()`` still costs microseconds of dispatch.
     """
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    return t if t.is_contiguous() else t.contiguous()
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()  # a view at an unaligned offset
 
 
 class _SitePre(torch.autograd.Function):
@@ -161,8 +225,9 @@ class _SitePre(torch.autograd.Function):
 
     One node for the norm, ``φ``, the σ activations, the projection and the
     pre-mix. ``h [T, 2n]`` is σ of H_pre's and H_post's columns (``H_post =
-    2·h[:, n:]`` is formed in the kernels that use it). σ is PyTorch's, so
-    ``φ = 0`` reproduces :meth:`mhc.MHCBlock.coefficients` bit for bit.
+    2·h[:, n:]`` is formed in the kernels that use it). σ has the bits of
+    torch's on CUDA, so ``φ = 0`` reproduces :meth:`mhc.MHCBlock.coefficients`
+    bit for bit.
 
     ``x [..., n, C]`` (contiguous) keeps its leading shape through the node,
     and ``u`` has it too: the kernels only need the token count, and
@@ -170,75 +235,47 @@ class _SitePre(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, state: _SiteState):
-        n, C = x.shape[-2:]
-        T = x.numel() // (n * C)
-        cdt = _coef_dtype(x)
-        z = x.new_empty((T, n * n + 2 * n), dtype=cdt)
-        r = x.new_empty((T,), dtype=cdt)
-        v = x.new_empty((T, 2 * n), dtype=cdt)  # α·z + b of H_pre's and H_post's columns (σ taken in place)
-        R = x.new_empty((T, n, n), dtype=cdt)  # ... and of R's
-        # Measured on the H200 (n=4, T=16384): 64 x 128 tiles, 4 warps, were the best of
-        # 10 shapes (80 µs at C=768, 394 µs at C=4096; notes/block_benchmarks.md).
-        BM, BK = 64, 128
-        _coeff_fwd[(_cdiv(T, BM),)](
-            x, phi, alpha, b_pre, b_post, b_res, z, r, v, R, T, n * C, eps,
-            n=n, BM=BM, BK=BK, ZP=_pow2(z.shape[1], 16), **_numerics(x),
-        )
-        h = v.sigmoid_()  # in place: the same bits as torch.sigmoid, one allocation fewer
-        H_res = birkhoff_project(R, tol=tol)
-
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, plan: _Plan, state: _SiteState):
+        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+        zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
+        h = x.new_empty((T, 2 * n), dtype=plan.cdt)
+        R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
         u = x.new_empty((*x.shape[:-2], C))
-        BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _premix_fwd[(T, _cdiv(C, BC))](x, h, u, C, 2 * n, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
-        ctx.save_for_backward(x, phi, alpha, z, r, h, H_res)
-        ctx.state = state
+        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps)
+        if plan.cuda_projection:
+            H_res = _projection_cuda.project(R, tol=tol, max_iter=_MAX_ITER, return_info=False)
+        else:
+            H_res = birkhoff_project(R, tol=tol, max_iter=_MAX_ITER)
+        ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+        ctx.plan, ctx.state = plan, state
         return u, h, H_res
 
     @staticmethod
     @once_differentiable
     def backward(ctx, du, d_h, d_res):
-        x, phi, alpha, z, r, h, H_res = ctx.saved_tensors
+        x, phi, alpha, zr, h, H_res = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         state: _SiteState = ctx.state
-        n, C = x.shape[-2:]
-        T, Z = z.shape
-        ZP = _pow2(Z, 16)
+        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+        d_res = _dense(d_res, plan.cdt)
+        dR = torch.ops.mhc.birkhoff_backward(H_res, d_res) if plan.cuda_projection else newton_grad(H_res, d_res)
         du = _dense(du)
-        dR = newton_grad(H_res, d_res)
-        dzr = torch.empty_like(z)
-        c2 = torch.empty_like(r)
-        rows = z.new_empty((T, Z + 3))
-        _coeff_bwd[(T,)](
-            du, x, h, _dense(d_h), dR, z, r, alpha, dzr, c2, rows, C,
-            n=n, NP=_pow2(n), ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=_k.acc_type(x.dtype), num_warps=2,
-        )
-        db_pre, db_post, db_res, d_alpha = rows.sum(0).split([n, n, n * n, 3])
+        work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
+        _coeff_bwd(plan.coeff_bwd, du, x, h, _dense(d_h), dR, zr, alpha, work, C)
+        _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
 
         dx = dphi = None
         if ctx.needs_input_grad[0]:
             # No dx' when the site's output took no part in the loss (only H_post / H_res did).
             d_out = state.d_out if state.d_out is not None else torch.zeros_like(x)
             dx = torch.empty_like(x)
-            # Measured on the H200 (n=4, T=16384): 16-token steps over 128 tokens per
-            # program and 64 columns, 4 warps: 118 µs at C=768, 511 µs at C=4096. Wider n
-            # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
-            NP, BM, TB = _pow2(n), 16, 128
-            BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
-            _stream_grad[(_cdiv(C, BC), _cdiv(T, TB))](
-                d_out, du, x, dzr, c2, phi, h, H_res, dx, T, C, TB,
-                n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **_numerics(x), num_warps=4 if ZP * NP * BC <= 8192 else 8,
-            )
+            _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
         if ctx.needs_input_grad[1]:
-            K = n * C
-            BT, BN = 32, 128
-            splits = max(1, min(16, T // 1024))
-            per = _cdiv(_cdiv(T, splits), BT) * BT
-            splits = _cdiv(T, per)
-            part = x.new_empty((splits, Z, K), dtype=z.dtype)
-            _phi_grad[(_cdiv(K, BN), splits)](dzr, x, part, T, K, Z, per, ZP=ZP, BT=BT, BN=BN, **_numerics(x))
+            part = zr.new_empty((plan.phi_splits, Z, n * C))
+            _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
             dphi = part.sum(0)
         state.d_out = None
-        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None, None, None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None, None, None, None
 
 
 class _PostMix(torch.autograd.Function):
@@ -248,37 +285,25 @@ class _PostMix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
-        n, C = x.shape[-2:]
-        T = h.shape[0]
+    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, plan: _Plan, state: _SiteState):
         out = torch.empty_like(x)
-        # Measured on the H200 (n=4, C=2048): [n, 1024] tiles with 4 warps run at
-        # copy speed; 256- or 512-wide tiles, or 8 warps, were 8-30x slower.
-        BC = min(4096 // _pow2(n), _pow2(C, 16))
-        _postmix_fwd[(T, _cdiv(C, BC))](x, y, h, h_res, out, C, n=n, NP=_pow2(n), BC=BC, ACC=_k.acc_type(x.dtype))
+        _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
         ctx.save_for_backward(x, y, h)
-        ctx.state = state
+        ctx.plan, ctx.state = plan, state
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
-        n, C = x.shape[-2:]
-        T = h.shape[0]
+        plan: _Plan = ctx.plan
         dout = _dense(dout)
         dy = torch.empty_like(y)
         g_h = torch.empty_like(h)
-        g_res = h.new_empty((T, n, n))
-        NP = _pow2(n)
-        # Measured on the H200 (n=4, T=16384): one warp per token beat two by 30%
-        # at C=768 and C=4096 (83 vs 116 µs, 360 vs 526 µs).
-        BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
-        _postmix_bwd[(T,)](
-            dout, x, y, h, dy, g_h, g_res, C, n=n, NP=NP, BC=BC, ACC=_k.acc_type(x.dtype), num_warps=1,
-        )
+        g_res = h.new_empty((plan.T, plan.n, plan.n))
+        _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
         ctx.state.d_out = dout
-        return None, dy, g_h, g_res, None
+        return None, dy, g_h, g_res, None, None
 
 
 def mhc_site(
@@ -328,17 +353,30 @@ def mhc_site(
         raise ValueError(f"phi must be [{n * n + 2 * n}, {n * C}] for streams [..., {n}, {C}], got {tuple(phi.shape)}")
     if phi.device != x.device:
         raise ValueError(f"streams are on {x.device} but phi is on {phi.device}")
-    lead = x.shape[:-2]
+    return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs or {})
+
+
+def run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs):
+    """:func:`mhc_site` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`).
+
+    On the H200's host every Python-level check of a site costs microseconds,
+    24 sites a step.
+    """
     x = _dense(x)  # a strided input is copied once here
-    cdt = _coef_dtype(x)
+    plan = _plan(x)
+    if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
+        # Triton launches on the current device (autograd's backward threads already set it).
+        with torch.cuda.device(plan.cuda_device):
+            return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs)
+    cdt = plan.cdt
     state = _SiteState()
     u, h, H_res = _SitePre.apply(
         x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt),
-        float(norm_eps), float(tol), state,
+        float(norm_eps), float(tol), plan, state,
     )
-    out = branch(u, *branch_args, **(branch_kwargs or {}))
+    out = branch(u, *branch_args, **branch_kwargs)
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-    if y.shape != (*lead, C):
-        raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {(*lead, C)}")
-    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, state)
+    if y.shape != u.shape:
+        raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, plan, state)
     return x_new if rest is None else (x_new, *rest)

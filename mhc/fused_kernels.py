@@ -2,23 +2,25 @@
 
 Layouts: streams ``x [T, n, C]`` and their gradient contiguous, in the
 streams' dtype; ``F``'s input/output ``[T, C]``; coefficients in ``ACC``
-(``z [T, Z]`` with ``Z = n² + 2n``, ``h [T, 2n]`` = σ of H_pre's and
-H_post's columns, so ``H_pre = h[:, :n]`` and ``H_post = 2·h[:, n:]``;
-``h_res [T, n, n]``). ``ACC`` is float32, or float64 for float64 streams
-(gradcheck); every product and reduction runs in it.
+(``zr [T, Z + 1]``: ``z`` with ``Z = n² + 2n`` and the norm's ``r = 1/rms``
+in the last column; ``h [T, 2n]`` = σ of H_pre's and H_post's columns, so
+``H_pre = h[:, :n]`` and ``H_post = 2·h[:, n:]``; ``h_res [T, n, n]``).
+The backward keeps one row per token, ``work [T, 2Z + 4]`` = ``[r·dz (Z) |
+dv (Z) | α's three group sums | c2]``: its column sums give ``db`` and
+``dα``. ``ACC`` is float32, or float64 for float64 streams (gradcheck);
+every product and reduction runs in it.
 
 One kernel per memory pass (design.md §1 for the maths):
 
-* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms`` and the
-  affine map ``α·z + b`` of every column (one read of the streams; the skinny
-  GEMM runs on the tensor cores).
-* ``premix_fwd``: ``u = Σ_i h_pre[i] x_i``.
+* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms``, the
+  affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
+  ``u = Σ_i h_pre[i] x_i`` (the skinny GEMM runs on the tensor cores; the
+  pre-mix reads the program's tokens a second time, mostly from L2).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
-  to ``z``: through σ and ``α·z + b`` (``r·dz``, the norm's ``c2``, and
-  the rows whose column sums give ``db`` and ``dα``).
+  to ``z``: through σ and ``α·z + b``, into the token's work row.
 * ``stream_grad``: the whole ``dx`` in one write: through the norm and
   ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
@@ -36,14 +38,32 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _sigmoid(v, LIBDEVICE: tl.constexpr):
+    # torch.sigmoid's formula on CUDA, 1 / (1 + exp(-v)) with libdevice's exp and an
+    # IEEE division, so that σ here has the same bits as in MHCBlock.coefficients.
+    # Triton's interpreter has no libdevice (its exp is numpy's there).
+    if LIBDEVICE:
+        e = libdevice.exp(-v)
+    else:
+        e = tl.exp(-v)
+    if v.dtype == tl.float32:
+        return tl.math.div_rn(1.0, 1.0 + e)
+    else:
+        return 1.0 / (1.0 + e)
 
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, z_ptr, r_ptr, act_ptr, res_ptr, T, K, eps,
-    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps,
+    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     Z: tl.constexpr = n * n + 2 * n
+    K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rz = tl.arange(0, ZP)
     row_ok = rm < T
@@ -70,25 +90,26 @@ def coeff_fwd(
     b = (tl.load(bpre_ptr + col, mask=is_pre, other=0.0) + tl.load(bpost_ptr + col - n, mask=is_post, other=0.0)
          + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0))
     v = z * a + b
+    h = _sigmoid(v, LIBDEVICE)
     ok = row_ok[:, None]
-    tl.store(z_ptr + rm[:, None] * Z + col, z, mask=ok & (col < Z))
-    tl.store(act_ptr + rm[:, None] * (2 * n) + col, v, mask=ok & (col < 2 * n))
+    tl.store(zr_ptr + rm[:, None] * (Z + 1) + col, z, mask=ok & (col < Z))
+    tl.store(zr_ptr + rm * (Z + 1) + Z, r, mask=row_ok)
+    tl.store(h_ptr + rm[:, None] * (2 * n) + col, h, mask=ok & (col < 2 * n))
     tl.store(res_ptr + rm[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
-    tl.store(r_ptr + rm, r, mask=row_ok)
 
-
-@triton.jit
-def premix_fwd(x_ptr, h_ptr, u_ptr, C, h_stride, n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    ri = tl.arange(0, NP)
-    c_ok = rc < C
-    h = tl.load(h_ptr + t * h_stride + ri, mask=ri < n, other=0.0)
-    base = x_ptr + t * n * C
-    xs = tl.load(base + ri[:, None] * C + rc[None, :], mask=(ri[:, None] < n) & c_ok[None, :], other=0.0).to(ACC)
-    x0 = tl.load(base + rc, mask=c_ok, other=0.0).to(ACC)
-    u = tl.sum(h, axis=0) * x0 + tl.sum(h[:, None] * (xs - x0[None, :]), axis=0)
-    tl.store(u_ptr + t * C + rc, u.to(u_ptr.dtype.element_ty), mask=c_ok)
+    # u = Σ_i h_pre[i] x_i, around stream 0 as in MHCBlock: (Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0).
+    h_pre = tl.where(is_pre, h, 0.0)
+    h_sum = tl.sum(h_pre, axis=1)
+    for c0 in range(0, C, BC):
+        rc = c0 + tl.arange(0, BC)
+        m = ok & (rc[None, :] < C)
+        x_row = x_ptr + rows[:, None] + rc[None, :]
+        x0 = tl.load(x_row, mask=m, other=0.0).to(ACC)
+        u = h_sum[:, None] * x0
+        for i in tl.static_range(1, n):
+            h_i = tl.sum(tl.where(col == i, h_pre, 0.0), axis=1)
+            u += h_i[:, None] * (tl.load(x_row + i * C, mask=m, other=0.0).to(ACC) - x0)
+        tl.store(u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -143,7 +164,7 @@ def postmix_bwd(
 
 @triton.jit
 def coeff_bwd(
-    du_ptr, x_ptr, h_ptr, dh_ptr, dres_ptr, z_ptr, r_ptr, alpha_ptr, dzr_ptr, c2_ptr, g_ptr, C,
+    du_ptr, x_ptr, h_ptr, dh_ptr, dres_ptr, zr_ptr, alpha_ptr, work_ptr, C,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
 ):
     Z: tl.constexpr = n * n + 2 * n
@@ -170,25 +191,26 @@ def coeff_bwd(
     d_res = tl.load(dres_ptr + t * (n * n) + k - 2 * n, mask=is_res, other=0.0)
     dv = tl.where(is_res, d_res, (g_pre + d_h) * dsig)  # g_pre is 0 off H_pre's columns
     a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
-    z = tl.load(z_ptr + t * Z + k, mask=k < Z, other=0.0)
-    r = tl.load(r_ptr + t)
+    z = tl.load(zr_ptr + t * (Z + 1) + k, mask=k < Z, other=0.0)
+    r = tl.load(zr_ptr + t * (Z + 1) + Z)
     dz = dv * a
-    tl.store(dzr_ptr + t * Z + k, dz * r, mask=k < Z)
-    # Through the norm: z = r·x φᵀ, so d/dx picks up −r³·x·⟨dz φ, x⟩/K = −x·r²·⟨dz, z⟩/K.
-    tl.store(c2_ptr + t, tl.sum(dz * z, axis=0) * r * r / (n * C))
-    # The parameter gradients are column sums, taken afterwards, of the rows
-    # [dv (the biases'), Σ dv·z over each column group (α's)].
+    # The token's work row: [r·dz | dv | α's group sums | c2]. The parameter
+    # gradients are its column sums, taken afterwards (dv the biases', Σ dv·z
+    # over each column group α's).
+    row = work_ptr + t * (2 * Z + 4)
+    tl.store(row + k, dz * r, mask=k < Z)
+    tl.store(row + Z + k, dv, mask=k < Z)
     dvz = dv * z
-    row = g_ptr + t * (Z + 3)
-    tl.store(row + k, dv, mask=k < Z)
-    tl.store(row + Z, tl.sum(tl.where(is_pre, dvz, 0.0), axis=0))
-    tl.store(row + Z + 1, tl.sum(tl.where(is_post, dvz, 0.0), axis=0))
-    tl.store(row + Z + 2, tl.sum(tl.where(is_res, dvz, 0.0), axis=0))
+    tl.store(row + 2 * Z, tl.sum(tl.where(is_pre, dvz, 0.0), axis=0))
+    tl.store(row + 2 * Z + 1, tl.sum(tl.where(is_post, dvz, 0.0), axis=0))
+    tl.store(row + 2 * Z + 2, tl.sum(tl.where(is_res, dvz, 0.0), axis=0))
+    # Through the norm: z = r·x φᵀ, so d/dx picks up −r³·x·⟨dz φ, x⟩/K = −x·r²·⟨dz, z⟩/K.
+    tl.store(row + 2 * Z + 3, tl.sum(dz * z, axis=0) * r * r / (n * C))
 
 
 @triton.jit
 def stream_grad(
-    dout_ptr, du_ptr, x_ptr, dzr_ptr, c2_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
+    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -212,11 +234,12 @@ def stream_grad(
         m_ok = rm < t_end
         tok = rm.to(tl.int64)
         # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
-        dzr = tl.load(dzr_ptr + tok[:, None] * Z + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
+        row = work_ptr + tok * (2 * Z + 4)  # [r·dz | dv | α sums | c2]
+        dzr = tl.load(row[:, None] + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
         acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
         offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
         mask3 = m_ok[:, None, None] & jc_ok[None, :, :]
-        c2 = tl.load(c2_ptr + rm, mask=m_ok, other=0.0)
+        c2 = tl.load(row + 2 * Z + 3, mask=m_ok, other=0.0)
         acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
         # + h_pre[j] du
         row_j = m_ok[:, None] & (rj[None, :] < n)
@@ -233,7 +256,7 @@ def stream_grad(
 
 @triton.jit
 def phi_grad(
-    dzr_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
+    work_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
     ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -246,7 +269,8 @@ def phi_grad(
     for t0 in range(t_begin, t_end, BT):
         rt = t0 + tl.arange(0, BT)
         t_ok = rt < t_end
-        a = tl.load(dzr_ptr + rt[None, :] * Z + rz[:, None], mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
+        a = tl.load(work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
+                    mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
         xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])

@@ -18,7 +18,7 @@ adds to F alone, against a device copy's GB/s measured in the same run.
 
 Model step: LlamaForCausalLM (hidden 768, 12 layers, 12 heads, intermediate
 2048, vocab 32000; ~134M parameters) against ``convert_to_mhc(n_streams=4)``
-of it; bf16 weights (mHC coefficients fp32), batch 8 × seq 2048, SDPA
+of it; bf16 weights (mHC coefficients fp32), batch 8 × seq 2048 (``--batch``, ``--seq``), SDPA
 attention, AdamW (fused); one step = forward, loss, backward, optimizer
 step, zero_grad.
 """
@@ -206,6 +206,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-model", action="store_true", help="only the block table")
     ap.add_argument("--skip-block", action="store_true", help="only the model step")
+    ap.add_argument("--batch", type=int, default=8, help="model step: sequences per batch (default 8)")
+    ap.add_argument("--seq", type=int, default=2048, help="model step: sequence length (default 2048)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_block.py needs a CUDA device")
@@ -213,7 +215,7 @@ def main() -> None:
     if not args.skip_block:
         block_table()
     if not args.skip_model:
-        model_step()
+        model_step(args.batch, args.seq)
 
 
 if __name__ == "__main__":

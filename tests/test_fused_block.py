@@ -6,6 +6,7 @@ in CI.
 """
 
 import copy
+import math
 import os
 
 import pytest
@@ -145,6 +146,25 @@ def test_identity_init_on_identical_streams_is_exact(dtype):
     expected = h + branch(h)
     for i in range(n):
         assert torch.equal(out[..., i, :], expected)
+
+
+def test_in_kernel_sigmoid_matches_torch():
+    """σ in coeff_fwd has torch.sigmoid's bits on CUDA; within 1 ulp in the interpreter (numpy's exp)."""
+    n, C, T = 8, 16, 5
+    torch.manual_seed(0)
+    x = torch.randn(T, n, C, device=DEVICE)
+    phi = torch.zeros(n * n + 2 * n, n * C, device=DEVICE)  # z = 0, so v = b exactly
+    alpha, b_res = torch.ones(3, device=DEVICE), torch.zeros(n, n, device=DEVICE)
+    special = torch.tensor([-math.log(3), 0.0, -30.0, 30.0, 1e-8, -88.0, 17.0, -1.5], device=DEVICE)
+    for trial in range(6):
+        b = special if trial == 0 else torch.randn(n, device=DEVICE) * 4 * trial
+        b_pre, b_post = b, -b.flip(0)
+        _, h, _ = fused._SitePre.apply(x, phi, alpha, b_pre, b_post, b_res, 1e-6, 1e-6, fused._plan(x), fused._SiteState())
+        expected = torch.sigmoid(torch.cat([b_pre, b_post])).expand(T, -1)
+        if DEVICE == "cuda":
+            assert torch.equal(h, expected)
+        else:
+            torch.testing.assert_close(h, expected, rtol=2.4e-7, atol=0)
 
 
 def test_branch_tuple_and_arguments_pass_through():
