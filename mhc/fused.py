@@ -197,12 +197,17 @@ def _plan(x: Tensor) -> _Plan:
 
 
 class _SiteState:
-    """What ``_PostMix`` hands to ``_SitePre`` in backward: ``dx'`` (detached)."""
+    """One call of a site: its plan and scalars, and what ``_PostMix`` hands ``_SitePre`` in backward.
 
-    __slots__ = ("d_out",)
+    The nodes take it as their one non-tensor argument (each argument of
+    ``Function.apply`` costs host time). ``d_out`` is ``dx'`` (detached), set
+    by ``_PostMix``'s backward.
+    """
 
-    def __init__(self):
-        self.d_out = None
+    __slots__ = ("plan", "eps", "tol", "d_out")
+
+    def __init__(self, plan: _Plan, eps: float, tol: float):
+        self.plan, self.eps, self.tol, self.d_out = plan, eps, tol, None
 
 
 def _dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -235,27 +240,28 @@ class _SitePre(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, plan: _Plan, state: _SiteState):
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
+        plan = state.plan
         T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
         zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
         h = x.new_empty((T, 2 * n), dtype=plan.cdt)
         R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
         u = x.new_empty((*x.shape[:-2], C))
-        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps)
+        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
         if plan.cuda_projection:
-            H_res = _projection_cuda.project(R, tol=tol, max_iter=_MAX_ITER, return_info=False)
+            H_res = _projection_cuda.project(R, tol=state.tol, max_iter=_MAX_ITER, return_info=False)
         else:
-            H_res = birkhoff_project(R, tol=tol, max_iter=_MAX_ITER)
+            H_res = birkhoff_project(R, tol=state.tol, max_iter=_MAX_ITER)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
-        ctx.plan, ctx.state = plan, state
+        ctx.state = state
         return u, h, H_res
 
     @staticmethod
     @once_differentiable
     def backward(ctx, du, d_h, d_res):
         x, phi, alpha, zr, h, H_res = ctx.saved_tensors
-        plan: _Plan = ctx.plan
         state: _SiteState = ctx.state
+        plan = state.plan
         T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
         d_res = _dense(d_res, plan.cdt)
         dR = torch.ops.mhc.birkhoff_backward(H_res, d_res) if plan.cuda_projection else newton_grad(H_res, d_res)
@@ -275,7 +281,7 @@ class _SitePre(torch.autograd.Function):
             _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
             dphi = part.sum(0)
         state.d_out = None
-        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None, None, None, None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None
 
 
 class _PostMix(torch.autograd.Function):
@@ -285,25 +291,26 @@ class _PostMix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, plan: _Plan, state: _SiteState):
+    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
+        plan = state.plan
         out = torch.empty_like(x)
         _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
         ctx.save_for_backward(x, y, h)
-        ctx.plan, ctx.state = plan, state
+        ctx.state = state
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan = ctx.state.plan
         dout = _dense(dout)
         dy = torch.empty_like(y)
         g_h = torch.empty_like(h)
         g_res = h.new_empty((plan.T, plan.n, plan.n))
         _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
         ctx.state.d_out = dout
-        return None, dy, g_h, g_res, None, None
+        return None, dy, g_h, g_res, None
 
 
 def mhc_site(
@@ -369,14 +376,13 @@ def run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_
         with torch.cuda.device(plan.cuda_device):
             return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs)
     cdt = plan.cdt
-    state = _SiteState()
+    state = _SiteState(plan, float(norm_eps), float(tol))
     u, h, H_res = _SitePre.apply(
-        x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt),
-        float(norm_eps), float(tol), plan, state,
+        x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt), state
     )
     out = branch(u, *branch_args, **branch_kwargs)
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != u.shape:
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
-    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, plan, state)
+    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, state)
     return x_new if rest is None else (x_new, *rest)
