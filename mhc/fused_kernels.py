@@ -15,7 +15,7 @@ One kernel per memory pass (design.md §1 for the maths):
 * ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms``, the
   affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
   ``u = Σ_i h_pre[i] x_i`` (the skinny GEMM runs on the tensor cores; the
-  pre-mix reads the program's tokens a second time, mostly from L2).
+  pre-mix reads the program's tokens a second time).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
