@@ -482,9 +482,6 @@ def newton_grad(T: Tensor, grad_T: Tensor) -> Tensor:
     if grad_T.dtype != T.dtype:
         grad_T = grad_T.to(T.dtype)
     if _projection_cuda.supports(T) and _projection_cuda.available():
-        # The fused site calls this per step with [B, n, n] contiguous tensors: skip the no-op reshapes.
-        if T.dim() == 3 and T.is_contiguous() and grad_T.is_contiguous():
-            return torch.ops.mhc.birkhoff_backward(T, grad_T)
         T3, G3 = T.reshape(-1, n, n).contiguous(), grad_T.reshape(-1, n, n).contiguous()
         return torch.ops.mhc.birkhoff_backward(T3, G3).reshape(shape)
     return birkhoff_backward(T.reshape(-1, n, n), grad_T.reshape(-1, n, n)).reshape(shape)
