@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import projection_cuda as _projection_cuda
-from .projection import birkhoff_project, newton_grad
+from .projection import birkhoff_backward, birkhoff_project
 
 __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
@@ -168,7 +168,8 @@ class _Plan:
         # [ZP, NP·BC] at 8K values per program.
         BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
         self.stream_grad = launch(
-            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens), n=n, NP=NP, ZP=ZP, BM=16, BC=BC, **numerics,
+            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
+            n=n, NP=NP, ZP=ZP, BM=16, BC=BC, **numerics,
             num_warps=4 if ZP * NP * BC <= 8192 else 8,
         )
         K, BT, BN = n * C, 32, 128
@@ -264,7 +265,11 @@ class _SitePre(torch.autograd.Function):
         plan = state.plan
         T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
         d_res = _dense(d_res, plan.cdt)
-        dR = torch.ops.mhc.birkhoff_backward(H_res, d_res) if plan.cuda_projection else newton_grad(H_res, d_res)
+        # The projection's implicit backward needs only its output (design.md §2).
+        if plan.cuda_projection:
+            dR = torch.ops.mhc.birkhoff_backward(H_res, d_res)
+        else:
+            dR = birkhoff_backward(H_res, d_res)
         du = _dense(du)
         work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
         _coeff_bwd(plan.coeff_bwd, du, x, h, _dense(d_h), dR, zr, alpha, work, C)

@@ -463,29 +463,5 @@ def _birkhoff_project_torch(
     return (T, info) if return_info else T
 
 
-def newton_grad(T: Tensor, grad_T: Tensor) -> Tensor:
-    """``∂L/∂logits`` of ``birkhoff_project(logits, method="newton")`` from its output, without autograd.
-
-    For callers that run the projection inside their own autograd node (the
-    fused mHC site): the implicit backward needs only ``T`` (design.md §2).
-    CUDA inputs that the projection's kernels support take the CUDA kernel,
-    the rest :func:`birkhoff_backward`.
-
-    Args:
-        T: ``[..., n, n]`` the projection's output, float32 or float64.
-        grad_T: ``∂L/∂T``, same shape.
-
-    Returns:
-        ``∂L/∂logits``, shape and dtype of ``T``.
-    """
-    shape, n = T.shape, T.shape[-1]
-    if grad_T.dtype != T.dtype:
-        grad_T = grad_T.to(T.dtype)
-    if _projection_cuda.supports(T) and _projection_cuda.available():
-        T3, G3 = T.reshape(-1, n, n).contiguous(), grad_T.reshape(-1, n, n).contiguous()
-        return torch.ops.mhc.birkhoff_backward(T3, G3).reshape(shape)
-    return birkhoff_backward(T.reshape(-1, n, n), grad_T.reshape(-1, n, n)).reshape(shape)
-
-
 # The CUDA wrapper imports this module's names, so it is imported last.
 from . import projection_cuda as _projection_cuda  # noqa: E402
