@@ -33,12 +33,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import projection_cuda as _projection_cuda
-from .projection import birkhoff_backward, birkhoff_project
+from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
 __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MAX_ITER = 100  # Newton iterations of the projection, birkhoff_project's default
 
 try:
     from . import fused_kernels as _k
@@ -250,9 +249,9 @@ class _SitePre(torch.autograd.Function):
         u = x.new_empty((*x.shape[:-2], C))
         _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
         if plan.cuda_projection:
-            H_res = _projection_cuda.project(R, tol=state.tol, max_iter=_MAX_ITER, return_info=False)
+            H_res = _projection_cuda.project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER, return_info=False)
         else:
-            H_res = birkhoff_project(R, tol=state.tol, max_iter=_MAX_ITER)
+            H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res

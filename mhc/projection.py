@@ -34,6 +34,7 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ARMIJO_C1 = 1e-4
 _MAX_HALVINGS = 30
+NEWTON_MAX_ITER = 100  # birkhoff_project's default iteration cap (the fused site uses it too)
 _MAX_STEP = 24.0  # trust-region radius of a Newton step in log space (kMaxStep in csrc)
 
 
@@ -387,7 +388,7 @@ def birkhoff_project(
     logits: Tensor,
     *,
     tol: float = 1e-6,
-    max_iter: int = 100,
+    max_iter: int = NEWTON_MAX_ITER,
     method: str = "newton",
     iters: int = 20,
     return_info: bool = False,
