@@ -272,6 +272,24 @@ def test_unconverged_counter_and_warning():
     assert projection_cuda.unconverged_count() == 0
 
 
+def test_project_no_autograd_is_the_same_kernel():
+    """The fused site's call past autograd: birkhoff_project's bits, no graph, and the same counter."""
+    from mhc import projection_cuda
+
+    R = _draw("normal10", (4096, 4, 4)).requires_grad_()
+    tol = P.effective_tol(1e-6, 4, R.dtype)
+    T = projection_cuda.project_no_autograd(R, tol, P.NEWTON_MAX_ITER)
+    assert T.grad_fn is None and not T.requires_grad
+    torch.testing.assert_close(T, mhc.birkhoff_project(R.detach(), tol=1e-6), atol=0, rtol=0)
+    projection_cuda.unconverged_count(reset=True)
+    projection_cuda._calls = 1  # keep the periodic non-blocking poll out of this test
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = mhc.birkhoff_project(R, max_iter=0, return_info=True)
+    projection_cuda.project_no_autograd(R.detach(), tol, 0)
+    assert projection_cuda.unconverged_count(reset=True) == 2 * info.num_unconverged > 0
+
+
 # ----------------------------------------------------------------------------
 # torch.compile, CUDA graphs, streams.
 # ----------------------------------------------------------------------------
