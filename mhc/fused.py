@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import projection_cuda as _projection_cuda
-from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
+from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project, effective_tol
 
 __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
@@ -84,10 +84,19 @@ class _Launcher:
         # 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
         stream = _k.triton.runtime.driver.active.get_current_stream(spec.device)
         runtime = _k.triton.knobs.runtime
-        enter = runtime.launch_enter_hook
+        enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
         metadata = None if enter is None else compiled.launch_metadata(spec.grid, stream, *full)
-        run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter,
-            runtime.launch_exit_hook, *full)
+        run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *full)
+
+
+def _hook(hook):
+    """A Triton launch hook, or ``None`` for an empty ``HookChain``.
+
+    Triton 3.5+ keeps its hooks in chains that are never ``None``; with a chain,
+    Triton's own launch builds the launch metadata and calls both chains on
+    every launch, though no hook is installed.
+    """
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
 class _Launch:
@@ -142,7 +151,9 @@ class _Plan:
         acc = _k.acc_type(dtype)
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
+        # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2").
         numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
+        coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
         def launch(grid, ints, **meta):
             return _Launch(grid, meta, ints, dtype, device)
@@ -152,7 +163,7 @@ class _Plan:
         # was 8 µs and 37 µs faster, but cost a launch and a σ op on the host).
         BM = 64
         self.coeff_fwd = launch(
-            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **numerics, LIBDEVICE=device.type == "cuda",
+            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
@@ -181,6 +192,14 @@ class _Plan:
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
+        self._tol_eff: dict = {}
+
+    def projection_tol(self, tol: float) -> float:
+        """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
+        tol_eff = self._tol_eff.get(tol)
+        if tol_eff is None:
+            tol_eff = self._tol_eff[tol] = effective_tol(tol, self.n, self.cdt)
+        return tol_eff
 
 
 _PLANS: dict = {}
@@ -249,7 +268,7 @@ class _SitePre(torch.autograd.Function):
         u = x.new_empty((*x.shape[:-2], C))
         _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
         if plan.cuda_projection:
-            H_res = _projection_cuda.project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER, return_info=False)
+            H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
         else:
             H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
@@ -317,6 +336,28 @@ class _PostMix(torch.autograd.Function):
         return None, dy, g_h, g_res, None
 
 
+def _direct_apply(function: type) -> "callable":
+    """``function.apply`` without the Python layer of ``torch.autograd.Function.apply``.
+
+    That layer binds default arguments (these nodes have none) and unwraps
+    functorch's dead wrappers (there are none outside functorch transforms),
+    a few microseconds per call on the H200's host. Under functorch transforms
+    or ``torch.compile``, which handle ``Function.apply`` themselves, it is
+    still called.
+    """
+    base_apply = super(torch.autograd.Function, function).apply
+
+    def apply(*args):
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return function.apply(*args)
+        return base_apply(*args)
+
+    return apply
+
+
+_site_pre, _post_mix = _direct_apply(_SitePre), _direct_apply(_PostMix)
+
+
 def mhc_site(
     x: Tensor,
     branch,
@@ -381,12 +422,12 @@ def run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_
             return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs)
     cdt = plan.cdt
     state = _SiteState(plan, float(norm_eps), float(tol))
-    u, h, H_res = _SitePre.apply(
+    u, h, H_res = _site_pre(
         x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt), state
     )
     out = branch(u, *branch_args, **branch_kwargs)
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != u.shape:
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
-    x_new = _PostMix.apply(x, _dense(y, x.dtype), h, H_res, state)
+    x_new = _post_mix(x, _dense(y, x.dtype), h, H_res, state)
     return x_new if rest is None else (x_new, *rest)

@@ -208,6 +208,31 @@ def test_cached_launches_match_tritons_own():
         assert torch.equal(first, second)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+def test_cached_launches_call_installed_launch_hooks():
+    """A launch hook installed in Triton (a profiler's, say) sees the kept launches too."""
+    import triton
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps launch hooks without a HookChain")
+    _, fast = _blocks(4, 96, torch.bfloat16, seed=4)
+    x = torch.randn(2, 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    fast(x).sum().backward()  # compiles and keeps every variant
+    names = []
+
+    def hook(metadata):
+        names.append(metadata.get()["name"])
+
+    chain.add(hook)
+    try:
+        fast(x).sum().backward()
+    finally:
+        chain.remove(hook)
+    assert {"coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"} <= set(names)
+    assert fused._hook(chain) is None  # empty again: the launches pass no hook
+
+
 def test_bad_inputs_are_rejected():
     n, C = 4, 16
     block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
