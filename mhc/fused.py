@@ -151,7 +151,8 @@ class _Plan:
         acc = _k.acc_type(dtype)
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
-        # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2").
+        # coeff_fwd and phi_grad take bf16 streams as they are, on bf16 tensor cores, with
+        # their fp32 operand (φ, r·dz) in two bf16 parts ("bf16x2").
         numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
@@ -187,7 +188,8 @@ class _Plan:
         self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
         self.phi_splits = _cdiv(T, self.phi_tokens)
         self.phi_grad = launch(
-            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
+            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **coeff_numerics,
+            COMPILED=device.type == "cuda",
         )
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)

@@ -2,6 +2,7 @@
 
     python scripts/bench_block.py                  # block table, then the model step
     python scripts/bench_block.py --skip-model     # block table only
+    python scripts/bench_block.py --skip-block --skip-torch   # model step, residual and fused only
 
 Block table: bf16, B=4, S=4096, C in {1024, 2048, 4096}; the branch F is a
 SwiGLU MLP (intermediate 8C/3, rounded to 64) or a cheap one (RMSNorm + one
@@ -157,7 +158,7 @@ def llama_134m(seq: int = 2048):
     )
 
 
-def model_step(batch: int = 8, seq: int = 2048) -> None:
+def model_step(batch: int = 8, seq: int = 2048, torch_path: bool = True) -> None:
     from transformers import LlamaForCausalLM
 
     cfg = llama_134m(seq)
@@ -190,10 +191,11 @@ def model_step(batch: int = 8, seq: int = 2048) -> None:
     del base
     model = mhc.convert_to_mhc(fresh(), n_streams=4, init="paper")
     results["mhc n=4 fused"] = step_ms(model)
-    for m in model.modules():
-        if isinstance(m, mhc.MHCBlock):
-            m.fused = False
-    results["mhc n=4 torch"] = step_ms(model)
+    if torch_path:
+        for m in model.modules():
+            if isinstance(m, mhc.MHCBlock):
+                m.fused = False
+        results["mhc n=4 torch"] = step_ms(model)
     del model
     torch.cuda.empty_cache()
     t_res = results["residual"]
@@ -206,6 +208,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-model", action="store_true", help="only the block table")
     ap.add_argument("--skip-block", action="store_true", help="only the model step")
+    ap.add_argument("--skip-torch", action="store_true", help="model step: leave out the PyTorch mHC path")
     ap.add_argument("--batch", type=int, default=8, help="model step: sequences per batch (default 8)")
     ap.add_argument("--seq", type=int, default=2048, help="model step: sequence length (default 2048)")
     args = ap.parse_args()
@@ -215,7 +218,7 @@ def main() -> None:
     if not args.skip_block:
         block_table()
     if not args.skip_model:
-        model_step(args.batch, args.seq)
+        model_step(args.batch, args.seq, torch_path=not args.skip_torch)
 
 
 if __name__ == "__main__":
