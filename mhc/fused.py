@@ -151,8 +151,8 @@ class _Plan:
         acc = _k.acc_type(dtype)
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
-        # coeff_fwd and phi_grad take bf16 streams as they are, on bf16 tensor cores, with
-        # their fp32 operand (φ, r·dz) in two bf16 parts ("bf16x2").
+        # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
+        # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
         numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
@@ -160,8 +160,9 @@ class _Plan:
             return _Launch(grid, meta, ints, dtype, device)
 
         # 64 tokens x 128 columns, 4 warps: the best of 10 shapes for the norm and φ, and of 6 for
-        # the pre-mix that follows (120 µs at C=768, 591 µs at C=4096; the separate pre-mix kernel
-        # was 8 µs and 37 µs faster, but cost a launch and a σ op on the host).
+        # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
+        # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
+        # and a σ op on the host).
         BM = 64
         self.coeff_fwd = launch(
             (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
@@ -188,8 +189,7 @@ class _Plan:
         self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
         self.phi_splits = _cdiv(T, self.phi_tokens)
         self.phi_grad = launch(
-            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **coeff_numerics,
-            COMPILED=device.type == "cuda",
+            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
         )
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)

@@ -271,7 +271,6 @@ def stream_grad(
 def phi_grad(
     work_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
     ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    COMPILED: tl.constexpr,
 ):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -286,17 +285,7 @@ def phi_grad(
         a = tl.load(work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
                     mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
         xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        if PRECISION == "bf16x2":  # bf16 streams as loaded, r·dz in two bf16 parts (as in coeff_fwd)
-            a_hi = a.to(tl.bfloat16)
-            a_lo = (a - a_hi.to(ACC)).to(tl.bfloat16)
-            if COMPILED:
-                acc = tl.dot(a_hi, xb, acc, out_dtype=ACC)
-                acc = tl.dot(a_lo, xb, acc, out_dtype=ACC)
-            else:  # the interpreter has no bf16 dot: the same exact products in fp32
-                acc = tl.dot(a_hi.to(ACC), xb.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-                acc = tl.dot(a_lo.to(ACC), xb.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-        else:
-            acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
+        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])
 
 

@@ -168,6 +168,26 @@ def test_in_kernel_sigmoid_matches_torch():
             torch.testing.assert_close(h, expected, rtol=2.4e-7, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_coefficients_close_to_float64(dtype):
+    """h = σ(α·RMSNorm(x)φᵀ + b) against float64, with large stream values.
+
+    bf16 streams take φ in two bf16 parts (16 bits; tf32's 11 would give errors
+    near 1e-4 here), fp32 streams full fp32 products.
+    """
+    n, C, T = 4, 200, 300
+    torch.manual_seed(1)
+    x = (torch.randn(T, n, C, device=DEVICE) * 100).to(dtype)
+    phi = torch.randn(n * n + 2 * n, n * C, device=DEVICE) * (n * C) ** -0.5
+    alpha, b_res = torch.tensor([1.0, 1.0, 1.0], device=DEVICE), torch.zeros(n, n, device=DEVICE)
+    b_pre, b_post = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    state = fused._SiteState(fused._plan(x), 1e-6, 1e-6)
+    _, h, _ = fused._SitePre.apply(x, phi, alpha, b_pre, b_post, b_res, state)
+    z = torch.nn.functional.rms_norm(x.double().flatten(1), (n * C,), eps=1e-6) @ phi.double().t()
+    expected = torch.sigmoid(z[:, : 2 * n] + torch.cat([b_pre, b_post]).double())
+    assert (h.double() - expected).abs().max().item() < (2e-5 if dtype == torch.bfloat16 else 2e-6)
+
+
 def test_branch_tuple_and_arguments_pass_through():
     n, C = 4, 32
     torch.manual_seed(0)
