@@ -2,23 +2,25 @@
 
     python scripts/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
     python scripts/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
-    python scripts/profile_step.py --phases                 # also the forward and the backward apart
+    python scripts/profile_step.py --timeline               # also where in the step the GPU waits
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``scripts/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
 host time (until the step's Python code returns, before a sync) and of the
 wall time (after the sync), and the sum of the CUDA kernel times of one more
 step under ``torch.profiler``. A step whose host time approaches its GPU time
-is host-bound. With a tiny batch the GPU never holds the host back, so the
+may be host-bound; the host also waits when the launch queue fills, so that
+alone does not show it (``--timeline`` does). With a tiny batch the GPU never holds the host back, so the
 host time is what the Python side of a step costs on this machine. For the
 mHC model the table of its largest kernels follows.
 
-``--phases`` also times the forward and the backward apart, each queued
-behind a GPU sleep (``torch.cuda._sleep``), so that the host enqueues the
-whole phase before the GPU starts it: the host time is then the phase's
-Python and launch cost, and the CUDA-event time its kernels back to back. A
-phase whose host time exceeds its GPU time starves the GPU when a step starts
-from an empty queue (as it does here, after each step's synchronisation).
+``--timeline`` follows one more step: at the start of each decoder layer's
+forward and backward, and at the end of the forward (with the loss), of the
+backward and of the optimizer step, it prints when the host enqueued that point and when the GPU
+reached it, both from the step's start. Where the GPU arrives right after the
+host (a lag near zero), the GPU waited for the host: that stretch is
+host-bound. A growing lag means the host runs ahead and the GPU sets the pace.
+The hooks add a little host time of their own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import time
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import mhc
@@ -39,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--phases", action="store_true", help="also time the forward and the backward apart")
+    ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
@@ -54,10 +57,14 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+        def step(mark=lambda label: None):
+            loss = model(input_ids=ids, labels=ids).loss
+            mark("forward done")
+            loss.backward()
+            mark("backward done")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            mark("optimizer done")
 
         for _ in range(3):
             step()
@@ -76,43 +83,53 @@ def main() -> None:
         gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
         print(f"{name:14} host {1e3 * sorted(hosts)[2]:7.2f} ms  wall {1e3 * sorted(walls)[2]:7.2f} ms  "
               f"GPU kernels {gpu:7.2f} ms")
-        if args.phases:
-            print(f"{name:14} {phase_times(model, ids)}")
-            opt.zero_grad(set_to_none=True)
+        if args.timeline:
+            print(f"{name}: host enqueue and GPU arrival, ms from the step's start")
+            print(timeline(model, step))
         if name != "residual":
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
         del model, opt
         torch.cuda.empty_cache()
 
 
-def phase_times(model, ids, repeats: int = 3) -> str:
-    """Host and GPU ms of the forward (with the loss) and of the backward, medians of ``repeats``."""
-    times = {"forward": [], "backward": []}
-    for _ in range(repeats):
-        loss = None
-        for phase in times:
-            torch.cuda.synchronize()
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            marks[0].record()
-            torch.cuda._sleep(1 << 30)  # ~0.5 s: longer than the host needs to enqueue a phase
-            marks[1].record()
-            t0 = time.perf_counter()
-            if phase == "forward":
-                loss = model(input_ids=ids, labels=ids).loss
-            else:
-                loss.backward()
-            host = 1e3 * (time.perf_counter() - t0)
-            marks[2].record()
-            torch.cuda.synchronize()
-            # If the launch queue filled up, the host waited for the sleep and its time is not the phase's.
-            waited = host > marks[0].elapsed_time(marks[1])
-            times[phase].append((host, marks[1].elapsed_time(marks[2]), waited))
-    parts = []
-    for phase, runs in times.items():
-        host, gpu = (sorted(r[i] for r in runs)[len(runs) // 2] for i in (0, 1))
-        flag = " (host waited on a full launch queue)" if any(r[2] for r in runs) else ""
-        parts.append(f"{phase}: host {host:7.2f} ms, GPU {gpu:7.2f} ms{flag}")
-    return "; ".join(parts)
+def timeline(model, step) -> str:
+    """One ``step(mark)``'s marks as lines of ``label, host ms, GPU ms, GPU - host``."""
+    layers = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList))
+    marks = []
+
+    def mark(label):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((label, time.perf_counter(), event))
+
+    def on_forward(i):
+        return lambda module, args: mark(f"fwd {i}")
+
+    def on_output(i):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:  # its gradient arrives as the layer's backward starts
+                out.register_hook(lambda grad: mark(f"bwd {i}"))
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles += [layer.register_forward_pre_hook(on_forward(i)), layer.register_forward_hook(on_output(i))]
+    try:
+        torch.cuda.synchronize()
+        mark("start")
+        step(mark)
+        torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    _, host0, event0 = marks[0]
+    lines = [f"  {'mark':15} {'host':>8} {'GPU':>8} {'GPU-host':>9}"]
+    for label, host, event in marks:
+        host_ms, gpu_ms = 1e3 * (host - host0), event0.elapsed_time(event)
+        lines.append(f"  {label:15} {host_ms:8.2f} {gpu_ms:8.2f} {gpu_ms - host_ms:9.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
