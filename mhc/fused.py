@@ -338,7 +338,7 @@ class _PostMix(torch.autograd.Function):
         return None, dy, g_h, g_res, None
 
 
-def _direct_apply(function: type) -> "callable":
+def _direct_apply(function: type):
     """``function.apply`` without the Python layer of ``torch.autograd.Function.apply``.
 
     That layer binds default arguments (these nodes have none) and unwraps
