@@ -187,14 +187,12 @@ def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
     """``birkhoff_project`` for inputs where :func:`supports` holds (checked by the caller)."""
     shape, n = logits.shape, logits.shape[-1]
     tol_eff = effective_tol(tol, n, logits.dtype)
-    # [B, n, n] input (the fused site's, every step) skips two no-op reshapes.
-    flat = logits.dim() == 3
-    R = logits if flat else logits.reshape(-1, n, n)
+    R = logits.reshape(-1, n, n)
     if not return_info:
         T = torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
         if not torch.compiler.is_compiling():
             _poll(R.device)
-        return T if flat else T.reshape(shape)
+        return T.reshape(shape)
 
     T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)
     info = newton_report(iterations, error, tol_eff, max_iter, shape[:-2])
