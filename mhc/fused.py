@@ -175,13 +175,15 @@ class _Plan:
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
         self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
         self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=acc, num_warps=2)
-        # 16-token steps over 128 tokens per program and 64 columns, 4 warps: 118 µs at
-        # C=768, 511 µs at C=4096. Wider n narrows the columns to keep φ's block
-        # [ZP, NP·BC] at 8K values per program.
+        # 32-token steps over 128 tokens per program and 64 columns, 4 warps. 32-token steps
+        # beat 16 (bf16, T=16384, n=4: 127 vs 149 µs at C=768, 312 vs 341 µs at C=2048; n=8,
+        # C=768: 906 vs 1283 µs); loading every operand straight into the [BM, NP, BC] layout,
+        # one stream per program, or flat [BM, n·C] tiles were no faster or slower. Wider n
+        # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
         BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
         self.stream_grad = launch(
             (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
-            n=n, NP=NP, ZP=ZP, BM=16, BC=BC, **numerics,
+            n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics,
             num_warps=4 if ZP * NP * BC <= 8192 else 8,
         )
         K, BT, BN = n * C, 32, 128
