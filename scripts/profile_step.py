@@ -3,6 +3,7 @@
     python scripts/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
     python scripts/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
     python scripts/profile_step.py --timeline               # also where in the step the GPU waits
+    python scripts/profile_step.py --steps 30               # also 30 steps one by one
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``scripts/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
@@ -13,6 +14,12 @@ may be host-bound; the host also waits when the launch queue fills, so that
 alone does not show it (``--timeline`` does). With a tiny batch the GPU never holds the host back, so the
 host time is what the Python side of a step costs on this machine. For the
 mHC model the table of its largest kernels follows.
+
+``--steps N`` lists N more steps one by one (after the others): GPU time of
+the step and of its forward (CUDA events), and host time of both (until their
+Python code returns). A forward whose host time comes within ~3 ms of its GPU
+time held the GPU back; where the host's speed drifts from step to step, such
+steps are the slow ones.
 
 ``--timeline`` follows one more step: at the start of each decoder layer's
 forward and backward, and at the end of the forward (with the loss), of the
@@ -43,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
+    ap.add_argument("--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
@@ -77,12 +85,17 @@ def main() -> None:
             torch.cuda.synchronize()
             hosts.append(t1 - t0)
             walls.append(time.perf_counter() - t0)
+        # Listed before the profiler runs, so that it cannot disturb them.
+        listed = per_step(step, args.steps) if args.steps else None
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
         print(f"{name:14} host {1e3 * sorted(hosts)[2]:7.2f} ms  wall {1e3 * sorted(walls)[2]:7.2f} ms  "
               f"GPU kernels {gpu:7.2f} ms")
+        if listed:
+            print(f"{name}: one line per step, ms")
+            print(listed)
         if args.timeline:
             print(f"{name}: host enqueue and GPU arrival, ms from the step's start")
             print(timeline(model, step))
@@ -90,6 +103,26 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
         del model, opt
         torch.cuda.empty_cache()
+
+
+def per_step(step, steps: int) -> str:
+    """``steps`` calls of ``step(mark)`` as lines of GPU and host ms, for the step and its forward."""
+    lines = [f"  {'GPU step':>8} {'host step':>9} {'GPU fwd':>8} {'host fwd':>8}"]
+    for _ in range(steps):
+        marks = {}
+
+        def mark(label):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks[label] = (time.perf_counter(), event)
+
+        torch.cuda.synchronize()
+        mark("start")
+        step(mark)
+        torch.cuda.synchronize()
+        (h0, e0), (hf, ef), (hs, es) = marks["start"], marks["forward done"], marks["optimizer done"]
+        lines.append(f"  {e0.elapsed_time(es):8.1f} {1e3 * (hs - h0):9.1f} {e0.elapsed_time(ef):8.1f} {1e3 * (hf - h0):8.1f}")
+    return "\n".join(lines)
 
 
 def timeline(model, step) -> str:
