@@ -15,11 +15,12 @@ alone does not show it (``--timeline`` does). With a tiny batch the GPU never ho
 host time is what the Python side of a step costs on this machine. For the
 mHC model the table of its largest kernels follows.
 
-``--steps N`` lists N more steps one by one (after the others): GPU time of
-the step and of its forward (CUDA events), and host time of both (until their
-Python code returns). A forward whose host time comes within ~3 ms of its GPU
-time held the GPU back; where the host's speed drifts from step to step, such
-steps are the slow ones.
+``--steps N`` times N more steps one by one, after the timed ones and before
+the profiled one. For each it gives the GPU time of the step and of its forward
+(CUDA events), and the host time of both (until their Python code returns). When the
+forward's GPU time exceeds its host time by only the loss's kernels
+(2.5-4.5 ms for this model on the H200), the GPU waited on the host
+through the layers. Where the host's speed drifts from step to step, those are the slow steps.
 
 ``--timeline`` follows one more step: at the start of each decoder layer's
 forward and backward, and at the end of the forward (with the loss), of the
