@@ -106,22 +106,29 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def _marker(marks: list):
+    """A ``mark(label)`` that appends ``(label, host time, recorded CUDA event)`` to ``marks``."""
+
+    def mark(label):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((label, time.perf_counter(), event))
+
+    return mark
+
+
 def per_step(step, steps: int) -> str:
     """``steps`` calls of ``step(mark)`` as lines of GPU and host ms, for the step and its forward."""
     lines = [f"  {'GPU step':>8} {'host step':>9} {'GPU fwd':>8} {'host fwd':>8}"]
     for _ in range(steps):
-        marks = {}
-
-        def mark(label):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            marks[label] = (time.perf_counter(), event)
-
+        marks = []
+        mark = _marker(marks)
         torch.cuda.synchronize()
         mark("start")
         step(mark)
         torch.cuda.synchronize()
-        (h0, e0), (hf, ef), (hs, es) = marks["start"], marks["forward done"], marks["optimizer done"]
+        at = {label: (host, event) for label, host, event in marks}
+        (h0, e0), (hf, ef), (hs, es) = at["start"], at["forward done"], at["optimizer done"]
         lines.append(f"  {e0.elapsed_time(es):8.1f} {1e3 * (hs - h0):9.1f} {e0.elapsed_time(ef):8.1f} {1e3 * (hf - h0):8.1f}")
     return "\n".join(lines)
 
@@ -130,11 +137,7 @@ def timeline(model, step) -> str:
     """One ``step(mark)``'s marks as lines of ``label, host ms, GPU ms, GPU - host``."""
     layers = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList))
     marks = []
-
-    def mark(label):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        marks.append((label, time.perf_counter(), event))
+    mark = _marker(marks)
 
     def on_forward(i):
         return lambda module, args: mark(f"fwd {i}")
