@@ -3,7 +3,7 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, cached under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``) and registers the ``torch.ops.mhc.birkhoff_*``
-operators. ``python -m mhc.cuda_build`` builds it ahead of time.
+operators; its Python module holds the fused site's host side (``csrc/site.cu``). ``python -m mhc.cuda_build`` builds it ahead of time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 EXTENSION_NAME = "mhc_birkhoff_cuda"
-SOURCES = ("birkhoff.cu",)
+SOURCES = ("birkhoff.cu", "site.cu")
 
 
 def csrc_dir() -> Path:
@@ -55,18 +55,22 @@ def sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def load(verbose: bool = False) -> None:
-    """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible."""
+def load(verbose: bool = False):
+    """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible.
+
+    Returns the extension's Python module (the fused site's host side,
+    ``csrc/site.cu``); loading it also registers the ``torch.ops.mhc`` operators.
+    """
     problem = build_problem()
     if problem is not None:
         raise RuntimeError(problem)
     from torch.utils.cpp_extension import load as _load
 
-    _load(
+    return _load(
         name=EXTENSION_NAME,
         sources=[str(csrc_dir() / s) for s in SOURCES],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17", f"-DMHC_SOURCES={sources_digest()}"],
-        is_python_module=False,
+        is_python_module=True,
         verbose=verbose,
     )

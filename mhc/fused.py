@@ -65,6 +65,22 @@ class _Launcher:
         self.kernel = kernel
         self.variants = {}
 
+    def native(self, spec: "_Launch"):
+        """The C++ launch handle (``TritonKernel``) of ``spec``'s kept variant, or ``None``.
+
+        ``None`` until Triton's own first launch has compiled the variant, and for
+        a variant that needs what ``csrc/site.cu``'s launch does not pass (scratch
+        memory, clusters, cooperative or programmatic launches).
+        """
+        if spec.native is None:
+            hit = self.variants.get(spec.variant)
+            if hit is None:
+                return None
+            handle = _native_kernel(hit[0], self.kernel.arg_names, spec)
+            # The compiled kernel stays with its handle: its CUfunction lives as long as it does.
+            spec.native = (handle, hit[0]) if handle is not None else False
+        return spec.native[0] if spec.native else None
+
     def __call__(self, spec: "_Launch", *args) -> None:
         # torch.compile traces Triton's own launch as a user-defined kernel.
         if not spec.cached or torch.compiler.is_compiling():
@@ -89,6 +105,41 @@ class _Launcher:
         run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *full)
 
 
+# Parameter kinds of csrc/site.cu's TritonKernel, by Triton signature type.
+_PARAM_KINDS = {"constexpr": 0, "i32": 2, "i64": 3, "fp32": 4, "fp64": 5}
+
+
+def _native_kernel(compiled, arg_names, spec: "_Launch"):
+    """``compiled`` as a ``TritonKernel`` for ``spec``'s grid, or ``None`` if its launch needs more."""
+    md = compiled.metadata
+    if any(getattr(md, f, 0) for f in ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
+                                        "launch_pdl")) or getattr(md, "num_ctas", 1) != 1:
+        return None
+    signature = compiled.src.signature
+    kinds = []
+    for name in arg_names:
+        if name in spec.meta:
+            break  # the constexprs, which follow the runtime parameters
+        sig = signature.get(name)
+        kind = 1 if isinstance(sig, str) and sig.startswith("*") else _PARAM_KINDS.get(sig)
+        if kind is None:
+            return None
+        kinds.append(kind)
+    module = _projection_cuda.extension()
+    return module.TritonKernel(compiled.function, list(spec.grid3), md.num_warps, md.shared, kinds)
+
+
+def _native_allowed() -> bool:
+    """Whether the C++ launches may run now: not while tracing, nor with a Triton launch hook installed.
+
+    A hook (a profiler's, say) sees only Triton's own launches.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    runtime = _k.triton.knobs.runtime
+    return _hook(runtime.launch_enter_hook) is None and _hook(runtime.launch_exit_hook) is None
+
+
 def _hook(hook):
     """A Triton launch hook, or ``None`` for an empty ``HookChain``.
 
@@ -102,7 +153,7 @@ def _hook(hook):
 class _Launch:
     """Grid and constexprs of one kernel launch, and the key of its compiled variant."""
 
-    __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant")
+    __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant", "native")
 
     def __init__(self, grid: tuple, meta: dict, ints: tuple, dtype: torch.dtype, device: torch.device):
         self.grid, self.grid3, self.meta = grid, (*grid, 1, 1)[:3], meta
@@ -112,6 +163,7 @@ class _Launch:
         # dtypes: integers equal to 1, divisible by 16, or beyond int32.
         int_key = tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints)
         self.variant = (self.device, dtype, int_key, tuple(meta.items()))
+        self.native = None  # (C++ launch handle, compiled kernel): None until built, False where there is none
 
 
 if _k is not None:
@@ -198,6 +250,17 @@ class _Plan:
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
         self._tol_eff: dict = {}
 
+    def native(self, *launches):
+        """C++ launch handles (``csrc/site.cu``) for ``(launcher, spec)`` pairs, or ``None`` unless all are ready.
+
+        A handle is ready once Triton's own launch has compiled its variant. The
+        C++ side also runs the projection, so it needs the projection's CUDA op.
+        """
+        if not self.cuda_projection or not _native_allowed():
+            return None
+        handles = [launcher.native(spec) for launcher, spec in launches]
+        return None if any(h is None for h in handles) else handles
+
     def projection_tol(self, tol: float) -> float:
         """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
         tol_eff = self._tol_eff.get(tol)
@@ -265,16 +328,24 @@ class _SitePre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
         plan = state.plan
-        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
-        zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
-        h = x.new_empty((T, 2 * n), dtype=plan.cdt)
-        R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
-        u = x.new_empty((*x.shape[:-2], C))
-        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
-        if plan.cuda_projection:
-            H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
+        native = plan.native((_coeff_fwd, plan.coeff_fwd))
+        if native is not None:
+            u, zr, h, H_res = _projection_cuda.extension().site_pre_forward(
+                native[0], x, phi, alpha, b_pre, b_post, b_res, state.eps, plan.projection_tol(state.tol),
+                NEWTON_MAX_ITER,
+            )
+            _projection_cuda.poll(x.device)
         else:
-            H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
+            T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+            zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
+            h = x.new_empty((T, 2 * n), dtype=plan.cdt)
+            R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
+            u = x.new_empty((*x.shape[:-2], C))
+            _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
+            if plan.cuda_projection:
+                H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
+            else:
+                H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res
@@ -285,6 +356,22 @@ class _SitePre(torch.autograd.Function):
         x, phi, alpha, zr, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
         plan = state.plan
+        needs_dx, needs_dphi = ctx.needs_input_grad[:2]
+        # dx' is None when the site's output took no part in the loss (only H_post / H_res did).
+        d_out, state.d_out = state.d_out, None
+        native = plan.native(
+            (_coeff_bwd, plan.coeff_bwd),
+            *([(_stream_grad, plan.stream_grad)] if needs_dx else []),
+            *([(_phi_grad, plan.phi_grad)] if needs_dphi else []),
+        )
+        if native is not None:
+            dx, dphi, d_alpha, db_pre, db_post, db_res = _projection_cuda.extension().site_pre_backward(
+                native[0], native[1] if needs_dx else None, native[-1] if needs_dphi else None,
+                du, d_h, d_res, d_out, x, phi, alpha, zr, h, H_res,
+                plan.stream_tokens, plan.phi_splits, plan.phi_tokens,
+            )
+            return dx, dphi, d_alpha, db_pre, db_post, db_res, None
+
         T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
         d_res = _dense(d_res, plan.cdt)
         # The projection's implicit backward needs only its output (design.md §2).
@@ -298,16 +385,14 @@ class _SitePre(torch.autograd.Function):
         _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
 
         dx = dphi = None
-        if ctx.needs_input_grad[0]:
-            # No dx' when the site's output took no part in the loss (only H_post / H_res did).
-            d_out = state.d_out if state.d_out is not None else torch.zeros_like(x)
+        if needs_dx:
+            d_out = d_out if d_out is not None else torch.zeros_like(x)
             dx = torch.empty_like(x)
             _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
-        if ctx.needs_input_grad[1]:
+        if needs_dphi:
             part = zr.new_empty((plan.phi_splits, Z, n * C))
             _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
             dphi = part.sum(0)
-        state.d_out = None
         return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None
 
 
@@ -320,8 +405,12 @@ class _PostMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
         plan = state.plan
-        out = torch.empty_like(x)
-        _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
+        native = plan.native((_postmix_fwd, plan.postmix_fwd))
+        if native is not None:
+            out = _projection_cuda.extension().post_mix_forward(native[0], x, y, h, h_res)
+        else:
+            out = torch.empty_like(x)
+            _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
         ctx.save_for_backward(x, y, h)
         ctx.state = state
         return out
@@ -331,11 +420,15 @@ class _PostMix(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
         plan = ctx.state.plan
-        dout = _dense(dout)
-        dy = torch.empty_like(y)
-        g_h = torch.empty_like(h)
-        g_res = h.new_empty((plan.T, plan.n, plan.n))
-        _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
+        native = plan.native((_postmix_bwd, plan.postmix_bwd))
+        if native is not None:
+            dout, dy, g_h, g_res = _projection_cuda.extension().post_mix_backward(native[0], dout, x, y, h)
+        else:
+            dout = _dense(dout)
+            dy = torch.empty_like(y)
+            g_h = torch.empty_like(h)
+            g_res = h.new_empty((plan.T, plan.n, plan.n))
+            _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
         ctx.state.d_out = dout
         return None, dy, g_h, g_res, None
 

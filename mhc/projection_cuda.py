@@ -29,13 +29,17 @@ from torch import Tensor
 
 from .projection import ConvergenceWarning, effective_tol, newton_report
 
-__all__ = ["available", "supports", "project", "project_no_autograd", "unconverged_count", "check_convergence"]
+__all__ = [
+    "available", "supports", "extension", "project", "project_no_autograd", "poll", "unconverged_count",
+    "check_convergence",
+]
 
 SUPPORTED_N = (4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POLL_EVERY = 64
 
 _LOADED: bool | None = None  # None: not tried yet
+_MODULE = None  # the extension's Python module, once loaded
 _lock = threading.Lock()
 _calls = 0
 _last_warned: dict[int, int] = {}
@@ -61,14 +65,14 @@ def available() -> bool:
 
 @torch.compiler.disable
 def _try_load() -> None:
-    global _LOADED
+    global _LOADED, _MODULE
     with _lock:
         if _LOADED is not None:
             return
         from . import _build
 
         try:
-            _build.load()
+            _MODULE = _build.load()
             _register()
             _LOADED = True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
@@ -80,6 +84,11 @@ def _try_load() -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def extension():
+    """The loaded extension's Python module (``csrc/site.cu``'s functions), or ``None``."""
+    return _MODULE if available() else None
 
 
 def _register() -> None:
@@ -149,7 +158,7 @@ def _warn_if_grown(dev: int, count: int) -> None:
         _last_warned[dev] = count
 
 
-def _poll(device: torch.device) -> None:
+def poll(device: torch.device) -> None:
     """Non-blocking look at the counter: every ``_POLL_EVERY`` eager calls, never while capturing."""
     global _calls
     _calls += 1
@@ -179,7 +188,7 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
     T = torch.ops.mhc.birkhoff_forward.default.redispatch(_KERNEL_KEYS, R, tol_eff, max_iter)
-    _poll(R.device)
+    poll(R.device)
     return T
 
 
@@ -191,7 +200,7 @@ def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
     if not return_info:
         T = torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
         if not torch.compiler.is_compiling():
-            _poll(R.device)
+            poll(R.device)
         return T.reshape(shape)
 
     T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def test_there_are_cuda_sources():
 def test_cu_compiles_for_sm90(src, tmp_path):
     from torch.utils.cpp_extension import include_paths
 
-    includes = [f"-I{p}" for p in include_paths()]
+    # site.cu is the extension's pybind module, so it needs Python's headers too.
+    includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
     # CPU-only torch wheels ship c10/cuda headers but not the generated
     # cuda_cmake_macros.h; provide the one-line header it would contain.
     macros = Path(include_paths()[0]) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"

@@ -216,6 +216,7 @@ def test_cached_launches_match_tritons_own():
     x = torch.randn(3, 7, 4, 96, device=DEVICE, dtype=torch.bfloat16)
     for launcher in (fused._coeff_fwd, fused._stream_grad):
         launcher.variants.clear()
+    fused._PLANS.clear()
     results = []
     for _ in range(2):
         xg = x.clone().requires_grad_()
@@ -226,6 +227,55 @@ def test_cached_launches_match_tritons_own():
     assert fused._coeff_fwd.variants and fused._stream_grad.variants
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+@pytest.mark.parametrize("n", [4, 8])
+def test_later_calls_launch_from_cpp(n):
+    """After one fwd+bwd every kernel of the site has a C++ launch handle (csrc/site.cu), and the
+    calls through them give the bits of Triton's own launches (first call) and the reference's values."""
+    from mhc import projection_cuda
+
+    assert projection_cuda.available(), "the CUDA extension did not build"
+    ref, fast = _blocks(n, 200, torch.bfloat16, seed=5)
+    x = torch.randn(3, 5, n, 200, device=DEVICE, dtype=torch.bfloat16)
+    for launcher in (fused._coeff_fwd, fused._postmix_fwd, fused._postmix_bwd, fused._coeff_bwd,
+                     fused._stream_grad, fused._phi_grad):
+        launcher.variants.clear()  # so that the first call is Triton's own launch
+    fused._PLANS.clear()
+    results = []
+    for _ in range(3):
+        xg = x.clone().requires_grad_()
+        out = fast(xg)
+        out.backward(torch.ones_like(out))
+        results.append((out, xg.grad, fast.phi.grad.clone(), fast.b_res.grad.clone(), fast.alpha.grad.clone()))
+        fast.zero_grad()
+    plan = fused._plan(x)
+    launches = [(fused._coeff_fwd, plan.coeff_fwd), (fused._postmix_fwd, plan.postmix_fwd),
+                (fused._postmix_bwd, plan.postmix_bwd), (fused._coeff_bwd, plan.coeff_bwd),
+                (fused._stream_grad, plan.stream_grad), (fused._phi_grad, plan.phi_grad)]
+    assert plan.native(*launches) is not None
+    for first, later in zip(results[0], results[2]):
+        assert torch.equal(first, later)
+    xr = x.clone().requires_grad_()
+    expected = ref(xr)
+    expected.backward(torch.ones_like(expected))
+    assert _rel(results[2][0], expected) < 2e-2
+    assert _rel(results[2][1], xr.grad) < 2e-2
+    assert _rel(results[2][2], ref.phi.grad) < 2e-2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA extension")
+def test_cpp_launch_handle_rejects_bad_arguments():
+    from mhc import projection_cuda
+
+    ext = projection_cuda.extension()
+    with pytest.raises(RuntimeError, match="CUfunction"):
+        ext.TritonKernel(0, [1, 1, 1], 4, 0, [1])
+    with pytest.raises(RuntimeError, match="grid"):
+        ext.TritonKernel(1, [0, 1, 1], 4, 0, [1])
+    with pytest.raises(RuntimeError, match="kind"):
+        ext.TritonKernel(1, [1, 1, 1], 4, 0, [9])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
