@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 namespace mhc_birkhoff {
 
@@ -27,7 +28,7 @@ static void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "mhc::birkhoff: ", name,
               " must have shape [B, n, n], got ", x.sizes());
   TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::birkhoff: CUDA kernels support n = 4 and 8, got n = ",
-              x.size(1));
+              std::to_string(x.size(1)));  // integers via to_string: see csrc/site.cu
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "mhc::birkhoff: ", name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
 }
@@ -137,7 +138,7 @@ static int64_t g_last_seen[kMaxDevices];
 static bool g_last_init = false;
 
 int64_t birkhoff_unconverged(int64_t device, int64_t mode) {
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "mhc::birkhoff_unconverged: bad device ", device);
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "mhc::birkhoff_unconverged: bad device ", std::to_string(device));
   c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
   if (mode == 0 || mode == 1) {
     unsigned long long v = 0;
@@ -150,7 +151,7 @@ int64_t birkhoff_unconverged(int64_t device, int64_t mode) {
     }
     return (int64_t)v;
   }
-  TORCH_CHECK(mode == 2, "mhc::birkhoff_unconverged: bad mode ", mode);
+  TORCH_CHECK(mode == 2, "mhc::birkhoff_unconverged: bad mode ", std::to_string(mode));
   std::lock_guard<std::mutex> lock(g_poll_mutex);
   if (!g_last_init) {
     for (int i = 0; i < kMaxDevices; ++i) g_last_seen[i] = -1;

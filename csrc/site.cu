@@ -1,14 +1,15 @@
-// Host side of the fused mHC site (mhc/fused.py) in C++: each of the site's four
-// autograd steps (pre forward, post-mix forward, post-mix backward, pre backward)
-// allocates its outputs and launches its kernels in one call from Python.
+// Host side of the fused mHC site (mhc/fused.py) in C++: its two autograd nodes,
+// their allocations and their launches. Python makes two calls per site forward
+// (site_pre before the sublayer, post_mix after it) and none in backward.
 //
 // Why: at the width of a ~125M model a site's forward is bound by host time, not
-// by the GPU, and on the H200's host each Triton launch from Python cost ~25 µs,
-// the projection op ~30 µs and each torch.empty ~4.5 µs (notes/block_benchmarks.md).
-// The kernels stay Triton's: Python compiles a variant on its first launch and
-// hands its CUfunction here (TritonKernel), with the kind of each parameter, so
-// later launches skip Triton's Python launcher. The Birkhoff projection is called
-// as the C++ function behind torch.ops.mhc.birkhoff_forward / _backward.
+// by the GPU. On the H200's host each Triton launch from Python cost ~25 µs, the
+// projection op ~30 µs, each torch.empty ~4.5 µs and each autograd.Function ~30 µs
+// beyond its body (notes/block_benchmarks.md). The kernels stay Triton's: Python
+// compiles each variant on its first launch (mhc/fused.py's own path) and hands
+// its CUfunction here (TritonKernel), with the kind of each parameter, so later
+// launches skip Triton's Python launcher. The Birkhoff projection is called as
+// the C++ functions behind torch.ops.mhc.birkhoff_forward / _backward.
 
 #include <torch/extension.h>
 
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -61,6 +63,10 @@ static LaunchKernelFn launch_kernel_fn() {
   return fn;
 }
 
+// Integers in error messages go through std::to_string: formatting them with the
+// ostream inside TORCH_CHECK crashed this extension on the H200 machine
+// (torch 2.11, host gcc /opt/gcc), while strings and torch's own types did not.
+
 // One compiled variant of a Triton kernel and the grid of one launch plan.
 struct TritonKernel {
   CUfunction function;
@@ -68,24 +74,27 @@ struct TritonKernel {
   unsigned threads;
   unsigned shared_bytes;
   std::vector<int64_t> kinds;
-
-  TritonKernel(int64_t function_handle, std::vector<int64_t> grid_xyz, int64_t num_warps, int64_t shared,
-               std::vector<int64_t> param_kinds)
-      : function(reinterpret_cast<CUfunction>(static_cast<uintptr_t>(function_handle))),
-        threads(static_cast<unsigned>(32 * num_warps)),
-        shared_bytes(static_cast<unsigned>(shared)),
-        kinds(std::move(param_kinds)) {
-    TORCH_CHECK(function_handle != 0, "mhc: TritonKernel needs a loaded CUfunction");
-    TORCH_CHECK(grid_xyz.size() == 3, "mhc: TritonKernel needs a 3-d grid");
-    for (int d = 0; d < 3; ++d) {
-      TORCH_CHECK(grid_xyz[d] >= 1 && grid_xyz[d] < (int64_t(1) << 31), "mhc: bad grid size ", grid_xyz[d],
-                  " in dimension ", d);
-      grid[d] = static_cast<unsigned>(grid_xyz[d]);
-    }
-    TORCH_CHECK(num_warps >= 1 && num_warps <= 32 && shared >= 0, "mhc: bad num_warps / shared memory");
-    for (int64_t k : kinds) TORCH_CHECK(k >= kSkip && k <= kFloat64, "mhc: unknown parameter kind ", k);
-  }
 };
+
+// Python's constructor of TritonKernel: the checks come before the object is made.
+static TritonKernel make_triton_kernel(int64_t function, const std::vector<int64_t>& grid, int64_t num_warps,
+                                       int64_t shared, const std::vector<int64_t>& kinds) {
+  TORCH_CHECK(function != 0, "mhc: TritonKernel needs a loaded CUfunction");
+  TORCH_CHECK(grid.size() == 3, "mhc: TritonKernel needs a 3-d grid");
+  TritonKernel k;
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(grid[d] >= 1 && grid[d] < (int64_t(1) << 31), "mhc: bad grid size ", std::to_string(grid[d]),
+                " in dimension ", std::to_string(d));
+    k.grid[d] = static_cast<unsigned>(grid[d]);
+  }
+  TORCH_CHECK(num_warps >= 1 && num_warps <= 32 && shared >= 0, "mhc: bad num_warps / shared memory");
+  for (int64_t kind : kinds) TORCH_CHECK(kind >= kSkip && kind <= kFloat64, "mhc: unknown parameter kind ", std::to_string(kind));
+  k.function = reinterpret_cast<CUfunction>(static_cast<uintptr_t>(function));
+  k.threads = static_cast<unsigned>(32 * num_warps);
+  k.shared_bytes = static_cast<unsigned>(shared);
+  k.kinds = kinds;
+  return k;
+}
 
 // One argument as the caller has it: a tensor's address, an integer or a float.
 struct Arg {
@@ -101,7 +110,8 @@ struct Arg {
 };
 
 static void launch(const TritonKernel& k, std::initializer_list<Arg> args) {
-  TORCH_CHECK(args.size() == k.kinds.size(), "mhc: kernel takes ", k.kinds.size(), " arguments, got ", args.size());
+  TORCH_CHECK(args.size() == k.kinds.size(), "mhc: kernel takes ", std::to_string(k.kinds.size()), " arguments, got ",
+              std::to_string(args.size()));
   constexpr size_t kMaxParams = 32;
   TORCH_CHECK(args.size() + 2 <= kMaxParams, "mhc: too many kernel arguments");
   uint64_t slots[kMaxParams];
@@ -115,28 +125,28 @@ static void launch(const TritonKernel& k, std::initializer_list<Arg> args) {
       case kSkip:
         continue;
       case kPointer:
-        TORCH_CHECK(a->kind == Arg::kTensor, "mhc: kernel argument ", i, " must be a tensor");
+        TORCH_CHECK(a->kind == Arg::kTensor, "mhc: kernel argument ", std::to_string(i), " must be a tensor");
         std::memcpy(&slot, &a->ptr, sizeof(void*));
         break;
       case kInt32: {
-        TORCH_CHECK(a->kind == Arg::kInt && a->i >= INT32_MIN && a->i <= INT32_MAX, "mhc: kernel argument ", i,
-                    " must be an int32");
+        TORCH_CHECK(a->kind == Arg::kInt && a->i >= INT32_MIN && a->i <= INT32_MAX, "mhc: kernel argument ",
+                    std::to_string(i), " must be an int32");
         const int32_t v = static_cast<int32_t>(a->i);
         std::memcpy(&slot, &v, sizeof(v));
         break;
       }
       case kInt64:
-        TORCH_CHECK(a->kind == Arg::kInt, "mhc: kernel argument ", i, " must be an integer");
+        TORCH_CHECK(a->kind == Arg::kInt, "mhc: kernel argument ", std::to_string(i), " must be an integer");
         std::memcpy(&slot, &a->i, sizeof(int64_t));
         break;
       case kFloat32: {
-        TORCH_CHECK(a->kind == Arg::kFloat, "mhc: kernel argument ", i, " must be a float");
+        TORCH_CHECK(a->kind == Arg::kFloat, "mhc: kernel argument ", std::to_string(i), " must be a float");
         const float v = static_cast<float>(a->f);
         std::memcpy(&slot, &v, sizeof(v));
         break;
       }
       case kFloat64:
-        TORCH_CHECK(a->kind == Arg::kFloat, "mhc: kernel argument ", i, " must be a float");
+        TORCH_CHECK(a->kind == Arg::kFloat, "mhc: kernel argument ", std::to_string(i), " must be a float");
         std::memcpy(&slot, &a->f, sizeof(double));
         break;
     }
@@ -153,7 +163,8 @@ static void launch(const TritonKernel& k, std::initializer_list<Arg> args) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const CUresult r = launch_kernel_fn()(k.function, k.grid[0], k.grid[1], k.grid[2], k.threads, 1, 1, k.shared_bytes,
                                         stream, params, nullptr);
-  TORCH_CHECK(r == CUDA_SUCCESS, "mhc: a fused-site kernel failed to launch (CUresult ", static_cast<int>(r), ")");
+  TORCH_CHECK(r == CUDA_SUCCESS, "mhc: a fused-site kernel failed to launch (CUresult ",
+              std::to_string(static_cast<int>(r)), ")");
 }
 
 // t as a contiguous, 16-byte aligned tensor of dtype: what the Triton variants were
@@ -178,7 +189,7 @@ static void check_streams(const at::Tensor& x) {
 }
 
 // (u, zr, h, H_res): coeff_fwd, then the projection of its R (mhc.fused._SitePre.forward).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_pre_forward(
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_pre_forward(
     const TritonKernel& coeff_fwd, const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
     const at::Tensor& b_pre, const at::Tensor& b_post, const at::Tensor& b_res, double eps, double tol_eff,
     int64_t max_iter) {
@@ -197,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_pre_forward(
 }
 
 // x' = H_res·x + H_post ⊗ y (mhc.fused._PostMix.forward).
-at::Tensor post_mix_forward(const TritonKernel& postmix_fwd, const at::Tensor& x, const at::Tensor& y,
+static at::Tensor post_mix_forward(const TritonKernel& postmix_fwd, const at::Tensor& x, const at::Tensor& y,
                             const at::Tensor& h, const at::Tensor& H_res) {
   check_streams(x);
   at::Tensor out = at::empty_like(x);
@@ -206,7 +217,7 @@ at::Tensor post_mix_forward(const TritonKernel& postmix_fwd, const at::Tensor& x
 }
 
 // (dx' as the kernels read it, dy, dh, dH_res) (mhc.fused._PostMix.backward).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> post_mix_backward(const TritonKernel& postmix_bwd,
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> post_mix_backward(const TritonKernel& postmix_bwd,
                                                                              const at::Tensor& dout,
                                                                              const at::Tensor& x, const at::Tensor& y,
                                                                              const at::Tensor& h) {
@@ -222,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> post_mix_backward(con
 
 // (dx, dφ, dα, db_pre, db_post, db_res) (mhc.fused._SitePre.backward). dx and dφ are
 // undefined (None) when their kernel is not given; a missing dx' counts as zero.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_pre_backward(
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_pre_backward(
     const TritonKernel& coeff_bwd, const TritonKernel* stream_grad, const TritonKernel* phi_grad,
     const at::Tensor& du_in, const at::Tensor& d_h, const at::Tensor& d_res, const std::optional<at::Tensor>& d_out,
     const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha, const at::Tensor& zr, const at::Tensor& h,
@@ -254,16 +265,121 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dx, dphi, d_alpha, db_pre, db_post, db_res};
 }
 
+// The launch handles of one site's six kernels for one plan (streams of one shape,
+// dtype and device), and the plan's integers.
+struct SiteKernels : torch::CustomClassHolder {
+  TritonKernel coeff_fwd, postmix_fwd, postmix_bwd, coeff_bwd, stream_grad, phi_grad;
+  int64_t stream_tokens, phi_splits, phi_tokens;
+  SiteKernels(TritonKernel a, TritonKernel b, TritonKernel c, TritonKernel d, TritonKernel e, TritonKernel f,
+              int64_t stream_tokens_, int64_t phi_splits_, int64_t phi_tokens_)
+      : coeff_fwd(std::move(a)), postmix_fwd(std::move(b)), postmix_bwd(std::move(c)), coeff_bwd(std::move(d)),
+        stream_grad(std::move(e)), phi_grad(std::move(f)), stream_tokens(stream_tokens_), phi_splits(phi_splits_),
+        phi_tokens(phi_tokens_) {}
+};
+
+// One call of a site. PostMix's backward leaves dx' here and SitePre's writes the
+// whole dx in one pass (separate gradients would cost extra passes over the
+// streams to add up).
+struct SiteCall : torch::CustomClassHolder {
+  c10::intrusive_ptr<SiteKernels> kernels;
+  at::Tensor d_out;
+  explicit SiteCall(c10::intrusive_ptr<SiteKernels> k) : kernels(std::move(k)) {}
+};
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+static c10::intrusive_ptr<SiteCall> saved_call(AutogradContext* ctx) {
+  // The backward's results carry no graph, so a second-order gradient through
+  // them would silently be zero; refuse it instead.
+  TORCH_CHECK(!at::GradMode::is_enabled(),
+              "mhc: the fused mHC site does not support double backward (create_graph=True); "
+              "use MHCBlock(fused=False)");
+  return c10::static_intrusive_pointer_cast<SiteCall>(ctx->saved_data["call"].toCapsule());
+}
+
+// (x, φ, α, b_pre, b_post, b_res) -> (u, h, H_res).
+struct SitePre : torch::autograd::Function<SitePre> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& phi,
+                               const at::Tensor& alpha, const at::Tensor& b_pre, const at::Tensor& b_post,
+                               const at::Tensor& b_res, const c10::intrusive_ptr<SiteCall>& call, double eps,
+                               double tol_eff, int64_t max_iter) {
+    auto [u, zr, h, H_res] =
+        site_pre_forward(call->kernels->coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter);
+    ctx->save_for_backward({x, phi, alpha, zr, h, H_res});
+    ctx->saved_data["call"] = at::IValue::make_capsule(call);
+    return {u, h, H_res};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto call = saved_call(ctx);
+    const SiteKernels& k = *call->kernels;
+    const variable_list saved = ctx->get_saved_variables();
+    // No dx' when the site's output took no part in the loss (only H_post / H_res did).
+    std::optional<at::Tensor> d_out;
+    if (call->d_out.defined()) d_out = std::move(call->d_out);
+    call->d_out = at::Tensor();
+    auto [dx, dphi, d_alpha, db_pre, db_post, db_res] = site_pre_backward(
+        k.coeff_bwd, ctx->needs_input_grad(0) ? &k.stream_grad : nullptr,
+        ctx->needs_input_grad(1) ? &k.phi_grad : nullptr, grads[0], grads[1], grads[2], d_out, saved[0], saved[1],
+        saved[2], saved[3], saved[4], saved[5], k.stream_tokens, k.phi_splits, k.phi_tokens);
+    return {dx, dphi, d_alpha, db_pre, db_post, db_res, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// (x, y, h, H_res) -> x' = H_res·x + H_post ⊗ y. Returns no gradient for x: it
+// leaves dx' for SitePre (SiteCall).
+struct PostMix : torch::autograd::Function<PostMix> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y, const at::Tensor& h,
+                               const at::Tensor& H_res, const c10::intrusive_ptr<SiteCall>& call) {
+    at::Tensor out = post_mix_forward(call->kernels->postmix_fwd, x, y, h, H_res);
+    ctx->save_for_backward({x, y, h});
+    ctx->saved_data["call"] = at::IValue::make_capsule(call);
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto call = saved_call(ctx);
+    const variable_list saved = ctx->get_saved_variables();
+    auto [d_out, dy, g_h, g_res] = post_mix_backward(call->kernels->postmix_bwd, grads[0], saved[0], saved[1], saved[2]);
+    call->d_out = std::move(d_out);
+    return {at::Tensor(), dy, g_h, g_res, at::Tensor()};
+  }
+};
+
+// Python's entry points: site_pre before the sublayer, post_mix after it.
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, c10::intrusive_ptr<SiteCall>> site_pre(
+    const c10::intrusive_ptr<SiteKernels>& kernels, const at::Tensor& x, const at::Tensor& phi,
+    const at::Tensor& alpha, const at::Tensor& b_pre, const at::Tensor& b_post, const at::Tensor& b_res, double eps,
+    double tol_eff, int64_t max_iter) {
+  auto call = c10::make_intrusive<SiteCall>(kernels);
+  variable_list out = SitePre::apply(x, phi, alpha, b_pre, b_post, b_res, call, eps, tol_eff, max_iter);
+  return {out[0], out[1], out[2], call};
+}
+
+static at::Tensor post_mix(const c10::intrusive_ptr<SiteCall>& call, const at::Tensor& x, const at::Tensor& y,
+                           const at::Tensor& h, const at::Tensor& H_res) {
+  return PostMix::apply(x, y, h, H_res, call)[0];
+}
+
 }  // namespace mhc_site
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mhc: fused CUDA Birkhoff kernels (torch.ops.mhc.birkhoff_*) and the fused site's host side";
   pybind11::class_<mhc_site::TritonKernel>(m, "TritonKernel")
-      .def(pybind11::init<int64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<int64_t>>(),
-           pybind11::arg("function"), pybind11::arg("grid"), pybind11::arg("num_warps"), pybind11::arg("shared"),
-           pybind11::arg("kinds"));
-  m.def("site_pre_forward", &mhc_site::site_pre_forward);
-  m.def("post_mix_forward", &mhc_site::post_mix_forward);
-  m.def("post_mix_backward", &mhc_site::post_mix_backward);
-  m.def("site_pre_backward", &mhc_site::site_pre_backward);
+      .def(pybind11::init(&mhc_site::make_triton_kernel), pybind11::arg("function"), pybind11::arg("grid"),
+           pybind11::arg("num_warps"), pybind11::arg("shared"), pybind11::arg("kinds"));
+  pybind11::class_<mhc_site::SiteKernels, c10::intrusive_ptr<mhc_site::SiteKernels>>(m, "SiteKernels")
+      .def(pybind11::init([](mhc_site::TritonKernel coeff_fwd, mhc_site::TritonKernel postmix_fwd,
+                             mhc_site::TritonKernel postmix_bwd, mhc_site::TritonKernel coeff_bwd,
+                             mhc_site::TritonKernel stream_grad, mhc_site::TritonKernel phi_grad,
+                             int64_t stream_tokens, int64_t phi_splits, int64_t phi_tokens) {
+             return c10::make_intrusive<mhc_site::SiteKernels>(coeff_fwd, postmix_fwd, postmix_bwd, coeff_bwd,
+                                                               stream_grad, phi_grad, stream_tokens, phi_splits,
+                                                               phi_tokens);
+           }));
+  pybind11::class_<mhc_site::SiteCall, c10::intrusive_ptr<mhc_site::SiteCall>>(m, "SiteCall");
+  m.def("site_pre", &mhc_site::site_pre,
+        "(kernels, x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter) -> (u, h, H_res, call)");
+  m.def("post_mix", &mhc_site::post_mix, "(call, x, y, h, H_res) -> x'");
 }

@@ -19,6 +19,13 @@ memory pass plus a couple of small reductions, the launch geometry of a
 shape is worked out once (:class:`_Plan`), and compiled kernels are
 launched directly (:class:`_Launcher`).
 
+Once Triton's own launches have compiled a shape's six kernels (its first
+fwd+bwd), the site runs in C++ (``csrc/site.cu``): the same two nodes as C++
+autograd functions, which launch the kept Triton variants and the projection
+themselves, with less host time per site (notes/block_benchmarks.md). Under ``torch.compile``, functorch transforms or a
+Triton launch hook, and where the projection has no CUDA op, the Python nodes
+below run instead; they are the same maths, launch for launch.
+
 Backward order is fixed by the graph: ``_PostMix``, ``F``, then
 ``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it leaves ``dx'``
 in a per-call :class:`_SiteState`, and ``_SitePre`` writes the whole ``dx``
@@ -130,11 +137,12 @@ def _native_kernel(compiled, arg_names, spec: "_Launch"):
 
 
 def _native_allowed() -> bool:
-    """Whether the C++ launches may run now: not while tracing, nor with a Triton launch hook installed.
+    """Whether the C++ site may run now: not while tracing or under functorch transforms, nor with a
+    Triton launch hook installed.
 
     A hook (a profiler's, say) sees only Triton's own launches.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     runtime = _k.triton.knobs.runtime
     return _hook(runtime.launch_enter_hook) is None and _hook(runtime.launch_exit_hook) is None
@@ -249,17 +257,29 @@ class _Plan:
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
         self._tol_eff: dict = {}
+        self._native_site = None
 
-    def native(self, *launches):
-        """C++ launch handles (``csrc/site.cu``) for ``(launcher, spec)`` pairs, or ``None`` unless all are ready.
+    def native_site(self):
+        """The C++ site's launch handles (``csrc/site.cu``'s ``SiteKernels``), or ``None``.
 
-        A handle is ready once Triton's own launch has compiled its variant. The
-        C++ side also runs the projection, so it needs the projection's CUDA op.
+        ``None`` until Triton's own launches have compiled all six kernels (the
+        first fwd+bwd of this shape), under ``torch.compile``, with a Triton launch
+        hook installed (a hook sees only Triton's own launches), and where the
+        projection has no CUDA op (the C++ site calls it).
         """
         if not self.cuda_projection or not _native_allowed():
             return None
-        handles = [launcher.native(spec) for launcher, spec in launches]
-        return None if any(h is None for h in handles) else handles
+        if self._native_site is None:
+            launches = ((_coeff_fwd, self.coeff_fwd), (_postmix_fwd, self.postmix_fwd),
+                        (_postmix_bwd, self.postmix_bwd), (_coeff_bwd, self.coeff_bwd),
+                        (_stream_grad, self.stream_grad), (_phi_grad, self.phi_grad))
+            handles = [launcher.native(spec) for launcher, spec in launches]
+            if any(h is None for h in handles):
+                return None
+            self._native_site = _projection_cuda.extension().SiteKernels(
+                *handles, self.stream_tokens, self.phi_splits, self.phi_tokens
+            )
+        return self._native_site
 
     def projection_tol(self, tol: float) -> float:
         """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
@@ -328,24 +348,16 @@ class _SitePre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
         plan = state.plan
-        native = plan.native((_coeff_fwd, plan.coeff_fwd))
-        if native is not None:
-            u, zr, h, H_res = _projection_cuda.extension().site_pre_forward(
-                native[0], x, phi, alpha, b_pre, b_post, b_res, state.eps, plan.projection_tol(state.tol),
-                NEWTON_MAX_ITER,
-            )
-            _projection_cuda.poll(x.device)
+        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+        zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
+        h = x.new_empty((T, 2 * n), dtype=plan.cdt)
+        R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
+        u = x.new_empty((*x.shape[:-2], C))
+        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
+        if plan.cuda_projection:
+            H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
         else:
-            T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
-            zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
-            h = x.new_empty((T, 2 * n), dtype=plan.cdt)
-            R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
-            u = x.new_empty((*x.shape[:-2], C))
-            _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
-            if plan.cuda_projection:
-                H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
-            else:
-                H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
+            H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res
@@ -359,19 +371,6 @@ class _SitePre(torch.autograd.Function):
         needs_dx, needs_dphi = ctx.needs_input_grad[:2]
         # dx' is None when the site's output took no part in the loss (only H_post / H_res did).
         d_out, state.d_out = state.d_out, None
-        native = plan.native(
-            (_coeff_bwd, plan.coeff_bwd),
-            *([(_stream_grad, plan.stream_grad)] if needs_dx else []),
-            *([(_phi_grad, plan.phi_grad)] if needs_dphi else []),
-        )
-        if native is not None:
-            dx, dphi, d_alpha, db_pre, db_post, db_res = _projection_cuda.extension().site_pre_backward(
-                native[0], native[1] if needs_dx else None, native[-1] if needs_dphi else None,
-                du, d_h, d_res, d_out, x, phi, alpha, zr, h, H_res,
-                plan.stream_tokens, plan.phi_splits, plan.phi_tokens,
-            )
-            return dx, dphi, d_alpha, db_pre, db_post, db_res, None
-
         T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
         d_res = _dense(d_res, plan.cdt)
         # The projection's implicit backward needs only its output (design.md §2).
@@ -405,12 +404,8 @@ class _PostMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
         plan = state.plan
-        native = plan.native((_postmix_fwd, plan.postmix_fwd))
-        if native is not None:
-            out = _projection_cuda.extension().post_mix_forward(native[0], x, y, h, h_res)
-        else:
-            out = torch.empty_like(x)
-            _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
+        out = torch.empty_like(x)
+        _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
         ctx.save_for_backward(x, y, h)
         ctx.state = state
         return out
@@ -420,15 +415,11 @@ class _PostMix(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
         plan = ctx.state.plan
-        native = plan.native((_postmix_bwd, plan.postmix_bwd))
-        if native is not None:
-            dout, dy, g_h, g_res = _projection_cuda.extension().post_mix_backward(native[0], dout, x, y, h)
-        else:
-            dout = _dense(dout)
-            dy = torch.empty_like(y)
-            g_h = torch.empty_like(h)
-            g_res = h.new_empty((plan.T, plan.n, plan.n))
-            _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
+        dout = _dense(dout)
+        dy = torch.empty_like(y)
+        g_h = torch.empty_like(h)
+        g_res = h.new_empty((plan.T, plan.n, plan.n))
+        _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
         ctx.state.d_out = dout
         return None, dy, g_h, g_res, None
 
@@ -518,13 +509,19 @@ def run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_
         with torch.cuda.device(plan.cuda_device):
             return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs)
     cdt = plan.cdt
-    state = _SiteState(plan, float(norm_eps), float(tol))
-    u, h, H_res = _site_pre(
-        x, _dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt), state
-    )
+    params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
+    native = plan.native_site()
+    if native is not None:  # both nodes in C++
+        ext = _projection_cuda.extension()
+        u, h, H_res, call = ext.site_pre(native, x, *params, float(norm_eps), plan.projection_tol(tol), NEWTON_MAX_ITER)
+        _projection_cuda.poll(x.device)
+    else:
+        state = _SiteState(plan, float(norm_eps), float(tol))
+        u, h, H_res = _site_pre(x, *params, state)
     out = branch(u, *branch_args, **branch_kwargs)
     y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     if y.shape != u.shape:
         raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
-    x_new = _post_mix(x, _dense(y, x.dtype), h, H_res, state)
+    y = _dense(y, x.dtype)
+    x_new = ext.post_mix(call, x, y, h, H_res) if native is not None else _post_mix(x, y, h, H_res, state)
     return x_new if rest is None else (x_new, *rest)

@@ -210,8 +210,10 @@ def test_branch_tuple_and_arguments_pass_through():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
-def test_cached_launches_match_tritons_own():
-    """The second call of a configuration goes through the kept compiled kernels, with the same results."""
+def test_cached_launches_match_tritons_own(monkeypatch):
+    """Without the C++ site (as under a launch hook), the second call of a configuration launches the
+    kept compiled kernels from Python, with the same results."""
+    monkeypatch.setattr(fused, "_native_allowed", lambda: False)
     ref, fast = _blocks(4, 96, torch.bfloat16, seed=3)
     x = torch.randn(3, 7, 4, 96, device=DEVICE, dtype=torch.bfloat16)
     for launcher in (fused._coeff_fwd, fused._stream_grad):
@@ -231,9 +233,10 @@ def test_cached_launches_match_tritons_own():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
 @pytest.mark.parametrize("n", [4, 8])
-def test_later_calls_launch_from_cpp(n):
-    """After one fwd+bwd every kernel of the site has a C++ launch handle (csrc/site.cu), and the
-    calls through them give the bits of Triton's own launches (first call) and the reference's values."""
+def test_later_calls_run_the_cpp_site(n):
+    """After one fwd+bwd of a shape the site runs in C++ (csrc/site.cu: its two autograd nodes, and
+    Triton's kept variants launched from there). Its results are the bits of the first call (Triton's
+    own launches, Python nodes), whichever inputs need gradients."""
     from mhc import projection_cuda
 
     assert projection_cuda.available(), "the CUDA extension did not build"
@@ -243,33 +246,57 @@ def test_later_calls_launch_from_cpp(n):
                      fused._stream_grad, fused._phi_grad):
         launcher.variants.clear()  # so that the first call is Triton's own launch
     fused._PLANS.clear()
-    results = []
-    for _ in range(3):
-        xg = x.clone().requires_grad_()
+    plan = fused._plan(x)
+
+    def run(x_grad=True, phi_grad=True):
+        fast.phi.requires_grad_(phi_grad)
+        xg = x.clone().requires_grad_(x_grad)
         out = fast(xg)
         out.backward(torch.ones_like(out))
-        results.append((out, xg.grad, fast.phi.grad.clone(), fast.b_res.grad.clone(), fast.alpha.grad.clone()))
-        fast.zero_grad()
-    plan = fused._plan(x)
-    launches = [(fused._coeff_fwd, plan.coeff_fwd), (fused._postmix_fwd, plan.postmix_fwd),
-                (fused._postmix_bwd, plan.postmix_bwd), (fused._coeff_bwd, plan.coeff_bwd),
-                (fused._stream_grad, plan.stream_grad), (fused._phi_grad, plan.phi_grad)]
-    assert plan.native(*launches) is not None
-    for first, later in zip(results[0], results[2]):
-        assert torch.equal(first, later)
+        grads = (xg.grad, fast.phi.grad, fast.b_res.grad.clone(), fast.alpha.grad.clone(), fast.b_pre.grad.clone())
+        fast.zero_grad(set_to_none=True)
+        fast.phi.requires_grad_(True)
+        return (out, *grads)
+
+    assert plan.native_site() is None
+    first = run()
+    assert plan.native_site() is not None
+    for a, b in zip(first, run()):
+        assert torch.equal(a, b)
+    no_dx, no_dphi = run(x_grad=False), run(phi_grad=False)
+    assert no_dx[1] is None and no_dphi[2] is None
+    for i, (a, b, c) in enumerate(zip(first, no_dx, no_dphi)):
+        if i != 1:
+            assert torch.equal(a, b)
+        if i != 2:
+            assert torch.equal(a, c)
+
     xr = x.clone().requires_grad_()
     expected = ref(xr)
     expected.backward(torch.ones_like(expected))
-    assert _rel(results[2][0], expected) < 2e-2
-    assert _rel(results[2][1], xr.grad) < 2e-2
-    assert _rel(results[2][2], ref.phi.grad) < 2e-2
+    assert _rel(first[0], expected) < 2e-2
+    assert _rel(first[1], xr.grad) < 2e-2
+    assert _rel(first[2], ref.phi.grad) < 2e-2
+
+    xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(fast(xg).sum(), xg, create_graph=True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA extension")
-def test_cpp_launch_handle_rejects_bad_arguments():
+def test_cpp_site_rejects_bad_arguments():
     from mhc import projection_cuda
 
     ext = projection_cuda.extension()
+    _, fast = _blocks(4, 64, torch.float32, seed=6)
+    x = torch.randn(2, 4, 64, device=DEVICE)
+    fast(x.requires_grad_()).sum().backward()  # compiles the plan's kernels
+    kernels = fused._plan(x).native_site()
+    params = (fast.phi, fast.alpha, fast.b_pre, fast.b_post, fast.b_res)
+    with pytest.raises(RuntimeError, match="CUDA streams"):
+        ext.site_pre(kernels, x.detach().cpu(), *params, 1e-6, 1e-6, 32)
+    with pytest.raises(RuntimeError, match="float32 / bfloat16 / float16"):
+        ext.site_pre(kernels, x.detach().double(), *params, 1e-6, 1e-6, 32)
     with pytest.raises(RuntimeError, match="CUfunction"):
         ext.TritonKernel(0, [1, 1, 1], 4, 0, [1])
     with pytest.raises(RuntimeError, match="grid"):
