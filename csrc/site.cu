@@ -88,7 +88,9 @@ static TritonKernel make_triton_kernel(int64_t function, const std::vector<int64
     k.grid[d] = static_cast<unsigned>(grid[d]);
   }
   TORCH_CHECK(num_warps >= 1 && num_warps <= 32 && shared >= 0, "mhc: bad num_warps / shared memory");
-  for (int64_t kind : kinds) TORCH_CHECK(kind >= kSkip && kind <= kFloat64, "mhc: unknown parameter kind ", std::to_string(kind));
+  for (int64_t kind : kinds) {
+    TORCH_CHECK(kind >= kSkip && kind <= kFloat64, "mhc: unknown parameter kind ", std::to_string(kind));
+  }
   k.function = reinterpret_cast<CUfunction>(static_cast<uintptr_t>(function));
   k.threads = static_cast<unsigned>(32 * num_warps);
   k.shared_bytes = static_cast<unsigned>(shared);
@@ -341,7 +343,8 @@ struct PostMix : torch::autograd::Function<PostMix> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto call = saved_call(ctx);
     const variable_list saved = ctx->get_saved_variables();
-    auto [d_out, dy, g_h, g_res] = post_mix_backward(call->kernels->postmix_bwd, grads[0], saved[0], saved[1], saved[2]);
+    auto [d_out, dy, g_h, g_res] =
+        post_mix_backward(call->kernels->postmix_bwd, grads[0], saved[0], saved[1], saved[2]);
     call->d_out = std::move(d_out);
     return {at::Tensor(), dy, g_h, g_res, at::Tensor()};
   }

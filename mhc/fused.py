@@ -22,9 +22,10 @@ launched directly (:class:`_Launcher`).
 Once Triton's own launches have compiled a shape's six kernels (its first
 fwd+bwd), the site runs in C++ (``csrc/site.cu``): the same two nodes as C++
 autograd functions, which launch the kept Triton variants and the projection
-themselves, with less host time per site (notes/block_benchmarks.md). Under ``torch.compile``, functorch transforms or a
-Triton launch hook, and where the projection has no CUDA op, the Python nodes
-below run instead; they are the same maths, launch for launch.
+themselves, with less host time per site (notes/block_benchmarks.md). Under
+``torch.compile``, functorch transforms or a Triton launch hook, and where the
+projection has no CUDA op, the Python nodes below run instead; they are the
+same maths, launch for launch.
 
 Backward order is fixed by the graph: ``_PostMix``, ``F``, then
 ``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it leaves ``dx'``

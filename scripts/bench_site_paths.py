@@ -97,7 +97,8 @@ def model_steps(rounds: int) -> None:
                 t2 = time.perf_counter()
                 torch.cuda.synchronize()
                 if rnd > 0 or i >= 3:
-                    rows[kind].append((start.elapsed_time(end), start.elapsed_time(mid), 1e3 * (t1 - t0), 1e3 * (t2 - t1)))
+                    gpu_step, gpu_fwd = start.elapsed_time(end), start.elapsed_time(mid)
+                    rows[kind].append((gpu_step, gpu_fwd, 1e3 * (t1 - t0), 1e3 * (t2 - t1)))
     base = st.median(r[0] for r in rows["residual"])
     print("model: median step / ratio / mean step / GPU fwd / host fwd / host bwd+opt (ms), per-step list")
     for kind, r in rows.items():
