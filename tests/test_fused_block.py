@@ -283,6 +283,60 @@ def test_later_calls_run_the_cpp_site(n):
         torch.autograd.grad(fast(xg).sum(), xg, create_graph=True)
 
 
+def test_cpp_launch_handle_describes_the_kernel_parameters(monkeypatch):
+    """What Python hands csrc/site.cu for a compiled variant: one kind per runtime parameter (in the
+    kernel's order, constexpr-specialised ones marked 0), and nothing for a variant whose launch needs
+    scratch memory or clusters (the C++ launch passes neither)."""
+    from types import SimpleNamespace
+
+    made = []
+
+    class FakeExtension:
+        @staticmethod
+        def TritonKernel(function, grid, num_warps, shared, kinds):
+            made.append((function, grid, num_warps, shared, kinds))
+            return "handle"
+
+    monkeypatch.setattr(fused._projection_cuda, "extension", lambda: FakeExtension)
+    spec = fused._Launch((6, 2), {"n": 4, "BC": 64}, (128,), torch.bfloat16, torch.device("cpu"))
+    signature = {"x_ptr": "*bf16", "T": "i32", "C": "constexpr", "eps": "fp32", "big": "i64", "n": "constexpr",
+                 "BC": "constexpr"}
+    compiled = SimpleNamespace(
+        function=1234, src=SimpleNamespace(signature=signature),
+        metadata=SimpleNamespace(num_warps=4, shared=512, num_ctas=1, global_scratch_size=0),
+    )
+    names = ["x_ptr", "T", "C", "eps", "big", "n", "BC"]
+    assert fused._native_kernel(compiled, names, spec) == "handle"
+    assert made == [(1234, [6, 2, 1], 4, 512, [1, 2, 0, 4, 3])]
+
+    compiled.metadata.global_scratch_size = 128
+    assert fused._native_kernel(compiled, names, spec) is None
+    compiled.metadata.global_scratch_size, compiled.metadata.num_ctas = 0, 2
+    assert fused._native_kernel(compiled, names, spec) is None
+    compiled.metadata.num_ctas, signature["x_ptr"] = 1, "tensordesc<bf16[64]>"
+    assert fused._native_kernel(compiled, names, spec) is None  # a parameter kind it cannot pass
+    assert len(made) == 1
+
+
+def test_cpp_site_is_off_while_a_launch_hook_is_installed():
+    import triton
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps launch hooks without a HookChain")
+    assert fused._native_allowed()
+
+    def hook(metadata):
+        pass
+
+    chain.add(hook)
+    try:
+        assert not fused._native_allowed()
+    finally:
+        chain.remove(hook)
+    assert fused._native_allowed()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA extension")
 def test_cpp_site_rejects_bad_arguments():
     from mhc import projection_cuda
