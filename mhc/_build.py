@@ -3,7 +3,8 @@
 The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, cached under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``) and registers the ``torch.ops.mhc.birkhoff_*``
-operators; its Python module holds the fused site's host side (``csrc/site.cu``). ``python -m mhc.cuda_build`` builds it ahead of time.
+operators; its Python module holds the fused site's host side
+(``csrc/site.cu``). ``python -m mhc.cuda_build`` builds it ahead of time.
 """
 
 from __future__ import annotations

@@ -264,8 +264,8 @@ class _Plan:
         """The C++ site's launch handles (``csrc/site.cu``'s ``SiteKernels``), or ``None``.
 
         ``None`` until Triton's own launches have compiled all six kernels (the
-        first fwd+bwd of this shape), under ``torch.compile``, with a Triton launch
-        hook installed (a hook sees only Triton's own launches), and where the
+        first fwd+bwd of this shape), whenever :func:`_native_allowed` says no
+        (``torch.compile``, functorch, a Triton launch hook), and where the
         projection has no CUDA op (the C++ site calls it).
         """
         if not self.cuda_projection or not _native_allowed():
