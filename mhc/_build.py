@@ -1,10 +1,14 @@
-"""Build and load the fused CUDA Birkhoff kernels (``csrc/birkhoff.cu``).
+"""Build and load the fused CUDA Birkhoff kernels (``mhc/csrc/birkhoff.cu``).
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load``
-(ninja, cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``) and registers the ``torch.ops.mhc.birkhoff_*``
-operators; its Python module holds the fused site's host side
-(``csrc/site.cu``). ``python -m mhc.cuda_build`` builds it ahead of time.
+The kernel sources ship inside the package (``mhc/csrc/``, package data of
+the wheel and the sdist), so an installed ``mhc`` finds them beside its own
+modules, wherever it is installed. The extension is compiled from there on
+first use with ``torch.utils.cpp_extension.load`` (ninja; the build goes to
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, never
+into the package directory, which may be read-only) and registers the
+``torch.ops.mhc.birkhoff_*`` operators; its Python module holds the fused
+site's host side (``mhc/csrc/site.cu``). ``python -m mhc.cuda_build`` builds
+it ahead of time.
 """
 
 from __future__ import annotations
@@ -12,18 +16,34 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 EXTENSION_NAME = "mhc_birkhoff_cuda"
 SOURCES = ("birkhoff.cu", "site.cu")
+# What the build reads: the two translation units and the headers they include.
+SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+SOURCE_DIR_ENV = "MHC_CSRC_DIR"
 
 
 def csrc_dir() -> Path:
-    """Where the kernel sources live: ``$MHC_CSRC_DIR`` or ``<repo>/csrc``."""
-    env = os.environ.get("MHC_CSRC_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "csrc"
+    """Where the kernel sources live: ``$MHC_CSRC_DIR`` if set, else the installed package's ``csrc/``."""
+    env = os.environ.get(SOURCE_DIR_ENV)
+    if env:
+        return Path(env)
+    # files() is the installed package's own directory for a regular install,
+    # an editable one and a source checkout alike.
+    return Path(str(resources.files("mhc").joinpath("csrc")))
+
+
+def source_files() -> list[Path]:
+    """Every kernel source file under :func:`csrc_dir`, sorted by name (empty if there are none)."""
+    root = csrc_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in SOURCE_SUFFIXES)
 
 
 def build_problem() -> str | None:
@@ -41,18 +61,17 @@ def build_problem() -> str | None:
 
 
 def sources_digest() -> str:
-    """A short hash of every file under the kernel source directory.
+    """A short hash of every kernel source file (name and contents).
 
     ``torch.utils.cpp_extension.load`` versions a cached build by the listed
     sources and the build flags only, so an edited header (``*.cuh``) would
     otherwise reuse a stale build; passing this digest as a define makes any
-    change to ``csrc/`` a new version.
+    change to the sources a new version.
     """
     h = hashlib.sha256()
-    for path in sorted(csrc_dir().glob("*")):
-        if path.is_file():
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
+    for path in source_files():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -60,7 +79,7 @@ def load(verbose: bool = False):
     """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible.
 
     Returns the extension's Python module (the fused site's host side,
-    ``csrc/site.cu``); loading it also registers the ``torch.ops.mhc`` operators.
+    ``mhc/csrc/site.cu``); loading it also registers the ``torch.ops.mhc`` operators.
     """
     problem = build_problem()
     if problem is not None:

@@ -1,25 +1,29 @@
 """CPU-runnable checks of the CUDA sources and of the CUDA-availability logic.
 
-* Every ``csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
+* Every ``mhc/csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
   and so does ``scripts/kernel_bench.cu`` without them (skipped only when
   nvcc is missing), so a syntax error cannot land.
+* The per-matrix solver core compiles with g++ and meets its contract on the host.
 * On a torch without CUDA (or without a working build) importing ``mhc`` and
   projecting CPU tensors still works, and the fallback warns once.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 import sysconfig
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CU_FILES = sorted((ROOT / "csrc").glob("*.cu"))
+CSRC = ROOT / "mhc" / "csrc"
+CU_FILES = sorted(CSRC.glob("*.cu"))
 
 
 def _nvcc() -> str | None:
@@ -33,7 +37,7 @@ def _nvcc() -> str | None:
 
 
 def test_there_are_cuda_sources():
-    assert CU_FILES, "csrc/*.cu not found"
+    assert CU_FILES, f"{CSRC}/*.cu not found"
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
@@ -73,38 +77,78 @@ def test_cu_compiles_for_sm90(src, tmp_path):
 def test_kernel_bench_compiles_for_sm90(tmp_path):
     # The standalone kernel benchmark builds the shipped kernels without torch.
     cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-           f"-I{ROOT / 'csrc'}", "-c", str(ROOT / "scripts" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
+           f"-I{CSRC}", "-c", str(ROOT / "scripts" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on kernel_bench.cu:\n{proc.stderr[-6000:]}"
 
 
-def test_import_and_cpu_path_without_cuda_build(monkeypatch):
-    import mhc
-    from mhc import _build, projection_cuda
+# Run in a fresh interpreter so that the extension's load state (tried once per
+# process) starts empty; the kernel sources are pointed at an empty directory,
+# so the build cannot succeed on any machine.
+_FALLBACK_PROBE = r"""
+import json, sys, warnings
+import torch
+import mhc
+from mhc import cuda_build, projection_cuda
 
-    if torch.version.cuda is None:
-        assert _build.build_problem() is not None
-    R = torch.randn(5, 4, 4)
-    T = mhc.birkhoff_project(R)
-    assert float(mhc.marginal_error(T).max()) <= 1e-5
-
-    # A failing build: exactly one clear warning, then the PyTorch path.
-    def boom(verbose=False):
-        raise RuntimeError("no nvcc here")
-
-    monkeypatch.setattr(_build, "load", boom)
-    monkeypatch.setattr(projection_cuda, "_LOADED", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert projection_cuda.available() is False
-        assert projection_cuda.available() is False
-    msgs = [str(w.message) for w in caught if "fused CUDA Birkhoff kernels are unavailable" in str(w.message)]
-    assert len(msgs) == 1 and "no nvcc here" in msgs[0]
-    assert projection_cuda.unconverged_count() == 0
-    # CPU tensors never ask for the kernels.
-    monkeypatch.setattr(projection_cuda, "_LOADED", None)
+out = {"problem": cuda_build.build_problem()}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    T = mhc.birkhoff_project(torch.randn(5, 4, 4))          # CPU tensors never ask for the kernels
     mhc.birkhoff_project(torch.randn(3, 8, 8))
-    assert projection_cuda._LOADED is None
+    out["cpu_error"] = float(mhc.marginal_error(T).max())
+    out["warnings_before"] = [str(w.message) for w in caught]
+    out["available"] = [projection_cuda.available(), projection_cuda.available()]
+    out["warnings_after"] = [str(w.message) for w in caught]
+out["unconverged"] = projection_cuda.unconverged_count()
+print(json.dumps(out))
+sys.stdout.flush()
+sys.exit(cuda_build.main([]))
+"""
+
+
+def test_import_and_cpu_path_without_cuda_build(tmp_path):
+    empty = tmp_path / "no_sources"
+    empty.mkdir()
+    env = dict(os.environ, MHC_CSRC_DIR=str(empty))
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_PROBE], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # No CUDA torch, no nvcc, or (here at the latest) no sources: a reason, not a crash.
+    assert out["problem"], out
+    if torch.version.cuda is not None and out["problem"].startswith("kernel sources"):
+        assert str(empty) in out["problem"], out
+    assert out["cpu_error"] <= 1e-5, out
+    assert out["warnings_before"] == [], out
+    assert out["available"] == [False, False], out
+    # A failing build: exactly one clear warning naming the reason, then the PyTorch path.
+    msgs = [m for m in out["warnings_after"] if "fused CUDA Birkhoff kernels are unavailable" in m]
+    assert len(msgs) == 1 and out["problem"] in msgs[0], out
+    assert out["unconverged"] == 0, out
+    # `python -m mhc.cuda_build` says why it cannot build, and fails.
+    assert proc.returncode == 1 and out["problem"] in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_cuda_build_lists_the_kernel_sources(monkeypatch, capsys):
+    from mhc import cuda_build
+
+    monkeypatch.delenv("MHC_CSRC_DIR", raising=False)
+    assert cuda_build.main(["--sources"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # The imported package's own csrc/ (this checkout, for an editable install).
+    assert lines[0] == f"kernel source directory: {cuda_build.source_dir()}", lines
+    assert cuda_build.source_dir().resolve() == Path(cuda_build.__file__).resolve().parent / "csrc"
+    names = [line.strip() for line in lines[1:-1]]
+    assert names == [p.name for p in cuda_build.source_files()], lines
+    assert {"birkhoff.cu", "site.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(names), lines
+    assert lines[-1] == "build: " + ("possible" if cuda_build.build_problem() is None
+                                     else "not possible: " + cuda_build.build_problem()), lines
+
+    # A misspelled option is refused by name (argparse: exit 2), not taken as an abbreviation.
+    with pytest.raises(SystemExit) as exc:
+        cuda_build.main(["--source"])
+    assert exc.value.code == 2 and "--source" in capsys.readouterr().err
 
 
 _HOST_DRIVER = r"""
@@ -184,7 +228,7 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")
 def test_solver_core_on_host(tmp_path):
-    """The per-matrix solver and backward of csrc/birkhoff_core.cuh, compiled for the CPU.
+    """The per-matrix solver and backward of mhc/csrc/birkhoff_core.cuh, compiled for the CPU.
 
     The kernels run exactly this code per matrix; here it is checked on the
     host (fp32, like the GPU) against the error contract and a float64
@@ -193,7 +237,7 @@ def test_solver_core_on_host(tmp_path):
     drv = tmp_path / "driver.cpp"
     drv.write_text(_HOST_DRIVER)
     exe = tmp_path / "driver"
-    cmd = ["g++", "-O2", "-std=c++17", f"-I{ROOT / 'csrc'}", str(drv), "-o", str(exe)]
+    cmd = ["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
