@@ -103,11 +103,6 @@ def variant_colors(variants: Sequence[str]) -> dict[str, str]:
     return out
 
 
-# --------------------------------------------------------------------------------------
-# Data handling (pure)
-# --------------------------------------------------------------------------------------
-
-
 def _series(records: Sequence[Mapping], ykey: str, what: str) -> tuple[np.ndarray, np.ndarray, int]:
     """(tokens, values, number dropped) of the records whose ``tokens`` and ``ykey`` are finite.
 
@@ -192,11 +187,6 @@ def _needs_deviation_panel(values: np.ndarray) -> bool:
 def _all_near_one(values: np.ndarray) -> bool:
     finite = values[np.isfinite(values)]
     return bool(finite.size) and bool(np.max(np.abs(finite - 1.0)) < _NEAR_ONE)
-
-
-# --------------------------------------------------------------------------------------
-# Drawing helpers
-# --------------------------------------------------------------------------------------
 
 
 def _png_path(path: str | os.PathLike) -> Path:
