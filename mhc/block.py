@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from . import fused
 from .projection import birkhoff_project
 
-__all__ = ["MHCBlock", "MODES", "INITS", "PROJECTIONS", "check_options"]
+__all__ = ["MHCBlock", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "reject_unknown_options"]
 
 MODES = ("mhc", "hc", "residual")
 INITS = ("identity", "paper")
@@ -27,14 +29,89 @@ PROJECTIONS = ("newton", "sinkhorn")
 _RES_INIT_DIAGONAL = 0.9
 
 
-def check_options(mode: str, init: str, projection: str) -> None:
-    """Raise ``ValueError`` for an unknown ``mode``, ``init`` or ``projection``."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+def _integer(name: str, value: Any, minimum: int) -> int:
+    # bool is an int subclass; True streams or layer index is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: Any, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be {'finite and > 0' if positive else 'finite'}, got {value}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+# How each option of an mHC site is checked; also the list of the options there are.
+_OPTION_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "hidden_size": lambda k, v: _integer(k, v, 1),
+    "n_streams": lambda k, v: _integer(k, v, 1),
+    "mode": lambda k, v: _choice(k, v, MODES),
+    "init": lambda k, v: _choice(k, v, INITS),
+    "layer_index": lambda k, v: _integer(k, v, 0),
+    "alpha_init": lambda k, v: _real(k, v, positive=False),
+    "norm_eps": lambda k, v: _real(k, v, positive=True),
+    "projection": lambda k, v: _choice(k, v, PROJECTIONS),
+    "tol": lambda k, v: _real(k, v, positive=True),
+    "sinkhorn_iters": lambda k, v: _integer(k, v, 1),
+    "fused": _flag,
+    "recompute": _flag,
+}
+OPTION_NAMES = tuple(_OPTION_CHECKS)
+
+
+def close_option(name: str, known: Iterable[str]) -> str | None:
+    """The known option ``name`` most likely misspells (``difflib``, case-insensitive), or ``None``."""
+    by_lower = {k.lower(): k for k in known}
+    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.8)
+    return by_lower[match[0]] if match else None
+
+
+def reject_unknown_options(names: Iterable[str], known: Iterable[str], owner: str) -> None:
+    """Raise ``TypeError`` for the first of ``names`` (keyword arguments given to ``owner``) not in ``known``."""
+    known = tuple(known)
+    for name in names:
+        if name not in known:
+            guess = close_option(name, known)
+            hint = f"; did you mean {guess!r}?" if guess else f"; its options are {', '.join(known)}"
+            raise TypeError(f"{owner} got an unknown option {name!r}{hint}")
+
+
+def check_options(**options: Any) -> dict[str, Any]:
+    """Check mHC site options by name; return them normalised (ints as ``int``, reals as ``float``).
+
+    Any subset of ``hidden_size``, ``n_streams``, ``mode``, ``init``,
+    ``layer_index``, ``alpha_init``, ``norm_eps``, ``projection``, ``tol``,
+    ``sinkhorn_iters``, ``fused``, ``recompute`` (see :class:`MHCBlock`).
+    Integers must be ints (not floats, not bools): ``hidden_size``,
+    ``n_streams`` and ``sinkhorn_iters`` ``>= 1``, ``layer_index >= 0``.
+    ``tol`` and ``norm_eps`` are finite and ``> 0``, ``alpha_init`` finite;
+    ``fused`` and ``recompute`` are bools. Both :class:`MHCBlock` and
+    :class:`mhc.MHCConfig` validate through this function.
+
+    Raises:
+        TypeError: an unknown option (naming the closest known one) or a value of the wrong type.
+        ValueError: a value out of range or not among the choices.
+    """
+    reject_unknown_options(options, OPTION_NAMES, "mHC options")
+    return {name: _OPTION_CHECKS[name](name, value) for name, value in options.items()}
 
 
 def _pre_init_weights(n: int, layer_index: int) -> Tensor:
@@ -89,11 +166,14 @@ class MHCBlock(nn.Module):
 
     Args:
         branch: the sublayer ``F``, an ``nn.Module`` (registered as a submodule)
-            or any callable (e.g. a method of a module that owns the weights,
-            which then stay out of this block's parameters); called as
-            ``branch(u, *args, **kwargs)`` with ``u: [..., C]``. If it returns a tuple (as HF attention does), its
+            or any callable (its weights then stay out of this block's
+            parameters); called as ``branch(u, *args, **kwargs)`` with
+            ``u: [..., C]``. If it returns a tuple (as HF attention does), its
             first element is mixed into the streams and the rest is returned
-            beside the new streams.
+            beside the new streams. Avoid a bound method of the module that
+            holds this block: ``copy.deepcopy(block)`` would deep-copy that
+            whole module with it (:mod:`mhc.hf` uses a callable that rebinds
+            on copy instead).
         hidden_size: ``C``.
         n_streams: ``n`` (default 4).
         mode: ``"mhc"``, ``"hc"`` or ``"residual"``.
@@ -117,6 +197,9 @@ class MHCBlock(nn.Module):
             ``F`` included (``torch.utils.checkpoint``, non-reentrant): less
             memory for one more forward.
 
+    Options are checked by :func:`check_options` (types and ranges); an
+    unknown keyword raises ``TypeError`` naming the closest option.
+
     Shapes:
         ``forward(x: [..., n, C], *args, **kwargs) -> [..., n, C]`` (or a tuple
         whose first element is that), in the dtype of ``x``.
@@ -138,30 +221,36 @@ class MHCBlock(nn.Module):
         sinkhorn_iters: int = 20,
         fused: bool = True,
         recompute: bool = False,
+        **unknown: Any,
     ):
         super().__init__()
-        check_options(mode, init, projection)
-        if hidden_size < 1 or n_streams < 1:
-            raise ValueError(f"hidden_size and n_streams must be >= 1, got {hidden_size}, {n_streams}")
+        reject_unknown_options(unknown, _OPTION_CHECKS, "MHCBlock")
+        opts = check_options(
+            hidden_size=hidden_size, n_streams=n_streams, mode=mode, init=init, layer_index=layer_index,
+            alpha_init=alpha_init, norm_eps=norm_eps, projection=projection, tol=tol,
+            sinkhorn_iters=sinkhorn_iters, fused=fused, recompute=recompute,
+        )
+        if not callable(branch):
+            raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
-        self.hidden_size = hidden_size
-        self.n_streams = n_streams
-        self.mode = mode
-        self.init = init
-        self.layer_index = layer_index
-        self.norm_eps = norm_eps
-        self.projection = projection
-        self.tol = tol
-        self.sinkhorn_iters = sinkhorn_iters
-        self.alpha_init = alpha_init
-        self.fused = fused
-        self.recompute = recompute
-        if mode == "residual":
+        self.hidden_size = opts["hidden_size"]
+        self.n_streams = opts["n_streams"]
+        self.mode = opts["mode"]
+        self.init = opts["init"]
+        self.layer_index = opts["layer_index"]
+        self.norm_eps = opts["norm_eps"]
+        self.projection = opts["projection"]
+        self.tol = opts["tol"]
+        self.sinkhorn_iters = opts["sinkhorn_iters"]
+        self.alpha_init = opts["alpha_init"]
+        self.fused = opts["fused"]
+        self.recompute = opts["recompute"]
+        if self.mode == "residual":
             return
 
-        n, C = n_streams, hidden_size
+        n, C = self.n_streams, self.hidden_size
         # mhc reads all n·C values of a token at once; hc reads each stream alone.
-        fan_in, fan_out = (n * C, n * n + 2 * n) if mode == "mhc" else (C, n + 2)
+        fan_in, fan_out = (n * C, n * n + 2 * n) if self.mode == "mhc" else (C, n + 2)
         self.phi = nn.Parameter(torch.empty(fan_out, fan_in))
         self.alpha = nn.Parameter(torch.empty(3))
         self.b_pre = nn.Parameter(torch.empty(n))
@@ -169,28 +258,43 @@ class MHCBlock(nn.Module):
         self.b_res = nn.Parameter(torch.empty(n, n))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """Initialise the coefficient parameters (float32) as ``init`` says."""
+    def reset_parameters(self, names: Iterable[str] | None = None) -> None:
+        """Initialise the coefficient parameters (float32) as ``init`` says.
+
+        Args:
+            names: only these of ``phi``, ``alpha``, ``b_pre``, ``b_post``,
+                ``b_res`` (e.g. those a checkpoint did not supply); all by default.
+        """
         if self.mode == "residual":
             return
+        wanted = {"phi", "alpha", "b_pre", "b_post", "b_res"}
+        if names is not None:
+            names = set(names)
+            reject_unknown_options(names, sorted(wanted), "MHCBlock.reset_parameters")
+            wanted = names
         n = self.n_streams
+        pre = _pre_init_weights(n, self.layer_index)
         with torch.no_grad():
-            if self.init == "identity":
-                self.phi.zero_()
-            else:
-                nn.init.normal_(self.phi, std=self.phi.shape[1] ** -0.5)
-            self.alpha.fill_(self.alpha_init)
-            pre = _pre_init_weights(n, self.layer_index)
+            if "phi" in wanted:
+                if self.init == "identity":
+                    self.phi.zero_()
+                else:
+                    nn.init.normal_(self.phi, std=self.phi.shape[1] ** -0.5)
+            if "alpha" in wanted:
+                self.alpha.fill_(self.alpha_init)
             if self.mode == "mhc":
                 # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal.
-                self.b_pre.copy_(_exact_sum_logits(pre, self.layer_index % n))
-                self.b_post.zero_()
                 diag = math.log(_RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - _RES_INIT_DIAGONAL))
-                self.b_res.copy_(torch.eye(n) * diag)
+                values = {
+                    "b_pre": _exact_sum_logits(pre, self.layer_index % n),
+                    "b_post": torch.zeros(n),
+                    "b_res": torch.eye(n) * diag,
+                }
             else:
-                self.b_pre.copy_(pre)
-                self.b_post.fill_(1.0)
-                self.b_res.copy_(torch.eye(n))
+                values = {"b_pre": pre, "b_post": torch.ones(n), "b_res": torch.eye(n)}
+            for name, value in values.items():
+                if name in wanted:
+                    getattr(self, name).copy_(value)
 
     def _check_streams(self, x: Tensor) -> None:
         if not isinstance(x, Tensor) or not x.is_floating_point():

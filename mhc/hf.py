@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -61,10 +62,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .adapters import Adapter, get_adapter
-from .block import MHCBlock, check_options
+from .block import MHCBlock, check_options, close_option, reject_unknown_options
 from .streams import StreamReduce, expand_streams
 
-__all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "convert_to_mhc", "added_parameter_count"]
+__all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -72,6 +73,34 @@ _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 _NOT_DELEGATED = frozenset(
     {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype"}
 )
+
+# The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
+_BLOCK_FIELDS = ("n_streams", "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps")
+MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
+# Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
+_STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
+    {"torch_dtype", "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+     "decoder_start_token_id", "use_cache", "tie_word_embeddings", "rope_parameters", "rope_scaling"}
+)
+
+
+def _reject_misspelled_fields(kwargs: dict[str, Any], base_config: dict[str, Any]) -> None:
+    """``TypeError`` for a keyword that looks like a misspelt mHC field.
+
+    PretrainedConfig keeps any unknown keyword as an attribute, and HF passes
+    many of its own when loading (``torch_dtype``, ``architectures``, token
+    ids, ``_attn_implementation``, ...), so unknown names cannot all be
+    refused. Refused: a name that is not private (``_...``), not a standard
+    PretrainedConfig keyword, not a key of the base config, and within
+    ``difflib``'s 0.8 similarity of an mHC field (``projecton``,
+    ``n_stream``, ``Mode``, ...).
+    """
+    for name in kwargs:
+        if name.startswith("_") or name in _STANDARD_CONFIG_KEYS or name in base_config:
+            continue
+        guess = close_option(name, MHC_FIELDS)
+        if guess is not None:
+            raise TypeError(f"MHCConfig got {name!r}, which is not an mHC option; did you mean {guess!r}?")
 
 
 class MHCConfig(_BaseConfig):
@@ -101,6 +130,14 @@ class MHCConfig(_BaseConfig):
             one) puts the same hidden state in every stream.
         reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
             starting at ``1/n``) to merge the streams before the final norm.
+        **kwargs: PretrainedConfig's own settings (token ids, ``dtype``, ...).
+
+    The mHC settings are checked as :func:`mhc.block.check_options` says
+    (``n_streams`` an int ``>= 1``, not a bool or ``2.7``; ``tol`` finite and
+    ``> 0``; ...). Unknown keywords go to ``PretrainedConfig``, which keeps
+    them as attributes (HF passes its own when loading), except one that looks
+    like a misspelt mHC field (``projecton=``): that raises ``TypeError``
+    naming the field it resembles.
     """
 
     model_type = "mhc"
@@ -135,24 +172,18 @@ class MHCConfig(_BaseConfig):
             raise ValueError("base_config needs its 'model_type' (e.g. 'llama')")
         if base_config.get("model_type") == self.model_type:
             raise ValueError("base_config is itself an MHCConfig; pass the wrapped model's config")
-        check_options(mode, init, projection)
+        _reject_misspelled_fields(kwargs, base_config)
+        opts = check_options(
+            n_streams=n_streams, mode=mode, init=init, projection=projection, tol=tol,
+            sinkhorn_iters=sinkhorn_iters, fused=fused, recompute=recompute, alpha_init=alpha_init, norm_eps=norm_eps,
+        )
         if expand != "copy":
             raise ValueError(f"expand must be 'copy', got {expand!r}")
         if reduce not in ("mean", "learned"):
             raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
-        if int(n_streams) < 1:
-            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
         self.base_config = base_config
-        self.n_streams = int(n_streams)
-        self.mode = mode
-        self.init = init
-        self.projection = projection
-        self.tol = float(tol)
-        self.sinkhorn_iters = int(sinkhorn_iters)
-        self.fused = bool(fused)
-        self.recompute = bool(recompute)
-        self.alpha_init = float(alpha_init)
-        self.norm_eps = float(norm_eps)
+        for name in _BLOCK_FIELDS:
+            setattr(self, name, opts[name])
         self.expand = expand
         self.reduce = reduce
         super().__init__(**kwargs)
@@ -210,6 +241,47 @@ def _block_options(config: MHCConfig) -> dict[str, Any]:
     )
 
 
+class _LayerBranch:
+    """``layer.<method>`` as an :class:`~mhc.MHCBlock` branch, without a bound method.
+
+    A bound method in a block makes ``copy.deepcopy(block)`` deep-copy the
+    whole decoder layer with it, so the copy would run a private copy of the
+    attention or MLP (PEFT's ``modules_to_save`` copies the blocks this way,
+    and LoRA on the live layer then has no effect). This holds the layer
+    weakly (no reference cycle through the block) and, when deep-copied,
+    follows the layer into the copy only if the layer itself is being copied;
+    a block copied alone keeps calling the live layer.
+    """
+
+    __slots__ = ("_layer", "method")
+
+    def __init__(self, layer: nn.Module, method: str):
+        self._layer = weakref.ref(layer)
+        self.method = method
+
+    @property
+    def layer(self) -> nn.Module:
+        """The decoder layer whose ``method`` this calls."""
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError(f"the decoder layer of this mHC branch ({self.method}) no longer exists")
+        return layer
+
+    def __call__(self, u: Tensor, *args, **kwargs):
+        return getattr(self.layer, self.method)(u, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _LayerBranch:
+        layer = self.layer
+        return type(self)(memo.get(id(layer), layer), self.method)
+
+    def __reduce__(self):  # pickling (e.g. torch.save of a whole model) keeps the layer by reference
+        return type(self), (self.layer, self.method)
+
+    def __repr__(self) -> str:
+        layer = self._layer()
+        return f"{type(self).__name__}({type(layer).__name__ if layer is not None else 'dead'}.{self.method})"
+
+
 class MHCDecoderLayer(GradientCheckpointingLayer):
     """A base decoder layer with its two residual sites replaced by mHC sites.
 
@@ -253,8 +325,9 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.expand_input = expand_input
         hidden = config.get_text_config().hidden_size
         opts = _block_options(config)
-        self.attn_mhc = MHCBlock(self._attn_branch, hidden, config.n_streams, layer_index=2 * layer_idx, **opts)
-        self.mlp_mhc = MHCBlock(self._mlp_branch, hidden, config.n_streams, layer_index=2 * layer_idx + 1, **opts)
+        attn, mlp = _LayerBranch(self, "_attn_branch"), _LayerBranch(self, "_mlp_branch")
+        self.attn_mhc = MHCBlock(attn, hidden, config.n_streams, layer_index=2 * layer_idx, **opts)
+        self.mlp_mhc = MHCBlock(mlp, hidden, config.n_streams, layer_index=2 * layer_idx + 1, **opts)
 
     def _attn_branch(self, u: Tensor, **kwargs):
         return getattr(self, self._attn)(getattr(self, self._attn_norm)(u), **kwargs)
@@ -343,11 +416,33 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         return (self.stream_reduce(args[0]), *args[1:])
 
     def _init_weights(self, module: nn.Module) -> None:
-        # mHC modules initialise themselves at construction (MHCBlock.reset_parameters,
-        # StreamReduce's 1/n); re-running init here could overwrite loaded values.
-        if isinstance(module, (MHCBlock, StreamReduce, MHCDecoderLayer, MHCForCausalLM)):
-            return
-        super()._init_weights(module)
+        # The mHC parameters get their documented init, each one only if it is
+        # not marked as loaded: transformers marks every tensor it loads from a
+        # checkpoint with `_is_hf_initialized` and leaves the rest as empty memory.
+        if isinstance(module, (MHCBlock, StreamReduce)):
+            fresh = [n for n, p in module.named_parameters(recurse=False) if not getattr(p, "_is_hf_initialized", False)]
+            if isinstance(module, StreamReduce):
+                if fresh:
+                    module.reset_parameters()
+            elif fresh:
+                module.reset_parameters(fresh)
+        elif not isinstance(module, (MHCDecoderLayer, MHCForCausalLM)):
+            super()._init_weights(module)
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """Initialise what is not initialised yet, the mHC parameters included.
+
+        transformers hands the modules inside ``self.model`` (a PreTrainedModel
+        of its own) to that model's ``_init_weights``, which does not know the
+        mHC blocks and would mark them initialised without touching them. So
+        they are initialised here first, then everything else as usual.
+        """
+        for module in self.modules():
+            if isinstance(module, (MHCBlock, StreamReduce)) and not getattr(module, "_is_hf_initialized", False):
+                self._init_weights(module)
+                module._is_hf_initialized = True
+        super().initialize_weights()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -482,9 +577,11 @@ def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) ->
         model: a ``*ForCausalLM`` of a supported architecture (see
             :mod:`mhc.adapters`), random or pretrained.
         n_streams: number of streams.
-        **mhc_options: any other :class:`MHCConfig` setting (``mode``, ``init``,
-            ``projection``, ``tol``, ``reduce``, ...).
+        **mhc_options: any other mHC setting of :class:`MHCConfig` (``mode``,
+            ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
+            raises ``TypeError`` naming the closest setting.
     """
+    reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f not in ("base_config", "n_streams")], "convert_to_mhc")
     if isinstance(model, MHCForCausalLM):
         raise ValueError("model is already an MHCForCausalLM")
     if not isinstance(model, PreTrainedModel):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .block import check_options
+
 __all__ = ["expand_streams", "reduce_streams", "StreamReduce"]
 
 
@@ -13,13 +15,12 @@ def expand_streams(h: Tensor, n: int) -> Tensor:
 
     Args:
         h: ``[..., C]`` any dtype.
-        n: number of streams, ``n >= 1``.
+        n: number of streams, an int ``>= 1``.
 
     Returns:
         ``[..., n, C]`` contiguous, same dtype and device as ``h``.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    n = check_options(n_streams=n)["n_streams"]
     if h.dim() < 1:
         raise ValueError("expand_streams needs a tensor with a hidden dimension [..., C]")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
@@ -34,16 +35,17 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
             weights; ``None`` takes the mean.
 
     Returns:
-        ``[..., C]`` in the dtype of ``x``. A weighted reduction accumulates in
-        float32 (or better) and casts back.
+        ``[..., C]`` in the dtype of ``x``. The sum accumulates in float32 (or
+        better; the weights are used in that precision too) and is cast back
+        once, so bf16 streams lose nothing to a bf16 running sum.
     """
     if x.dim() < 2:
         raise ValueError(f"reduce_streams expects [..., n, C], got shape {tuple(x.shape)}")
+    acc = torch.promote_types(x.dtype, torch.float32)
     if weights is None:
-        return x.mean(dim=-2)
+        return x.mean(dim=-2, dtype=acc).to(x.dtype)
     if weights.shape[-1] != x.shape[-2]:
         raise ValueError(f"weights have {weights.shape[-1]} entries for {x.shape[-2]} streams")
-    acc = torch.promote_types(x.dtype, torch.float32)
     return torch.einsum("...n,...nc->...c", weights.to(acc), x.to(acc)).to(x.dtype)
 
 
@@ -51,7 +53,7 @@ class StreamReduce(nn.Module):
     """Reduce ``n`` streams by the mean, or by learned weights initialised to the mean.
 
     Args:
-        n_streams: number of streams.
+        n_streams: number of streams, an int ``>= 1``.
         learned: learn one fp32 weight per stream (starts at ``1/n``).
 
     Shapes: ``[..., n, C] -> [..., C]``.
@@ -59,8 +61,17 @@ class StreamReduce(nn.Module):
 
     def __init__(self, n_streams: int, learned: bool = False):
         super().__init__()
-        self.n_streams = n_streams
-        self.weight = nn.Parameter(torch.full((n_streams,), 1.0 / n_streams)) if learned else None
+        if not isinstance(learned, bool):
+            raise TypeError(f"learned must be True or False, got {learned!r}")
+        self.n_streams = check_options(n_streams=n_streams)["n_streams"]
+        self.weight = nn.Parameter(torch.empty(self.n_streams)) if learned else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Learned weights back to the mean, ``1/n`` each (float32)."""
+        if self.weight is not None:
+            with torch.no_grad():
+                self.weight.fill_(1.0 / self.n_streams)
 
     def forward(self, x: Tensor) -> Tensor:
         return reduce_streams(x, self.weight)

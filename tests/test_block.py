@@ -92,7 +92,8 @@ def test_bf16_streams_match_fp32_to_bf16_tolerance():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-def test_branch_args_kwargs_and_tuple_outputs_pass_through():
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_branch_args_kwargs_and_tuple_outputs_pass_through(mode):
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -101,10 +102,20 @@ def test_branch_args_kwargs_and_tuple_outputs_pass_through():
         def forward(self, u, mask, *, scale=1.0):
             return self.proj(u) * scale * mask, "weights", 7
 
-    block = MHCBlock(Attention(), C, 4)
+    attention = Attention()
+    block = MHCBlock(attention, C, 4, mode=mode, init="paper")
     x = torch.randn(2, 4, C)
-    out, weights, seven = block(x, torch.ones(C), scale=0.5)
+    mask = (torch.arange(C) % 3 != 0).float()
+    out, weights, seven = block(x, mask, scale=0.5)
     assert out.shape == x.shape and weights == "weights" and seven == 7
+    # The values: x' = H_res x + H_post ⊗ F(H_pre x, mask, scale=0.5), with F's own mask and scale.
+    H_pre, H_post, H_res = block.coefficients(x)
+    u = torch.einsum("...n,...nc->...c", H_pre, x)
+    expected = H_res @ x + H_post.unsqueeze(-1) * (attention.proj(u) * 0.5 * mask).unsqueeze(-2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # scale=0 or an all-zero mask leaves only the residual mix, whatever the branch weights.
+    torch.testing.assert_close(block(x, mask, scale=0.0)[0], H_res @ x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block(x, torch.zeros(C))[0], H_res @ x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["mhc", "hc"])
@@ -118,12 +129,45 @@ def test_all_parameters_get_gradients(mode):
 
 @pytest.mark.parametrize("mode", ["mhc", "hc"])
 def test_block_gradcheck_float64(mode):
+    """Gradients with respect to the streams and every coefficient parameter."""
     branch = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
     block = MHCBlock(branch, 6, 3, mode=mode, init="paper", tol=1e-13).double()
+    names = ["phi", "alpha", "b_pre", "b_post", "b_res"]
+    assert sorted(names) == sorted(n for n, _ in block.named_parameters(recurse=False))
+    torch.manual_seed(0)
     with torch.no_grad():
         block.alpha.fill_(0.7)  # make the dynamic part matter
+        block.b_res.add_(0.3 * torch.randn(3, 3, dtype=torch.float64))
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(block, (x,), eps=1e-6, atol=1e-6)
+    params = [getattr(block, n).detach().clone().requires_grad_() for n in names]
+
+    def site(x, *values):
+        return torch.func.functional_call(block, dict(zip(names, values)), (x,))
+
+    assert torch.autograd.gradcheck(site, (x, *params), eps=1e-6, atol=1e-6, fast_mode=True)
+    # fast_mode checks random directions; the streams (few) get the full Jacobian as well.
+    assert torch.autograd.gradcheck(lambda x: site(x, *params), (x,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mode, projection", [("hc", "newton"), ("mhc", "sinkhorn"), ("mhc", "newton")]
+)
+def test_double_backward_fused_false(mode, projection):
+    """fused=False (the PyTorch path) supports create_graph=True: gradgradcheck in float64.
+
+    Newton's backward is the implicit-function gradient; it is double-differentiable
+    because mhc.projection writes it in differentiable torch ops.
+    """
+    torch.manual_seed(0)
+    branch = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
+    block = MHCBlock(branch, 6, 3, mode=mode, init="paper", projection=projection, tol=1e-13, fused=False).double()
+    with torch.no_grad():
+        block.alpha.fill_(0.7)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(block(x).square().sum(), x, create_graph=True)
+    gphi = torch.autograd.grad(gx.square().sum(), block.phi)[0]
+    assert gphi.abs().sum() > 0
+    assert torch.autograd.gradgradcheck(block, (x,), eps=1e-6, atol=1e-5)
 
 
 def _train_stack(blocks: nn.Sequential, steps: int = 5) -> torch.Tensor:
@@ -208,9 +252,12 @@ def test_recompute_matches_and_reruns_the_branch(mode):
     for block in (plain, again):
         calls.clear()
         xg = x.clone().requires_grad_()
-        block(xg).square().sum().backward()
-        grads.append((xg.grad, *[p.grad.clone() for p in block.parameters(recurse=False)]))
+        loss = block(xg).square().sum()
+        assert len(calls) == 1
+        loss.backward()
+        # recompute runs the branch once more, in backward; without it backward calls nothing
         assert len(calls) == (2 if block.recompute else 1)
+        grads.append((xg.grad, *[p.grad.clone() for p in block.parameters(recurse=False)]))
         lin.zero_grad()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

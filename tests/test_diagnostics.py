@@ -36,26 +36,30 @@ def test_composite_of_raw_tensors():
 
 
 def test_mhc_composite_stays_doubly_stochastic_over_many_layers():
-    seed = torch.seed()
+    seed = torch.seed()  # reseeds the global RNG: torch.manual_seed(seed) replays a failing run
     stack = random_stack("mhc", seed)
     x = expand_streams(torch.randn(8, C), N)
     h_res = collect_h_res(stack, x)
     assert len(h_res) == LAYERS and h_res[0].shape == (8, N, N)
     P = composite_mapping(h_res)
-    assert marginal_error(P).max().item() <= 1e-4
+    error = marginal_error(P).max().item()
+    assert error <= 1e-4, f"seed={seed}: marginal error {error}"
     gains = composite_gains(h_res)
-    for series in (gains.forward_gain, gains.backward_gain):
-        assert (series - 1).abs().max().item() <= 1e-4
-    assert gains.spectral_norm.max().item() <= 1 + 1e-4
+    for name, series in (("forward", gains.forward_gain), ("backward", gains.backward_gain)):
+        worst = (series - 1).abs().max().item()
+        assert worst <= 1e-4, f"seed={seed}: {name} gain off 1 by {worst}"
+    spectral = gains.spectral_norm.max().item()
+    assert spectral <= 1 + 1e-4, f"seed={seed}: spectral norm {spectral}"
 
 
 def test_hc_composite_drifts_far_from_one():
-    seed = torch.seed()
+    seed = torch.seed()  # reseeds the global RNG: torch.manual_seed(seed) replays a failing run
     x = expand_streams(torch.randn(8, C), N)
     hc = composite_gains(collect_h_res(random_stack("hc", seed), x))
     mhc = composite_gains(collect_h_res(random_stack("mhc", seed), x))
-    assert hc.forward_gain[-1] > 100 and hc.backward_gain[-1] > 100, (hc.forward_gain[-1], hc.backward_gain[-1])
-    assert hc.forward_gain[-1] > 100 * mhc.forward_gain[-1]
+    hc_fwd, hc_bwd, mhc_fwd = hc.forward_gain[-1].item(), hc.backward_gain[-1].item(), mhc.forward_gain[-1].item()
+    assert hc_fwd > 100 and hc_bwd > 100, f"seed={seed}: hc gains {hc_fwd}, {hc_bwd}"
+    assert hc_fwd > 100 * mhc_fwd, f"seed={seed}: hc {hc_fwd} vs mhc {mhc_fwd}"
 
 
 def test_bad_input_raises():

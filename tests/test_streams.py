@@ -23,6 +23,30 @@ def test_weighted_reduce_accumulates_in_fp32():
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_bf16_reduce_accumulates_in_fp32(weighted):
+    """Streams that cancel: a bf16 running sum (in either order), bf16 products or
+    bf16-rounded weights give a visibly wrong answer; in float32 every partial sum
+    here is exact, so the result is the float64 reference rounded once to bf16."""
+    n = 10
+    x = torch.ones(2, n, 4)
+    x[0, 0], x[0, -1] = 256.0, -256.0  # token 0 meets +256 first,
+    x[1, 0], x[1, -1] = -256.0, 256.0  # token 1 meets -256 first
+    w = torch.ones(n)
+    w[0] = 1 + 2**-10  # exact in float32, 1.0 in bf16 (and 256 * w[0] = 256.25 is 256 in bf16)
+    x = x.bfloat16()
+    if weighted:
+        out = reduce_streams(x, w)
+        ref = torch.einsum("n,...nc->...c", w.double(), x.double())
+        assert ref[0, 0].item() == 8.25 and ref[1, 0].item() == 7.75
+    else:
+        out = reduce_streams(x)
+        ref = x.double().mean(-2)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.to(torch.bfloat16)), (out[:, 0], ref[:, 0])
+    assert torch.equal(StreamReduce(n, learned=weighted)(x), reduce_streams(x, torch.full((n,), 1 / n) if weighted else None))
+
+
 def test_learned_reduce_starts_at_the_mean_and_learns():
     head = StreamReduce(4, learned=True)
     x = torch.randn(3, 4, 8)
@@ -36,6 +60,15 @@ def test_learned_reduce_starts_at_the_mean_and_learns():
 def test_bad_input_raises():
     with pytest.raises(ValueError):
         expand_streams(torch.randn(3, 8), 0)
+    for bad in (2.7, True, "4"):
+        with pytest.raises(TypeError, match="n_streams"):
+            expand_streams(torch.randn(3, 8), bad)
+        with pytest.raises(TypeError, match="n_streams"):
+            StreamReduce(bad)
+    with pytest.raises(ValueError, match="n_streams"):
+        StreamReduce(0)
+    with pytest.raises(TypeError, match="learned"):
+        StreamReduce(4, learned="yes")
     with pytest.raises(ValueError):
         reduce_streams(torch.randn(8))
     with pytest.raises(ValueError, match="streams"):
