@@ -59,7 +59,8 @@ def _copy_source_tree(dest: Path) -> Path:
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dest / rel)
     else:  # an unpacked sdist: no git, nothing built in it yet
-        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "__pycache__"))
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "__pycache__"))
     return dest
 
 
