@@ -28,7 +28,7 @@ static void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "mhc::birkhoff: ", name,
               " must have shape [B, n, n], got ", x.sizes());
   TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::birkhoff: CUDA kernels support n = 4 and 8, got n = ",
-              std::to_string(x.size(1)));  // integers via to_string: see csrc/site.cu
+              std::to_string(x.size(1)));  // integers via to_string: see site.cu
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "mhc::birkhoff: ", name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
 }

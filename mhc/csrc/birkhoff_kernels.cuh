@@ -1,6 +1,6 @@
 // Forward and backward kernels of the fused Birkhoff projection (design.md §2),
 // free of torch headers so that they can also be built into a standalone
-// benchmark (scripts/kernel_bench.cu). csrc/birkhoff.cu launches them.
+// benchmark (scripts/kernel_bench.cu). birkhoff.cu launches them.
 // One templated kernel per direction, over N in {4, 8} and the I/O dtype.
 //
 // Forward: one matrix per thread, all of it in registers, loaded and stored
