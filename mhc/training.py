@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
+import inspect
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -42,6 +45,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    atomic_write_bytes,
+    encode_tree,
+    find_latest_checkpoint,
+    load_checkpoint_state,
+    read_checkpoint_config,
+    save_checkpoint,
+    verify_checkpoint,
+    write_model_dir,
+)
+from .hf import MHCConfig
+from .run_dir import RunDirLock, RunDirLockedError, existing_outputs, remove_outputs, remove_stale_temporaries
 
 __all__ = [
     "TrainConfig",
@@ -60,14 +78,27 @@ __all__ = [
     "build_model",
     "lr_lambda",
     "train",
+    "resume_config",
+    "config_changes",
+    "check_resume_changes",
+    "RESUME_FIXED",
+    "RESUME_SESSION",
+    "RESUME_OVERRIDABLE",
+    "ConfigKeyError",
+    "RunDirLockedError",
+    "parse_device",
+    "resolve_device",
+    "load_tokenizer",
+    "save_hf_tokenizer",
     "find_latest_checkpoint",
+    "verify_checkpoint",
     "load_checkpoint_state",
+    "CHECKPOINT_FORMAT",
     "read_metrics",
 ]
 
 VARIANTS = ("residual", "hc", "mhc")
 TOKENIZERS = ("byte", "bpe", "gpt2")
-CKPT_FORMAT = 1
 
 
 # --------------------------------------------------------------------------------------
@@ -92,6 +123,7 @@ class TrainConfig:
     intermediate_size: int = 344
     seq_len: int = 128
     tie_embeddings: bool = False
+    attention_dropout: float = 0.0  # dropout on the attention probabilities while training
     mhc_options: dict = field(default_factory=dict)  # extra MHCConfig kwargs (projection, init, ...)
     # data
     data: str = "stdlib"  # "stdlib", "python" (stdlib + site-packages .py), or comma-separated files/folders
@@ -138,6 +170,7 @@ class TrainConfig:
     stop_at_step: int = 0  # simulate an interruption: stop after this step without a final checkpoint
 
     def validate(self) -> None:
+        """Check every key before anything is set up; raise ``ValueError`` naming the key."""
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.tokenizer not in TOKENIZERS:
@@ -146,15 +179,36 @@ class TrainConfig:
             raise ValueError(f"dist must be 'ddp' or 'fsdp', got {self.dist!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        parse_device(self.device)
         if self.max_steps <= 0 and self.tokens <= 0:
             raise ValueError("set max_steps or tokens (a token budget)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError("hidden_size must be a multiple of num_heads")
-        for name in ("batch_size", "grad_accum", "seq_len", "num_layers", "hidden_size"):
+        for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):  # NaN fails both
+                raise ValueError(f"{name} must be >= 0 (0: {_ZERO_MEANS[name]}), got {value}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps}")
+        for name in ("beta1", "beta2", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (self.spike_threshold > 0 and math.isfinite(self.spike_threshold)):
+            raise ValueError(f"spike_threshold must be a finite number > 0, got {self.spike_threshold}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
+            raise ValueError(f"bpe_vocab_size must be >= 258 (256 bytes, end-of-text, one merge), got {self.bpe_vocab_size}")
+        check_mhc_options(self.mhc_options)
 
     @property
     def streams(self) -> int:
@@ -165,19 +219,80 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-# Fields that must not change when a run is resumed: they change the model or the data order.
-_RESUME_FIXED = (
-    "seed variant n_streams hidden_size num_layers num_heads num_kv_heads intermediate_size seq_len "
-    "tie_embeddings mhc_options data data_extensions max_corpus_mb val_fraction split_chunk_chars "
-    "tokenizer bpe_vocab_size bpe_train_mb batch_size grad_accum"
+_AT_LEAST_ONE = (
+    "batch_size grad_accum seq_len num_layers hidden_size num_heads n_streams intermediate_size "
+    "split_chunk_chars log_interval eval_batches"
 ).split()
+_ZERO_MEANS = {
+    "num_kv_heads": "as many as num_heads",
+    "max_corpus_mb": "the whole corpus",
+    "bpe_train_mb": "the whole training split",
+    "max_steps": "derived from tokens",
+    "tokens": "max_steps decides",
+    "warmup_steps": "no warmup",
+    "weight_decay": "none",
+    "grad_clip": "no clipping",
+    "max_time_s": "no time limit",
+    "threads": "torch's default",
+    "eval_interval": "only the final evaluation",
+    "ckpt_interval": "only the final checkpoint",
+    "keep_checkpoints": "keep all",
+    "stop_at_step": "never",
+}
+_NON_NEGATIVE = tuple(_ZERO_MEANS)
+
+# How keys behave on --resume (the run's own settings come back from its checkpoint):
+# RESUME_FIXED keys shape the model, the data or its order, and can never change;
+# RESUME_SESSION keys only say where/how this process runs, and may change freely;
+# every other key may change only with resume_override (--resume-override).
+RESUME_FIXED = tuple(
+    (
+        "seed variant n_streams hidden_size num_layers num_heads num_kv_heads intermediate_size seq_len "
+        "tie_embeddings mhc_options data data_extensions max_corpus_mb val_fraction split_chunk_chars "
+        "tokenizer bpe_vocab_size bpe_train_mb tokenizer_path batch_size grad_accum"
+    ).split()
+)
+RESUME_SESSION = ("run_dir", "cache_dir", "threads", "progress", "plots", "stop_at_step")
+RESUME_OVERRIDABLE = tuple(k for k in _FIELDS if k not in RESUME_FIXED and k not in RESUME_SESSION)
+
+
+class ConfigKeyError(KeyError, ValueError):
+    """An unknown (e.g. misspelled) config key; the message suggests the closest known keys."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _unknown_key(name: str, known, what: str = "config key") -> ConfigKeyError:
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigKeyError(f"unknown {what} {name!r}{hint}")
+
+
+def check_mhc_options(options: dict) -> None:
+    """``mhc_options`` must be keyword arguments of ``MHCConfig`` that the trainer does not set itself."""
+    if not isinstance(options, dict):
+        raise TypeError(f"mhc_options must be a mapping, got {options!r}")
+    allowed = set(inspect.signature(MHCConfig.__init__).parameters) - {"self", "kwargs", "base_config", "n_streams", "mode"}
+    for key in options:
+        if key in ("n_streams", "mode", "base_config"):
+            raise ValueError(f"mhc_options.{key} is set by the trainer; use the top-level key instead")
+        if key not in allowed:
+            raise _unknown_key(str(key), allowed, "mhc_options key")
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``"auto" | "cpu" | "cuda" | "cuda:N"`` -> ``(kind, index)``; anything else raises ``ValueError``."""
+    m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", str(device).strip())
+    if not m or (m.group(2) is not None and m.group(1) != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Coerce a YAML or command-line value to the type of ``TrainConfig.<name>``."""
     if name not in _FIELDS:
-        close = [k for k in _FIELDS if k.startswith(name[:3])]
-        raise KeyError(f"unknown config key {name!r}" + (f" (did you mean one of {close}?)" if close else ""))
+        raise _unknown_key(name, _FIELDS)
     default = _FIELDS[name].default
     if _FIELDS[name].default_factory is not dataclasses.MISSING:  # dict
         if isinstance(value, str):
@@ -447,11 +562,60 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def to_tokenizers(self):
+        """The same tokenizer as a ``tokenizers.Tokenizer``: byte ``b`` is token ``b``, end-of-text is 256.
+
+        Bytes are spelled with GPT-2's byte-to-character table (:func:`byte_level_alphabet`) and
+        a BPE with no merges, so every byte is its own token.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = byte_level_alphabet()
+        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([EOS_TOKEN])
+        return tok
+
     def save(self, directory: str | os.PathLike) -> None:
+        """``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``) and ``tokenizer_mhc.json``."""
+        save_hf_tokenizer(self.to_tokenizers(), directory)
         Path(directory, "tokenizer_mhc.json").write_text(json.dumps({"type": "byte", "eos_id": self.eos_id}) + "\n")
 
     def fingerprint(self) -> str:
         return "byte"
+
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's map of the 256 byte values to printable characters (as ``tokenizers``' ByteLevel uses).
+
+    Printable Latin-1 bytes stand for themselves; the others take the characters from U+0100 on, in order.
+    """
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in own:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def save_hf_tokenizer(tok, directory: str | os.PathLike) -> None:
+    """Save a ``tokenizers.Tokenizer`` so that ``transformers.AutoTokenizer.from_pretrained(directory)`` loads it."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tok.to_str()),  # a copy: transformers may adjust its own
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+    )
+    fast.save_pretrained(str(directory))
 
 
 class HFTokenizer:
@@ -480,7 +644,8 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike) -> None:
-        self.tok.save(str(Path(directory, "tokenizer.json")))
+        """``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``) and ``tokenizer_mhc.json``."""
+        save_hf_tokenizer(self.tok, directory)
         Path(directory, "tokenizer_mhc.json").write_text(json.dumps({"type": self.kind, "eos_id": self.eos_id}) + "\n")
 
     def fingerprint(self) -> str:
@@ -542,16 +707,6 @@ def _cache_root(cfg: TrainConfig) -> Path:
     return Path(base) / "mhc"
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def build_tokenizer(cfg: TrainConfig, train_texts: Iterable[str] | None = None, corpus_id: str = "") -> ByteTokenizer | HFTokenizer:
     """The tokenizer that ``cfg`` names. A corpus BPE is cached under the cache dir."""
     if cfg.tokenizer == "byte":
@@ -570,7 +725,7 @@ def build_tokenizer(cfg: TrainConfig, train_texts: Iterable[str] | None = None, 
     if train_texts is None:
         raise ValueError("training a BPE needs the training texts")
     tok = train_bpe(train_texts, cfg.bpe_vocab_size)
-    _atomic_write_bytes(cache, tok.tok.to_str().encode())
+    atomic_write_bytes(cache, tok.tok.to_str().encode())
     return tok
 
 
@@ -687,7 +842,7 @@ def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer
 
             buf = io.BytesIO()
             np.save(buf, arrays[split])
-            _atomic_write_bytes(path, buf.getvalue())
+            atomic_write_bytes(path, buf.getvalue())
     data = PackedData(arrays["train"], arrays["val"], cfg.seq_len, cfg.seed, tok.vocab_size, tok.eos_id)
     if data.n_train_windows == 0:
         raise ValueError(f"the training split holds fewer than seq_len={cfg.seq_len} tokens")
@@ -738,6 +893,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None = None) ->
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         max_position_embeddings=cfg.seq_len,
         tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=cfg.attention_dropout,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=None,
@@ -807,24 +963,47 @@ class DistInfo:
         return self.world > 1
 
 
+def resolve_device(device: str, world: int = 1) -> torch.device | None:
+    """The ``torch.device`` that ``device`` names here (``None``: one CUDA device per rank, by LOCAL_RANK).
+
+    Raises:
+        ValueError: naming the device, when it is not valid or does not exist on this machine.
+    """
+    kind, index = parse_device(device)
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available here (torch {torch.__version__}); use device=cpu or auto")
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(f"device={device!r} does not exist: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if index is not None and world > 1:
+        raise ValueError(f"device={device!r}: under torchrun use device=cuda (every rank takes cuda:LOCAL_RANK)")
+    if world > 1:
+        return None
+    return torch.device("cuda", index if index is not None else torch.cuda.current_device())
+
+
 def _setup_distributed(cfg: TrainConfig) -> tuple[DistInfo, torch.device]:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = resolve_device(cfg.device, world)  # before anything else: a bad device stops at once
     info = DistInfo()
     if world > 1:
         info.rank, info.world = int(os.environ["RANK"]), world
         info.local_rank = int(os.environ.get("LOCAL_RANK", info.rank))
+        if device is None:
+            device = torch.device("cuda", info.local_rank)
         if not dist.is_initialized():
-            if want_cuda:
-                torch.cuda.set_device(info.local_rank)
-            dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
             info.initialized_here = True
-    if want_cuda:
-        device = torch.device("cuda", info.local_rank if world > 1 else torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
     return info, device
 
 
@@ -901,147 +1080,7 @@ def _apply_fsdp(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------------------
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, corrupt or does not match the run."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _dedup_shared(sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Drop tensors that alias an earlier one (tied weights): safetensors refuses shared storage."""
-    out, aliases, seen = {}, {}, {}
-    for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
-        if key is not None and key in seen:
-            aliases[k] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = k
-        out[k] = v.detach().contiguous()
-    return out, aliases
-
-
-def _write_model_dir(directory: Path, model_config, state_dict: dict[str, Tensor], tok) -> dict[str, str]:
-    """``config.json`` + ``model.safetensors`` (+ tokenizer files): a ``from_pretrained`` folder."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    model_config.save_pretrained(str(directory))
-    sd, aliases = _dedup_shared(state_dict)
-    save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    if tok is not None:
-        tok.save(directory)
-    return aliases
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def save_checkpoint(ckpt_root: Path, step: int, model_config, model_sd, trainer_state: dict, tok, keep: int) -> Path:
-    """Write ``ckpt_root/step_XXXXXXXX`` atomically: a temp folder, a manifest with hashes, then a rename.
-
-    ``ckpt_root/latest`` (also replaced atomically) names the newest complete checkpoint.
-    """
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
-    final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    aliases = _write_model_dir(tmp, model_config, model_sd, tok)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    files = {}
-    for p in sorted(tmp.iterdir()):
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-        files[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-    manifest = {"format": CKPT_FORMAT, "step": step, "files": files, "aliases": aliases}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): swap the old one out
-        trash = ckpt_root / f".old-{name}-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _atomic_write_bytes(ckpt_root / "latest", (name + "\n").encode())
-    _fsync_dir(ckpt_root)
-    if keep > 0:
-        steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``run_dir/checkpoints/latest`` names, or ``None`` when the run has none."""
-    root = Path(run_dir) / "checkpoints"
-    latest = root / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        path = root / name
-        if not path.is_dir():
-            raise CheckpointError(f"{latest} names {name}, which does not exist: the checkpoint folder was removed or never completed")
-        return path
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
-    return steps[-1] if steps else None
-
-
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check a checkpoint's manifest, file sizes and SHA-256 hashes; return the manifest.
-
-    Raises:
-        CheckpointError: naming what is missing or wrong.
-    """
-    path = Path(path)
-    mf = path / "manifest.json"
-    if not mf.is_file():
-        raise CheckpointError(f"checkpoint {path} is partial: it has no manifest.json (the write did not finish)")
-    try:
-        manifest = json.loads(mf.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable manifest.json ({e})") from e
-    for name, meta in files.items():
-        p = path / name
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint {path} is partial: {name} is missing")
-        if p.stat().st_size != meta["size"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: {name} has {p.stat().st_size} bytes, the manifest says {meta['size']}"
-            )
-        if _sha256(p) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in manifest.json")
-    return manifest
-
-
-def load_checkpoint_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict]:
-    """Verify and load a checkpoint: ``(model state dict, trainer state)``."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    manifest = verify_checkpoint(path)
-    try:
-        sd = load_file(str(path / "model.safetensors"))
-        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    except Exception as e:  # a file that matched its hash but does not parse: still a bad checkpoint
-        raise CheckpointError(f"checkpoint {path} could not be read: {e}") from e
-    for alias, target in manifest.get("aliases", {}).items():
-        sd[alias] = sd[target]
-    return sd, state
+# The checkpoint files themselves live in mhc.checkpoint_io (JSON + safetensors, no pickle).
 
 
 # --------------------------------------------------------------------------------------
@@ -1108,6 +1147,9 @@ def composite_gains_of(model: nn.Module, input_ids: Tensor) -> dict[str, list[fl
         h_res = collect_h_res(model, input_ids=input_ids, use_cache=False)
     except ValueError:  # no MHCBlock in the model
         return None
+    if not all(bool(torch.isfinite(h).all()) for h in h_res):  # a diverged run: report NaN gains, do not stop it
+        nan = [float("nan")] * len(h_res)
+        return {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
     return composite_gains(h_res).as_dict()
 
 
@@ -1116,17 +1158,30 @@ def composite_gains_of(model: nn.Module, input_ids: Tensor) -> dict[str, list[fl
 # --------------------------------------------------------------------------------------
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def rng_state(device: torch.device) -> dict:
+    """This process's torch, CUDA, Python and NumPy RNG states as tensors and JSON-able values."""
+    version, internal, gauss_next = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {"bit_generator": str(name), "key": [int(k) for k in key], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict, device: torch.device) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` captured."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["bit_generator"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -1190,9 +1245,58 @@ def _evaluate(model: nn.Module, windows: Tensor, cfg: TrainConfig, info: DistInf
     return total / max(count, 1)
 
 
-def _config_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
+def config_changes(saved: dict, cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Keys (outside :data:`RESUME_SESSION`) whose value in ``cfg`` differs from a run's saved config:
+    ``{key: (saved value, new value)}``."""
     now = cfg.to_dict()
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in _RESUME_FIXED if saved.get(k) != now[k]]
+    return {k: (saved.get(k), now[k]) for k in now if k not in RESUME_SESSION and saved.get(k, _FIELDS[k].default) != now[k]}
+
+
+def check_resume_changes(changes: dict[str, tuple[Any, Any]], where, resume_override: bool) -> None:
+    """Refuse resuming with changed settings: always for :data:`RESUME_FIXED` keys, otherwise without override.
+
+    Raises:
+        CheckpointError: listing every changed key with its saved and new value.
+    """
+    fixed = {k: v for k, v in changes.items() if k in RESUME_FIXED}
+    if fixed:
+        lines = "\n  ".join(f"{k}: run {a!r}, now {b!r}" for k, (a, b) in fixed.items())
+        raise CheckpointError(
+            f"cannot resume {where}: these settings shape the model, the data or its order and cannot change "
+            f"in a run, not even with --resume-override:\n  {lines}\nStart a new run (another --run-dir) instead."
+        )
+    if changes and not resume_override:
+        lines = "\n  ".join(f"{k}: run {a!r}, now {b!r}" for k, (a, b) in changes.items())
+        raise CheckpointError(
+            f"cannot resume {where}: the run was trained with other settings:\n  {lines}\n"
+            f"Resume without these flags to continue the run exactly as it was, or add --resume-override to apply "
+            f"them from here on (config.yaml records the change)."
+        )
+
+
+def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig | None:
+    """The settings a run was trained with, plus ``overrides``: what ``--resume`` trains with.
+
+    They come from the run's latest checkpoint or, for a run stopped before its first checkpoint,
+    from its ``config.yaml``; ``None`` when ``run_dir`` holds neither. ``run_dir`` is set to the
+    given folder (the run may have moved) and ``stop_at_step`` starts at 0 again (it simulates one
+    interruption). Whether the overrides may change the run is checked by :func:`train`.
+    """
+    run_dir = Path(run_dir)
+    ckpt = find_latest_checkpoint(run_dir)
+    if ckpt is not None:
+        saved = read_checkpoint_config(ckpt)
+    elif (run_dir / "config.yaml").is_file():
+        saved = _read_yaml(run_dir / "config.yaml")
+    else:
+        return None
+    unknown = [k for k in saved if k not in _FIELDS]
+    if unknown:
+        raise CheckpointError(f"the run in {run_dir} was saved with config keys this version does not know: {unknown}")
+    base = dataclasses.replace(apply_overrides(TrainConfig(), saved), run_dir=str(run_dir), stop_at_step=0)
+    cfg = apply_overrides(base, overrides)
+    cfg.validate()
+    return cfg
 
 
 def _log_fn(info: DistInfo):
@@ -1203,26 +1307,89 @@ def _log_fn(info: DistInfo):
     return log
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict:
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, resume_override: bool = False) -> dict:
     """Run (or resume) training as ``cfg`` says; return the summary (also written to ``summary.json``).
 
     Under ``torchrun`` with more than one process it trains with DDP
-    (``cfg.dist="ddp"``) or FSDP2 (``cfg.dist="fsdp"``). With ``resume`` it
-    continues from the run directory's latest checkpoint.
+    (``cfg.dist="ddp"``) or FSDP2 (``cfg.dist="fsdp"``).
+
+    The run directory is locked for the whole run (:class:`mhc.run_dir.RunDirLock`, rank 0):
+    a second process raises :class:`RunDirLockedError` at once, and under ``torchrun`` every
+    rank stops when rank 0 cannot set up the folder. A fresh run refuses a folder that already
+    holds any run output (``FileExistsError``); ``overwrite`` deletes those outputs first,
+    and nothing else in the folder is ever deleted.
+
+    With ``resume`` it continues from the run directory's latest checkpoint. ``cfg`` must then
+    be the run's own settings (:func:`resume_config` builds them): keys that differ from the
+    checkpoint's config raise :class:`CheckpointError` listing them, except the
+    :data:`RESUME_SESSION` keys; ``resume_override`` lets the other keys change (recorded in
+    ``config.yaml``), but :data:`RESUME_FIXED` keys can never change.
     """
     cfg.validate()
     info, device = _setup_distributed(cfg)
     log = _log_fn(info)
+    lock = RunDirLock(cfg.run_dir) if info.is_main else None
     try:
-        return _train(cfg, info, device, log, resume=resume, overwrite=overwrite)
+        failure = None
+        if info.is_main:
+            try:
+                lock.acquire()
+                _prepare_run_dir(Path(cfg.run_dir), resume=resume, overwrite=overwrite, log=log)
+            except Exception as e:  # handed to every rank below, so that none waits for rank 0
+                failure = e
+        if _broadcast_flag(failure is not None, info, device):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank 0 could not set up the run dir {cfg.run_dir} (see its error); rank {info.rank} stops too")
+        return _train(cfg, info, device, log, resume=resume, resume_override=resume_override)
     finally:
+        if lock is not None:
+            lock.release()
         if info.initialized_here:
             import torch.distributed as dist
 
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resume: bool, overwrite: bool) -> dict:
+# What a run stopped before its first checkpoint leaves; resuming it starts again from step 0 over them.
+_OWN_LEFTOVERS = ("checkpoints", "metrics.jsonl", "config.yaml")
+
+
+def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, log) -> None:
+    """Rank 0, holding the lock: refuse or clear what is in the way, drop stale temporaries."""
+    found = existing_outputs(run_dir)
+    if resume and find_latest_checkpoint(run_dir) is not None:
+        pass  # the folder is that run's: its outputs are replaced as it goes
+    elif resume:
+        foreign = [n for n in found if n not in _OWN_LEFTOVERS]
+        if foreign:
+            raise FileExistsError(
+                f"--resume: {run_dir} holds no checkpoint, but it holds {', '.join(foreign)}, which a run without a "
+                f"checkpoint cannot have written. Move them away, pick another --run-dir, or start over with --overwrite."
+            )
+    elif found and not overwrite:
+        raise FileExistsError(
+            f"{run_dir} already holds {', '.join(found)} (a run, or files in the way of one). Pass --resume to continue "
+            f"that run, --overwrite to delete these and start over, or --run-dir to pick another folder."
+        )
+    elif found:
+        remove_outputs(run_dir)
+        log(f"--overwrite: removed {', '.join(found)} from {run_dir}")
+    remove_stale_temporaries(run_dir)
+
+
+def _config_yaml(cfg: TrainConfig, overrides: list[dict]) -> str:
+    """``config.yaml``: the settings the run trains with, and a comment line per --resume-override."""
+    notes = "".join(
+        f"# --resume-override at step {o['step']}: "
+        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in o["changes"].items())
+        + "\n"
+        for o in overrides
+    )
+    return notes + _to_yaml(cfg.to_dict())
+
+
+def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resume: bool, resume_override: bool) -> dict:
     run_dir = Path(cfg.run_dir)
     ckpt_root = run_dir / "checkpoints"
     if cfg.threads > 0:
@@ -1230,24 +1397,24 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
 
     # ---- where do we start? ----
     ckpt_path = find_latest_checkpoint(run_dir) if resume else None
+    model_sd_loaded, state, override_log = None, None, []
     if resume and ckpt_path is None:
         log(f"--resume: {run_dir} holds no checkpoint yet; starting from step 0")
-    if not resume and info.is_main and (ckpt_root.exists() or (run_dir / "metrics.jsonl").exists()):
-        if not overwrite:
-            raise FileExistsError(
-                f"{run_dir} already holds a run. Pass --resume to continue it, --overwrite to start over, "
-                f"or --run-dir to pick another folder."
+    if ckpt_path is not None:  # before the data: a refused resume stops at once
+        model_sd_loaded, state = load_checkpoint_state(ckpt_path)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"checkpoint {ckpt_path}: trainer state of format {state.get('format')!r}")
+        changes = config_changes(state["config"], cfg)
+        check_resume_changes(changes, f"from {ckpt_path}", resume_override)
+        if state.get("world") != info.world:
+            raise CheckpointError(
+                f"cannot resume from {ckpt_path}: the run used {state.get('world')} process(es), now {info.world} "
+                f"(the data position depends on it)"
             )
-        for sub in ("checkpoints", "model", "metrics.jsonl", "summary.json"):
-            p = run_dir / sub
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    _barrier(info)
-    if info.is_main and ckpt_root.is_dir():
-        for stale in ckpt_root.glob(".tmp-*"):  # partial writes of an interrupted run
-            shutil.rmtree(stale, ignore_errors=True)
+        override_log = list(state.get("overrides", []))
+        if changes:
+            override_log.append({"step": state["step"], "changes": {k: list(v) for k, v in changes.items()}})
+            log(f"--resume-override: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}")
 
     _seed_all(cfg.seed)
     if info.enabled and not info.is_main:
@@ -1269,15 +1436,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     n_params = count_parameters(model)
     model.to(device)
     model_config = model.config
-
-    model_sd_loaded, state = None, None
-    if ckpt_path is not None:
-        model_sd_loaded, state = load_checkpoint_state(ckpt_path)
-        problems = _config_mismatch(state["config"], cfg)
-        if state.get("world") != info.world:
-            problems.append(f"world size: checkpoint {state.get('world')}, now {info.world}")
-        if problems:
-            raise CheckpointError(f"cannot resume from {ckpt_path}: the run's settings changed:\n  " + "\n  ".join(problems))
+    if model_sd_loaded is not None:
         missing, unexpected = model.load_state_dict(model_sd_loaded, strict=False)
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {ckpt_path} does not fit the model: missing {missing}, unexpected {unexpected}")
@@ -1321,8 +1480,16 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         elapsed_before = state.get("elapsed_s", 0.0)
         max_grad_norm = state.get("max_grad_norm", 0.0)
         skipped = state.get("skipped_steps", 0)
-        max_steps = state.get("max_steps", max_steps)
-        _set_rng_state(state["rng"][info.rank], device)
+        # The run's settings (overridden ones included) over the hyperparameters the optimizer state carries.
+        for group in optimizer.param_groups:
+            group["betas"], group["eps"], group["initial_lr"] = (cfg.beta1, cfg.beta2), cfg.eps, cfg.lr
+        optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # the decayed group (_param_groups)
+        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+        lrs = [base * lr_lambda(scheduler.last_epoch, cfg.warmup_steps, max_steps, cfg.min_lr_ratio) for base in scheduler.base_lrs]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+        set_rng_state(state["rng"][info.rank], device)
         log(f"resumed from {ckpt_path} at step {start_step}")
 
     metrics = _Metrics(
@@ -1333,7 +1500,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
     )
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(_to_yaml(cfg.to_dict()))
+        atomic_write_bytes(run_dir / "config.yaml", _config_yaml(cfg, override_log).encode())
     log(
         f"model: {cfg.variant} (n_streams={cfg.streams}), {cfg.num_layers} layers x {cfg.hidden_size}, "
         f"{n_params / 1e6:.2f}M parameters; {info.world} process(es) on {device.type}"
@@ -1348,7 +1515,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
 
     def trainer_state(step: int, elapsed: float) -> dict:
         rngs = [None] * info.world
-        mine = _rng_state(device)
+        mine = rng_state(device)
         if info.enabled:
             import torch.distributed as dist
 
@@ -1357,7 +1524,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             rngs = [mine]
         opt_sd = _full_state(optimizer.state_dict())
         return {
-            "format": CKPT_FORMAT,
+            "format": CHECKPOINT_FORMAT,
             "step": step,
             "max_steps": max_steps,
             "tokens_seen": step * world_tokens_per_step,
@@ -1371,6 +1538,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             "max_grad_norm": max_grad_norm,
             "skipped_steps": skipped,
             "config": cfg.to_dict(),
+            "overrides": override_log,
         }
 
     def model_state() -> dict[str, Tensor]:
@@ -1440,16 +1608,23 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-        if math.isfinite(gnorm):
+        # Every rank sees the same (all-reduced) loss and gradient norm, so all skip or step together.
+        loss_val = _all_reduce_mean([float(loss_sum) / cfg.grad_accum], info, device)[0]
+        finite = math.isfinite(gnorm) and math.isfinite(loss_val)
+        if finite:
             optimizer.step()
-        else:
+            max_grad_norm = max(max_grad_norm, gnorm)
+        else:  # a NaN/Inf loss or gradient anywhere: no update from this batch
             skipped += 1
+            if skipped == 1:
+                bar.write(
+                    f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss_val) else 'gradient'}; the update is "
+                    f"skipped (every skipped step is in metrics.jsonl, the count in summary.json)",
+                    file=sys.stderr,
+                )
         lr_now = optimizer.param_groups[0]["lr"]
         scheduler.step()
         step += 1
-        loss_val = _all_reduce_mean([float(loss_sum) / cfg.grad_accum], info, device)[0]
-        if math.isfinite(gnorm):
-            max_grad_norm = max(max_grad_norm, gnorm)
         is_spike = spikes.update(step, loss_val)
         now = time.perf_counter()
         if step - start_step == 3:  # throughput excludes warm-up steps
@@ -1458,7 +1633,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             tokens_timer_steps += 1
         elapsed = elapsed_before + now - t0
         bar.update(1)
-        if step % cfg.log_interval == 0 or step == max_steps or is_spike or step == 1:
+        if step % cfg.log_interval == 0 or step == max_steps or is_spike or step == 1 or not finite:
             rec = {
                 "kind": "train",
                 "step": step,
@@ -1467,6 +1642,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
                 "lr": lr_now,
                 "grad_norm": gnorm,
                 "spike": is_spike,
+                "skipped": not finite,
                 "time_s": round(elapsed, 3),
             }
             metrics.write(rec)
@@ -1520,7 +1696,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
             "time_s": round(elapsed, 3),
         }
     )
-    checkpoint(step, elapsed)
+    if state is None or step > start_step:  # a finished run resumed again keeps its final checkpoint as it is
+        checkpoint(step, elapsed)
     sd = model_state()
     summary = {
         "variant": cfg.variant,
@@ -1559,11 +1736,15 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, log, *, resum
         tmp = run_dir / f".tmp-model-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        _write_model_dir(tmp, model_config, sd, tok)
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        os.replace(tmp, model_dir)
-        _atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
+        write_model_dir(tmp, model_config, sd, tok)
+        if model_dir.exists():  # this run's own (checked at the start): swap it out, then drop it
+            old = run_dir / f".old-model-{os.getpid()}"
+            os.replace(model_dir, old)
+            os.replace(tmp, model_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, model_dir)
+        atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
         if cfg.plots:
             plot_run(run_dir)
     metrics.close()

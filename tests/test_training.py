@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ import torch
 
 from mhc import training as T
 from mhc.plotting import Figure, write_png
+from mhc.checkpoint_io import list_checkpoints
+from mhc.run_dir import RunDirLock
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(
@@ -169,12 +172,42 @@ def test_bpe_and_gpt2_files_roundtrip(tmp_path):
 # ----------------------------------------------------------------------------- training, resume, checkpoints
 
 
+# Attention dropout makes the run draw random numbers at every step, so a resume that did not
+# restore the RNG state would train on other dropout masks and its losses would differ.
+RNG = {"attention_dropout": 0.1}
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full")
-    cfg = tiny_cfg(tmp, "full")
+    cfg = tiny_cfg(tmp, "full", **RNG)
     summary = T.train(cfg)
     return cfg, summary
+
+
+def _config_yaml_without_run_dir(run_dir) -> dict:
+    import yaml
+
+    d = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    d.pop("run_dir")
+    return d
+
+
+def _evals(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in T.read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "eval"]
+
+
+def _assert_same_run(run_dir, ref_run_dir) -> None:
+    """Same losses at every step, same evaluations, same final loss and config.yaml as the reference run."""
+    full, resumed = _losses(ref_run_dir), _losses(run_dir)
+    assert sorted(resumed) == sorted(full), (sorted(resumed), sorted(full))
+    for step in full:
+        assert resumed[step] == full[step], (step, resumed[step], full[step])
+    assert _evals(run_dir) == _evals(ref_run_dir)
+    s_ref = json.loads((Path(ref_run_dir) / "summary.json").read_text())
+    s_new = json.loads((Path(run_dir) / "summary.json").read_text())
+    assert s_new["final_val_loss"] == s_ref["final_val_loss"] and s_new["steps"] == s_ref["steps"]
+    assert _config_yaml_without_run_dir(run_dir) == _config_yaml_without_run_dir(ref_run_dir)
 
 
 def test_run_dir_contents_and_from_pretrained(full_run):
@@ -192,7 +225,7 @@ def test_run_dir_contents_and_from_pretrained(full_run):
 
     model = AutoModelForCausalLM.from_pretrained(rd / "model")
     ids = torch.randint(0, 257, (1, 16))
-    ref = T.build_model(cfg, 257, 256)
+    ref = T.build_model(cfg, 257, 256).eval()  # eval: no dropout
     from safetensors.torch import load_file
 
     ref.load_state_dict(load_file(str(rd / "model" / "model.safetensors")), strict=False)
@@ -201,23 +234,35 @@ def test_run_dir_contents_and_from_pretrained(full_run):
 
 def test_resume_reproduces_uninterrupted_losses(tmp_path, full_run):
     cfg_full, summary_full = full_run
-    cfg = tiny_cfg(tmp_path, "resumed", stop_at_step=5)
+    cfg = tiny_cfg(tmp_path, "resumed", stop_at_step=5, cache_dir=cfg_full.cache_dir, **RNG)
     out = T.train(cfg)
     assert out == {"interrupted": True, "step": 5}
     assert T.find_latest_checkpoint(cfg.run_dir).name == "step_00000003"  # steps 4-5 are lost, as in a crash
     cfg.stop_at_step = 0
     summary = T.train(cfg, resume=True)
-    full, resumed = _losses(cfg_full.run_dir), _losses(cfg.run_dir)
-    assert sorted(resumed) == sorted(full) == list(range(1, 9))
-    for step in full:
-        assert resumed[step] == full[step], (step, resumed[step], full[step])
+    _assert_same_run(cfg.run_dir, cfg_full.run_dir)
     assert summary["final_val_loss"] == summary_full["final_val_loss"]
-    evals = lambda rd: [(r["step"], r["val_loss"]) for r in T.read_metrics(Path(rd) / "metrics.jsonl") if r["kind"] == "eval"]
-    assert evals(cfg.run_dir) == evals(cfg_full.run_dir)
     # a finished run resumes to the end at once
     again = T.train(cfg, resume=True)
     assert again["steps"] == 8 and again["final_val_loss"] == summary["final_val_loss"]
-    assert evals(cfg.run_dir) == evals(cfg_full.run_dir)  # no duplicated records
+    assert _evals(cfg.run_dir) == _evals(cfg_full.run_dir)  # no duplicated records
+
+
+def test_bare_resume_cli_continues_the_run_exactly(tmp_path, full_run):
+    """README's `python scripts/train_lm.py --resume`, with no other flag: the run's own settings come back."""
+    cfg_full, _ = full_run
+    # The run lives where the default config puts it (runs/tiny_cpu_mhc under the working directory),
+    # but trains with settings that differ from that YAML in almost every key.
+    rd = tmp_path / "runs" / "tiny_cpu_mhc"
+    cfg = dataclasses.replace(cfg_full, run_dir=str(rd), stop_at_step=5)
+    assert T.train(cfg) == {"interrupted": True, "step": 5}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--resume"],
+        capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
+    _assert_same_run(rd, cfg_full.run_dir)
 
 
 def test_resume_refuses_changed_settings(tmp_path):
@@ -226,6 +271,10 @@ def test_resume_refuses_changed_settings(tmp_path):
     cfg2 = tiny_cfg(tmp_path, "changed", max_steps=4, hidden_size=64, num_heads=2)
     with pytest.raises(T.CheckpointError, match="hidden_size"):
         T.train(cfg2, resume=True)
+    with pytest.raises(T.CheckpointError, match="not even with --resume-override"):
+        T.train(cfg2, resume=True, resume_override=True)
+    with pytest.raises(T.CheckpointError, match=r"lr: run 0\.003, now 0\.001"):
+        T.train(tiny_cfg(tmp_path, "changed", max_steps=4, lr=1e-3), resume=True)
     with pytest.raises(FileExistsError, match="--resume"):
         T.train(tiny_cfg(tmp_path, "changed", max_steps=4))
 
@@ -248,9 +297,9 @@ def test_corrupt_or_partial_checkpoint_gives_clear_error(tmp_path, full_run):
         T.train(tiny_cfg(tmp_path, "corrupt"), resume=True)
     # truncated trainer state
     rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "trunc")
-    ts = T.find_latest_checkpoint(rd) / "trainer_state.pt"
+    ts = T.find_latest_checkpoint(rd) / "trainer_state.json"
     ts.write_bytes(ts.read_bytes()[:100])
-    with pytest.raises(T.CheckpointError, match="trainer_state.pt has 100 bytes"):
+    with pytest.raises(T.CheckpointError, match="trainer_state.json has 100 bytes"):
         T.verify_checkpoint(T.find_latest_checkpoint(rd))
     # a partial write (no manifest)
     rd = _copy_run(Path(cfg_full.run_dir), tmp_path / "partial")
@@ -279,6 +328,116 @@ def test_atomic_checkpoint_leaves_no_partial_folder(tmp_path, full_run):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006", "step_00000008"]  # keep_checkpoints=2
     for p in root.glob("step_*"):
         T.verify_checkpoint(p)
+
+
+# ----------------------------------------------------------------------------- killed writes, concurrent runs
+#
+# The CLI runs in processes forked from one forkserver that has imported mhc.training once, so
+# each run costs its training time, not a fresh interpreter's imports. The forkserver never runs
+# torch ops itself, so its children start without OpenMP threads (fork-safe).
+
+
+def _cli_child(argv: list[str], env: dict, log_path: str) -> None:
+    """Run `scripts/train_lm.py ARGV` (its main()) in this child, with extra environment variables."""
+    import importlib.util
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    spec = importlib.util.spec_from_file_location("train_lm_cli", REPO / "scripts" / "train_lm.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    code = cli.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+@pytest.fixture(scope="module")
+def cli_procs():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["mhc.training", "mhc.checkpoint_io"])
+    return ctx
+
+
+def _start_cli(ctx, argv, log_path: Path, **env):
+    proc = ctx.Process(target=_cli_child, args=([str(a) for a in argv], {k: str(v) for k, v in env.items()}, str(log_path)))
+    proc.start()
+    return proc
+
+
+def _run_cli(ctx, argv, log_path: Path, timeout: float = 300, **env) -> int:
+    proc = _start_cli(ctx, argv, log_path, **env)
+    proc.join(timeout)
+    assert proc.exitcode is not None, f"timed out: {log_path.read_text()[-3000:]}"
+    return proc.exitcode
+
+
+def test_checkpoint_write_killed_at_any_point_resumes_exactly(tmp_path, full_run, cli_procs):
+    """SIGKILL inside save_checkpoint (mid-file, before the rename, before `latest`, mid-prune); each time a bare
+    --resume goes on, and the run ends with the losses, evaluations and config of the uninterrupted run."""
+    cfg_full, _ = full_run
+    rd = tmp_path / "killed"
+    ck = rd / "checkpoints"
+    settings = {**TINY, **RNG, "cache_dir": cfg_full.cache_dir}
+    fresh = ["--run-dir", rd, *_sets(**settings)]
+    resume = ["--resume", "--run-dir", rd]
+    complete = lambda: [p.name for _, p in list_checkpoints(ck)]  # noqa: E731
+    # (argv, kill point, what must hold after the kill); checkpoints are written at steps 3, 6 and 8
+    plan = [
+        (fresh, "3:file:2", lambda: complete() == [] and not (ck / "latest").exists()),
+        (resume, "3:rename", lambda: complete() == ["step_00000003"] and not (ck / "latest").exists()),
+        (resume, "6:manifest", lambda: complete() == ["step_00000003"]),
+        (resume, "6:latest", lambda: complete() == ["step_00000003", "step_00000006"]),
+        (resume, "8:prune", lambda: complete() == ["step_00000006", "step_00000008"] and not (rd / "model").exists()),
+    ]
+    for i, (argv, point, check) in enumerate(plan):
+        log = tmp_path / f"run{i}.log"
+        code = _run_cli(cli_procs, argv, log, **{"MHC_CHECKPOINT_KILL_AT": point})
+        assert code == -9, (point, code, log.read_text()[-3000:])
+        assert check(), (point, sorted(p.name for p in ck.iterdir()))
+        latest = T.find_latest_checkpoint(rd)
+        if latest is not None:
+            T.verify_checkpoint(latest)
+    code = _run_cli(cli_procs, resume, tmp_path / "final.log")
+    assert code == 0, (tmp_path / "final.log").read_text()[-3000:]
+    _assert_same_run(rd, cfg_full.run_dir)
+    assert complete() == ["step_00000006", "step_00000008"] and T.find_latest_checkpoint(rd).name == "step_00000008"
+    leftovers = [p.name for p in list(rd.iterdir()) + list(ck.iterdir()) if ".tmp-" in p.name or ".old-" in p.name]
+    assert leftovers == []
+
+
+def test_two_runs_on_one_run_dir_cannot_both_proceed(tmp_path, cli_procs):
+    """While one process trains in a run dir, a second one (fresh or --resume) stops at once with a clear error."""
+    import time
+
+    rd = tmp_path / "busy"
+    settings = {**TINY, "max_steps": 100000, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"}
+    first = _start_cli(cli_procs, ["--run-dir", rd, *_sets(**settings)], tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not _losses(rd):  # wait until the first run is training
+            assert first.is_alive() and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        for extra in ([], ["--resume"]):
+            t0 = time.monotonic()
+            code = _run_cli(cli_procs, ["--run-dir", rd, *extra, *_sets(**settings)], tmp_path / "second.log")
+            took = time.monotonic() - t0
+            err = (tmp_path / "second.log").read_text()
+            assert code == 2 and "is in use: another training process holds" in err, err[-3000:]
+            assert took < 30, took  # no waiting for the lock, no data loading
+        assert first.is_alive()
+        with pytest.raises(T.RunDirLockedError, match="in use"):
+            T.train(tiny_cfg(tmp_path, "busy"), overwrite=True)
+        assert _losses(rd)  # nothing of the first run was removed
+    finally:
+        first.kill()
+        first.join(30)
+    with RunDirLock(rd):  # the operating system released the killed run's lock
+        pass
 
 
 # ----------------------------------------------------------------------------- scripts, DDP
