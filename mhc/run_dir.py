@@ -16,6 +16,7 @@ __all__ = [
     "RUN_OUTPUTS",
     "LOCK_NAME",
     "RunDirLockedError",
+    "RunDirSetupError",
     "RunDirLock",
     "existing_outputs",
     "remove_outputs",
@@ -28,6 +29,10 @@ LOCK_NAME = ".lock"
 
 class RunDirLockedError(RuntimeError):
     """Another process is training in this run directory."""
+
+
+class RunDirSetupError(RuntimeError):
+    """Raised on the other ranks of a ``torchrun`` job when rank 0 could not set up the run directory."""
 
 
 class RunDirLock:

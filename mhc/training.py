@@ -14,8 +14,11 @@ need, so that the scripts stay thin:
 * the model, built as ``MHCForCausalLM(MHCConfig(base_config=LlamaConfig(...)))``;
 * the loop: AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast
   on GPU, DDP or FSDP2 under ``torchrun``;
-* atomic, verified checkpoints (safetensors + HF config + trainer state), and
-  exact resumption (data position, optimizer, scheduler and RNG restored);
+* atomic, verified checkpoints (:mod:`mhc.checkpoint_io`: safetensors + HF config +
+  a JSON/safetensors trainer state, never a pickle), and exact resumption with the
+  run's own saved settings (data position, optimizer, scheduler and RNG restored;
+  changed settings refused unless overridden, see :func:`train`);
+* a locked run directory that keeps files the run did not write (:mod:`mhc.run_dir`);
 * metrics (JSONL), the composite-mapping gains from :mod:`mhc.diagnostics`,
   and PNG plots (:mod:`mhc.plotting`, no matplotlib needed).
 """
@@ -50,7 +53,6 @@ from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     atomic_write_bytes,
-    encode_tree,
     find_latest_checkpoint,
     load_checkpoint_state,
     read_checkpoint_config,
@@ -59,7 +61,14 @@ from .checkpoint_io import (
     write_model_dir,
 )
 from .hf import MHCConfig
-from .run_dir import RunDirLock, RunDirLockedError, existing_outputs, remove_outputs, remove_stale_temporaries
+from .run_dir import (
+    RunDirLock,
+    RunDirLockedError,
+    RunDirSetupError,
+    existing_outputs,
+    remove_outputs,
+    remove_stale_temporaries,
+)
 
 __all__ = [
     "TrainConfig",
@@ -86,6 +95,7 @@ __all__ = [
     "RESUME_OVERRIDABLE",
     "ConfigKeyError",
     "RunDirLockedError",
+    "RunDirSetupError",
     "parse_device",
     "resolve_device",
     "load_tokenizer",
@@ -1027,6 +1037,17 @@ def _broadcast_flag(flag: bool, info: DistInfo, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def _broadcast_text(text: str, info: DistInfo) -> str:
+    """Rank 0's ``text`` on every rank (a collective: all ranks call it)."""
+    if not info.enabled:
+        return text
+    import torch.distributed as dist
+
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def _barrier(info: DistInfo) -> None:
     if info.enabled:
         import torch.distributed as dist
@@ -1248,8 +1269,12 @@ def _evaluate(model: nn.Module, windows: Tensor, cfg: TrainConfig, info: DistInf
 def config_changes(saved: dict, cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """Keys (outside :data:`RESUME_SESSION`) whose value in ``cfg`` differs from a run's saved config:
     ``{key: (saved value, new value)}``."""
-    now = cfg.to_dict()
-    return {k: (saved.get(k), now[k]) for k in now if k not in RESUME_SESSION and saved.get(k, _FIELDS[k].default) != now[k]}
+    now, defaults = cfg.to_dict(), TrainConfig().to_dict()
+    return {
+        k: (saved.get(k, defaults[k]), now[k])
+        for k in now
+        if k not in RESUME_SESSION and saved.get(k, defaults[k]) != now[k]
+    }
 
 
 def check_resume_changes(changes: dict[str, tuple[Any, Any]], where, resume_override: bool) -> None:
@@ -1339,8 +1364,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                 failure = e
         if _broadcast_flag(failure is not None, info, device):
             if failure is not None:
+                _broadcast_text(f"{type(failure).__name__}: {failure}", info)
                 raise failure
-            raise RuntimeError(f"rank 0 could not set up the run dir {cfg.run_dir} (see its error); rank {info.rank} stops too")
+            reason = _broadcast_text("", info)
+            raise RunDirSetupError(f"rank 0 could not set up the run dir {cfg.run_dir} ({reason}); rank {info.rank} stops too")
         return _train(cfg, info, device, log, resume=resume, resume_override=resume_override)
     finally:
         if lock is not None:

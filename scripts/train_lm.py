@@ -42,6 +42,7 @@ from mhc.training import (  # noqa: E402
     RESUME_FIXED,
     CheckpointError,
     RunDirLockedError,
+    RunDirSetupError,
     TrainConfig,
     load_config,
     resolve_device,
@@ -95,8 +96,9 @@ def build_config(args) -> TrainConfig:
     overrides = _overrides(args)
     if not args.resume:
         return load_config(args.config, overrides)
-    named = load_config(args.config, [o for o in overrides if o.split("=", 1)[0].strip().replace("-", "_") == "run_dir"])
-    saved = resume_config(named.run_dir, overrides)
+    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip().replace("-", "_") == "run_dir"]
+    run_dir = given[-1] if given else load_config(args.config).run_dir  # the YAML only names the run
+    saved = resume_config(run_dir, overrides)
     if saved is None:  # nothing saved yet: train() says so and starts from step 0
         return load_config(args.config, overrides)
     return saved
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         return 2
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite, resume_override=args.resume_override)
-    except (CheckpointError, FileExistsError, RunDirLockedError) as e:
+    except (CheckpointError, FileExistsError, RunDirLockedError, RunDirSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

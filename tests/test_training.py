@@ -232,6 +232,20 @@ def test_run_dir_contents_and_from_pretrained(full_run):
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
+def test_saved_model_generates_with_a_transformers_pipeline(full_run):
+    """`pipeline("text-generation", model=<run>/model)`: the model and its tokenizer load with the Auto classes."""
+    from transformers import pipeline
+
+    import mhc  # noqa: F401  (registers the mHC model with the Auto classes)
+
+    cfg, _ = full_run
+    generate = pipeline("text-generation", model=str(Path(cfg.run_dir) / "model"), device="cpu")
+    out = generate("def main(", max_new_tokens=6, do_sample=False)
+    text = out[0]["generated_text"]
+    assert text.startswith("def main(") and len(text) > len("def main("), out
+    assert generate.tokenizer("def")["input_ids"] == T.ByteTokenizer().encode("def")
+
+
 def test_resume_reproduces_uninterrupted_losses(tmp_path, full_run):
     cfg_full, summary_full = full_run
     cfg = tiny_cfg(tmp_path, "resumed", stop_at_step=5, cache_dir=cfg_full.cache_dir, **RNG)
@@ -486,6 +500,19 @@ def test_ddp_gloo_two_ranks_matches_one_process(tmp_path):
     for s in l_one:
         assert l_ddp[s] == pytest.approx(l_one[s], rel=1e-4, abs=1e-4), (s, l_ddp[s], l_one[s])
     assert summary["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-4)
+
+
+def test_torchrun_every_rank_stops_when_rank_0_cannot_lock_the_run_dir(tmp_path):
+    rd = tmp_path / "locked"
+    with RunDirLock(rd):  # someone else trains here
+        proc = _torchrun(tmp_path, 2, rd, {"batch_size": 2, "device": "cpu"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    # rank 0 reports the lock in one line (no traceback). Rank 1 stops as well (it reports rank 0's error,
+    # unless torchrun has already ended it because rank 0 exited), rather than waiting in a collective.
+    assert "error: " + f"{rd} is in use: another training process holds" in out, out[-3000:]
+    assert "mhc/training.py" not in out and "exitcode  : 2" in out, out[-3000:]
+    assert not (rd / "metrics.jsonl").exists()
 
 
 def test_fsdp2_gloo_two_ranks_resumes(tmp_path):

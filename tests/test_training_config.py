@@ -1,0 +1,78 @@
+"""Training options are checked before any setup: devices that are not there, zero counts, misspelled keys."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhc import training as T
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = dict(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
+    max_corpus_mb=0.3, max_steps=2, warmup_steps=1, eval_interval=0, eval_batches=1, ckpt_interval=0,
+    progress=False, plots=False, threads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def cli():
+    spec = importlib.util.spec_from_file_location("train_lm_cli_config", REPO / "scripts" / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sets(**kw) -> list[str]:
+    return sum((["--set", f"{k}={v}"] for k, v in kw.items()), [])
+
+
+def test_a_device_that_is_not_there_stops_at_once(tmp_path, cli, capsys):
+    for bad in ("gpu", "cuda:x", "cpu:0", "mps", "cuda:-1"):
+        with pytest.raises(ValueError, match=f"device must be auto, cpu, cuda or cuda:N, got '{bad}'"):
+            T.TrainConfig(**TINY, device=bad).validate()
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last device: never there
+    with pytest.raises(ValueError, match=f"device='{missing}'"):
+        T.train(T.TrainConfig(**TINY, device=missing, run_dir=str(tmp_path / "missing")))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+            T.train(T.TrainConfig(**TINY, device="cuda", run_dir=str(tmp_path / "cuda")))
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "cuda").exists()  # stopped before any setup
+    for flag in ("gpu", missing):
+        code = cli.main(["--run-dir", str(tmp_path / "cli"), "--device", flag, *_sets(**TINY)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"'{flag}'" in err and "error: device" in err, err
+    assert not (tmp_path / "cli").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("log_interval", 0), ("eval_batches", 0), ("log_interval", -1), ("eval_interval", -5), ("ckpt_interval", -1),
+     ("keep_checkpoints", -1), ("max_steps", -3), ("warmup_steps", -1), ("grad_clip", -1.0), ("lr", 0.0),
+     ("lr", float("nan")), ("lr", float("inf")), ("beta1", 1.0), ("min_lr_ratio", 1.5), ("attention_dropout", 1.0),
+     ("n_streams", 0), ("num_kv_heads", 3), ("max_time_s", float("nan")), ("spike_threshold", 0.0)],
+)
+def test_zero_or_negative_counts_and_bad_numbers_are_refused(tmp_path, key, value):
+    with pytest.raises(ValueError, match=key):
+        T.load_config(None, {**TINY, key: value, "run_dir": str(tmp_path / "r")})
+
+
+def test_unknown_keys_are_refused_with_a_suggestion(tmp_path, cli, capsys):
+    (tmp_path / "typo.yaml").write_text("max_step: 5\nhidden_size: 32\n")
+    with pytest.raises(ValueError, match="unknown config key 'max_step'; did you mean 'max_steps'"):
+        T.load_config(tmp_path / "typo.yaml")
+    with pytest.raises(KeyError):  # also a KeyError, as before
+        T.load_config(None, ["warmup_step=3"])
+    with pytest.raises(ValueError, match="did you mean 'warmup_steps'"):
+        T.load_config(None, ["warmup_step=3"])
+    with pytest.raises(ValueError, match="unknown mhc_options key 'projecton'; did you mean 'projection'"):
+        T.load_config(None, {"mhc_options": {"projecton": "sinkhorn"}, "max_steps": 1})
+    with pytest.raises(ValueError, match="mhc_options.mode is set by the trainer"):
+        T.load_config(None, {"mhc_options": {"mode": "hc"}, "max_steps": 1})
+    code = cli.main(["--run-dir", str(tmp_path / "cli"), "--set", "eval_batchs=2", *_sets(**TINY)])
+    err = capsys.readouterr().err
+    assert code == 2 and "did you mean 'eval_batches'" in err, err
+    assert not (tmp_path / "cli").exists()
