@@ -75,7 +75,9 @@ _NOT_DELEGATED = frozenset(
 )
 
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
-_BLOCK_FIELDS = ("n_streams", "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps")
+_BLOCK_FIELDS = (
+    "n_streams", "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps"
+)
 MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
 # Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
 _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
@@ -420,12 +422,12 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         # not marked as loaded: transformers marks every tensor it loads from a
         # checkpoint with `_is_hf_initialized` and leaves the rest as empty memory.
         if isinstance(module, (MHCBlock, StreamReduce)):
-            fresh = [n for n, p in module.named_parameters(recurse=False) if not getattr(p, "_is_hf_initialized", False)]
-            if isinstance(module, StreamReduce):
-                if fresh:
-                    module.reset_parameters()
-            elif fresh:
+            params = module.named_parameters(recurse=False)
+            fresh = [name for name, p in params if not getattr(p, "_is_hf_initialized", False)]
+            if fresh and isinstance(module, MHCBlock):
                 module.reset_parameters(fresh)
+            elif fresh:  # StreamReduce's one weight
+                module.reset_parameters()
         elif not isinstance(module, (MHCDecoderLayer, MHCForCausalLM)):
             super()._init_weights(module)
 
@@ -581,7 +583,7 @@ def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) ->
             ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
             raises ``TypeError`` naming the closest setting.
     """
-    reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f not in ("base_config", "n_streams")], "convert_to_mhc")
+    reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f != "base_config"], "convert_to_mhc")
     if isinstance(model, MHCForCausalLM):
         raise ValueError("model is already an MHCForCausalLM")
     if not isinstance(model, PreTrainedModel):

@@ -1,0 +1,152 @@
+"""Options of MHCBlock, MHCConfig and convert_to_mhc: misspelt or ill-typed ones raise, naming the option."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from test_hf import tiny_base, tiny_config
+
+C = 8
+
+# (option, bad value, error type), valid for MHCBlock and MHCConfig alike.
+BAD_VALUES = [
+    ("n_streams", 2.7, TypeError),
+    ("n_streams", True, TypeError),
+    ("n_streams", "4", TypeError),
+    ("n_streams", 0, ValueError),
+    ("tol", 0.0, ValueError),
+    ("tol", -1e-6, ValueError),
+    ("tol", math.nan, ValueError),
+    ("tol", math.inf, ValueError),
+    ("tol", "1e-6", TypeError),
+    ("tol", True, TypeError),
+    ("sinkhorn_iters", 0, ValueError),
+    ("sinkhorn_iters", 2.5, TypeError),
+    ("sinkhorn_iters", False, TypeError),
+    ("norm_eps", 0.0, ValueError),
+    ("norm_eps", math.inf, ValueError),
+    ("alpha_init", math.nan, ValueError),
+    ("alpha_init", True, TypeError),
+    ("fused", 1, TypeError),
+    ("recompute", "yes", TypeError),
+    ("mode", "mch", ValueError),
+    ("init", "zeros", ValueError),
+    ("projection", "Newton", ValueError),
+]
+
+
+def block(**options) -> MHCBlock:
+    return MHCBlock(nn.Linear(C, C), C, **options)
+
+
+@pytest.mark.parametrize("name, value, error", BAD_VALUES)
+def test_block_rejects_bad_values(name, value, error):
+    with pytest.raises(error, match=name):
+        block(**{name: value})
+
+
+@pytest.mark.parametrize("name, value, error", BAD_VALUES)
+def test_config_rejects_bad_values(name, value, error):
+    with pytest.raises(error, match=name):
+        MHCConfig(base_config=tiny_config("llama"), **{name: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(hidden_size=8.0), TypeError),
+        (dict(hidden_size=True), TypeError),
+        (dict(hidden_size=0), ValueError),
+        (dict(layer_index=-1), ValueError),
+        (dict(layer_index=1.0), TypeError),
+    ],
+)
+def test_block_rejects_bad_sizes(kwargs, error):
+    name = next(iter(kwargs))
+    args = dict(hidden_size=C, layer_index=0) | kwargs
+    with pytest.raises(error, match=name):
+        MHCBlock(nn.Identity(), args.pop("hidden_size"), 4, **args)
+
+
+def test_numbers_are_normalised():
+    """Integral and real numbers of other types (numpy's, ints for reals) are accepted and stored as int/float."""
+    b = block(n_streams=np.int64(3), tol=1, alpha_init=0, norm_eps=1)
+    assert type(b.n_streams) is int and b.n_streams == 3
+    assert type(b.tol) is float and type(b.alpha_init) is float and type(b.norm_eps) is float
+    cfg = MHCConfig(base_config=tiny_config("llama"), n_streams=np.int64(2), tol=np.float32(1e-5))
+    assert type(cfg.n_streams) is int and cfg.n_streams == 2 and type(cfg.tol) is float
+
+
+@pytest.mark.parametrize(
+    "typo, meant",
+    [("projecton", "projection"), ("n_stream", "n_streams"), ("sinkhorn_iter", "sinkhorn_iters"), ("Mode", "mode")],
+)
+def test_misspelt_options_raise_with_the_close_match(typo, meant):
+    with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
+        block(**{typo: "sinkhorn"})
+    with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
+        MHCConfig(base_config=tiny_config("llama"), **{typo: "sinkhorn"})
+    with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
+        convert_to_mhc(tiny_base("llama"), **{typo: "sinkhorn"})
+
+
+def test_misspelt_projection_no_longer_runs_newton():
+    """The user's case: convert_to_mhc(model, projecton="sinkhorn") used to build Newton blocks."""
+    with pytest.raises(TypeError, match="projection"):
+        convert_to_mhc(tiny_base("llama"), projecton="sinkhorn")
+    model = convert_to_mhc(tiny_base("llama"), projection="sinkhorn")
+    assert {m.projection for m in model.modules() if isinstance(m, MHCBlock)} == {"sinkhorn"}
+
+
+def test_convert_to_mhc_takes_only_mhc_options():
+    for name, value in [("output_hidden_states", True), ("bos_token_id", 1), ("base_config", {}), ("hidden_size", 64)]:
+        with pytest.raises(TypeError, match=name):
+            convert_to_mhc(tiny_base("llama"), **{name: value})
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2, mode="hc", init="paper", tol=1e-5, reduce="learned",
+                           sinkhorn_iters=5, fused=False, recompute=True, alpha_init=0.1, norm_eps=1e-5, expand="copy")
+    blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+    assert all(b.n_streams == 2 and b.mode == "hc" and b.recompute and b.sinkhorn_iters == 5 for b in blocks)
+
+
+def test_config_keeps_accepting_pretrained_config_keywords(tmp_path):
+    """What HF itself passes when loading (and users set) must not trip the misspelling check."""
+    standard = dict(
+        torch_dtype="float32", dtype="float32", architectures=["MHCForCausalLM"], transformers_version="5.0.0",
+        _name_or_path="somewhere", name_or_path="somewhere", output_hidden_states=False, output_attentions=False,
+        return_dict=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=True, tie_word_embeddings=False,
+        _attn_implementation="eager", rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        is_encoder_decoder=False, chunk_size_feed_forward=0, problem_type=None, id2label=None, label2id=None,
+        my_own_note="kept as an attribute",
+    )
+    cfg = MHCConfig(base_config=tiny_config("llama"), **standard)
+    assert cfg.my_own_note == "kept as an attribute" and cfg.bos_token_id == 1
+    MHCForCausalLM(MHCConfig(base_config=tiny_config("llama"), n_streams=2)).save_pretrained(tmp_path)
+    again = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(again, MHCConfig) and again.n_streams == 2
+
+
+def test_config_checks_expand_and_reduce():
+    with pytest.raises(ValueError, match="reduce"):
+        MHCConfig(base_config=tiny_config("llama"), reduce="sum")
+    with pytest.raises(ValueError, match="expand"):
+        MHCConfig(base_config=tiny_config("llama"), expand="zeros")
+    with pytest.raises(TypeError, match="did you mean 'reduce'"):
+        MHCConfig(base_config=tiny_config("llama"), reduse="learned")
+
+
+def test_reset_parameters_names_are_checked():
+    b = block(init="paper")
+    with pytest.raises(TypeError, match="'ph'.*did you mean 'phi'"):
+        b.reset_parameters(["ph"])
+    phi, b_pre = b.phi.detach().clone(), b.b_pre.detach().clone()
+    with torch.no_grad():
+        b.b_pre.add_(1.0)
+    b.reset_parameters(["b_pre"])  # only b_pre goes back to its init; phi keeps its (random) draw
+    assert torch.equal(b.b_pre, b_pre) and torch.equal(b.phi, phi)
