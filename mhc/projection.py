@@ -10,7 +10,8 @@ truth for the fused CUDA kernels:
   line search, and a log-domain Sinkhorn sweep wherever the Newton step fails
   (near-permutation solutions make the Hessian nearly singular). It runs until
   every matrix meets ``tol``; its backward is the implicit-function gradient,
-  which needs only ``T``.
+  which needs only ``T`` and is written in differentiable torch ops, so it
+  supports double backward.
 * ``method="sinkhorn"``: classic fixed-step Sinkhorn-Knopp, differentiated
   through its iterations, kept for comparison with the mHC paper.
 """
@@ -18,6 +19,7 @@ truth for the fused CUDA kernels:
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -26,12 +28,15 @@ from torch import Tensor
 
 __all__ = [
     "birkhoff_project",
+    "birkhoff_project_reference",
+    "birkhoff_backward",
     "marginal_error",
     "ProjectionInfo",
     "ConvergenceWarning",
 ]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+METHODS = ("newton", "sinkhorn")
 _ARMIJO_C1 = 1e-4
 _MAX_HALVINGS = 30
 NEWTON_MAX_ITER = 100  # birkhoff_project's default iteration cap (the fused site uses it too)
@@ -49,7 +54,8 @@ class ProjectionInfo:
     Attributes:
         iterations: ``[...]`` int32, solver steps each matrix took.
         error: ``[...]`` float64, ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` of the compute-precision
-            result (NaN for non-finite input).
+            result (NaN for non-finite input, and for finite logits whose
+            spread overflows the compute dtype, ~3e38 in float32).
         converged: ``[...]`` bool, whether the matrix met the tolerance.
         tol: the tolerance actually enforced (``tol`` raised to the rounding
             floor of the compute dtype, see :func:`birkhoff_project`).
@@ -67,7 +73,7 @@ class ProjectionInfo:
 
     @property
     def num_nonfinite(self) -> int:
-        """Matrices whose input held NaN or Inf (returned as NaN)."""
+        """Matrices returned as NaN: their input held NaN or Inf (or overflowed, see ``error``)."""
         return int(self.error.isnan().sum())
 
 
@@ -97,6 +103,31 @@ def _check_logits(logits: Tensor) -> None:
         )
     if logits.shape[-1] < 1:
         raise ValueError("birkhoff_project needs n >= 1, got 0x0 matrices")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_options(tol, max_iter, method, iters, return_info) -> None:
+    """Reject option values that would otherwise be coerced or ignored without a word."""
+    if not isinstance(tol, numbers.Real) or isinstance(tol, bool):
+        raise TypeError(f"birkhoff_project: tol must be a real number, got {type(tol).__name__} {tol!r}")
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {tol!r}")
+    if not _is_int(max_iter):
+        raise TypeError(f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}")
+    if max_iter < 0:
+        # 0 is allowed: the initial Sinkhorn sweep only, reported honestly as unconverged.
+        raise ValueError(f"birkhoff_project: max_iter must be >= 0, got {max_iter}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"birkhoff_project: method must be one of {METHODS}, got {method!r}")
+    if not _is_int(iters):
+        raise TypeError(f"birkhoff_project: iters must be an int, got {type(iters).__name__} {iters!r}")
+    if iters < 1:
+        raise ValueError(f"birkhoff_project: iters must be >= 1, got {iters}")
+    if not isinstance(return_info, bool):
+        raise TypeError(f"birkhoff_project: return_info must be a bool, got {type(return_info).__name__}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -161,7 +192,8 @@ def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[T
     Cholesky factorisation still fails, a pseudo-inverse drops the directions
     whose eigenvalues are below that rounding level: along them the blocks
     are decoupled to working precision, and ``T`` does not depend on them.
-    ``ok`` is False only where the result is not finite.
+    ``ok`` is False only where the result is not finite (always where ``H``
+    or ``rhs`` is not).
     """
     eps = torch.finfo(H.dtype).eps
     H64 = H.double()
@@ -172,13 +204,17 @@ def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[T
     H64 = H64 + ridge[:, None, None] * eye
     L, info = torch.linalg.cholesky_ex(H64)
     x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
-    failed = (info != 0).nonzero().squeeze(-1)
+    # A non-finite H (from a NaN/Inf T) gets a NaN x: eigh would raise on it
+    # for the whole batch. Out-of-place updates keep this differentiable.
+    finite = H64.isfinite().flatten(1).all(-1)
+    x = torch.where(finite[:, None], x, math.nan)
+    failed = ((info != 0) & finite).nonzero().squeeze(-1)
     if failed.numel():
         evals, evecs = torch.linalg.eigh(H64[failed])
         cutoff = (H.shape[-1] * eps * scale[failed]).unsqueeze(-1)
         inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
         coords = (evecs.transpose(-1, -2) @ rhs64[failed].unsqueeze(-1)).squeeze(-1)
-        x[failed] = (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1)
+        x = x.index_put((failed,), (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1))
     x = x.to(H.dtype)
     return x, x.isfinite().all(-1)
 
@@ -294,21 +330,30 @@ def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
     the gradient is ``T ∘ (G - v1ᵀ - 1wᵀ)`` with ``v = μ_r - Tw``; both the
     right-hand side and the gradient are formed by :func:`_row_centred`.
 
+    Written in differentiable torch ops: called with grad mode on (as
+    autograd does under ``create_graph=True``) it records its own graph, which
+    is what double backward of the Newton projection differentiates.
+
     Args:
         T: ``[B, n, n]`` the projection's output, in compute precision.
         grad_T: ``[B, n, n]`` same dtype as ``T``.
 
     Returns:
-        ``[B, n, n]`` gradient with respect to the logits.
+        ``[B, n, n]`` gradient with respect to the logits. A matrix whose
+        ``T`` or ``grad_T`` holds NaN or Inf gets a non-finite gradient (NaN
+        for NaN); the other matrices of the batch are unaffected.
     """
     n = T.shape[-1]
     if n == 1:
         return torch.zeros_like(T)
     rhs = (T * _row_centred(T, grad_T)).sum(-2)[:, : n - 1]
     w, _ = _spd_solve(dual_hessian(T), rhs)
-    # Where even the ridged Hessian fails, T is a permutation to rounding and
-    # ∂T/∂R is 0 there; any w gives that, so take w = 0 rather than NaN.
-    w = _pad_last(torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0))
+    # Where even the ridged Hessian fails on finite data, T is a permutation
+    # to rounding and ∂T/∂R is 0 there; any w gives that, so take w = 0. A
+    # non-finite right-hand side (NaN/Inf in T or grad_T) keeps its NaN w, so
+    # the whole matrix's gradient says so instead of a finite wrong value.
+    solvable = rhs.isfinite().all(-1, keepdim=True)
+    w = _pad_last(torch.where(w.isfinite() | ~solvable, w, 0.0))
     return T * _row_centred(T, grad_T - w.unsqueeze(-2))
 
 
@@ -321,8 +366,9 @@ class _NewtonProjection(torch.autograd.Function):
         return T, iterations, error
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_T, _grad_iterations, _grad_error):
+        # T is saved as this node's output, so under create_graph=True the
+        # graph birkhoff_backward records leads back to R through this node.
         (T,) = ctx.saved_tensors
         if grad_T is None:
             return None, None, None
@@ -399,29 +445,33 @@ def birkhoff_project(
         logits: ``[..., n, n]`` float16, bfloat16, float32 or float64; any
             leading batch shape, contiguous or not. An empty batch gives an
             empty result.
-        tol: target for ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` per matrix (Newton only). It is
-            raised to ``4·n·eps`` of the compute dtype, below which rounding
-            alone decides the error.
+        tol: target for ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` per matrix (Newton only), a
+            finite real > 0. It is raised to ``4·n·eps`` of the compute dtype,
+            below which rounding alone decides the error.
         max_iter: Newton iterations (each with its line search or fallback
-            sweep) before giving up on a matrix.
+            sweep) before giving up on a matrix, an int >= 0 (0: only the
+            initial Sinkhorn sweep).
         method: ``"newton"`` (exact, implicit backward) or ``"sinkhorn"``
             (``iters`` fixed Sinkhorn-Knopp steps, backward through the loop).
-        iters: Sinkhorn steps for ``method="sinkhorn"``.
+        iters: Sinkhorn steps for ``method="sinkhorn"``, an int >= 1.
         return_info: also return a :class:`ProjectionInfo`.
 
     Returns:
         ``T`` with the shape and dtype of ``logits``. The solver runs in
         float32 (float64 for float64 input). Matrices holding NaN or Inf come
-        back as NaN; the others are unaffected. Newton matrices that miss the
-        tolerance raise a :class:`ConvergenceWarning` and are flagged in the
-        info; they are never reported as converged.
+        back as NaN and get NaN gradients; the others, and their gradients,
+        are unaffected. Newton matrices that miss the tolerance raise a
+        :class:`ConvergenceWarning` and are flagged in the info; they are
+        never reported as converged.
+
+    Raises:
+        TypeError: ``logits`` is not a floating tensor of a supported dtype,
+            or an option has the wrong type (``bool`` is not an int here).
+        ValueError: not ``[..., n, n]`` with ``n >= 1``, or an option is out
+            of range (``tol`` NaN, Inf or <= 0; unknown ``method``).
     """
     _check_logits(logits)
-    if method not in ("newton", "sinkhorn"):
-        raise ValueError(f"method must be 'newton' or 'sinkhorn', got {method!r}")
-    if max_iter < 0 or iters < 0:
-        raise ValueError("max_iter and iters must be non-negative")
-
+    _check_options(tol, max_iter, method, iters, return_info)
     if method == "newton" and logits.is_cuda:
         # Fused kernels for n in {4, 8} and fp32/bf16/fp16 (mhc/projection_cuda.py).
         if _projection_cuda.supports(logits) and _projection_cuda.available():
@@ -431,17 +481,42 @@ def birkhoff_project(
     )
 
 
+def birkhoff_project_reference(
+    logits: Tensor,
+    *,
+    tol: float = 1e-6,
+    max_iter: int = NEWTON_MAX_ITER,
+    method: str = "newton",
+    iters: int = 20,
+    return_info: bool = False,
+) -> Tensor | tuple[Tensor, ProjectionInfo]:
+    """:func:`birkhoff_project` on the pure-PyTorch path, whatever the device.
+
+    The reference the CUDA kernels are tested against: same arguments,
+    checks, results and autograd (double backward included) as
+    :func:`birkhoff_project`, but CUDA tensors never reach the fused kernels.
+    """
+    _check_logits(logits)
+    _check_options(tol, max_iter, method, iters, return_info)
+    return _birkhoff_project_torch(
+        logits, tol=tol, max_iter=max_iter, method=method, iters=iters, return_info=return_info
+    )
+
+
 def _birkhoff_project_torch(
     logits: Tensor, *, tol: float, max_iter: int, method: str, iters: int, return_info: bool
 ) -> Tensor | tuple[Tensor, ProjectionInfo]:
-    """The pure-PyTorch path of :func:`birkhoff_project` (arguments already checked)."""
+    """The pure-PyTorch path, arguments unchecked (callers outside this module: use
+    :func:`birkhoff_project_reference`; this name stays until they have moved)."""
     shape, n = logits.shape, logits.shape[-1]
     R = logits.to(compute_dtype(logits.dtype)).reshape(-1, n, n)
     tol = effective_tol(tol, n, logits.dtype)
 
     if method == "sinkhorn":
-        T = _sinkhorn(R, iters)
-        T = torch.where(R.isfinite().all(-1, keepdim=True).all(-2, keepdim=True), T, math.nan)
+        finite = R.isfinite().all(-1, keepdim=True).all(-2, keepdim=True)
+        # A product, not torch.where: a non-finite matrix's gradient is NaN too
+        # (where would hand it zeros), and finite matrices are multiplied by 1.
+        T = _sinkhorn(R, iters) * torch.where(finite, 1.0, math.nan).to(R.dtype)
         info = None
         if return_info:
             error = marginal_error(T).detach()
