@@ -47,10 +47,23 @@ __all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+# Triton missing or not importable (CPU-only PyTorch builds) is the one reason the fused path may be
+# absent. Kernels that fail to import while Triton imports are a bug in mhc or a Triton it does not
+# support, never a reason to fall back to the PyTorch path: the error is kept and raised, with its
+# cause, by available() (which MHCBlock asks before every fused-eligible CUDA forward) and
+# mhc_site. It is not raised here, so that CPU code, which never runs the kernels, still imports mhc.
+_k = None
+_TRITON_ERROR: ImportError | None = None  # why Triton is not importable
+_KERNELS_ERROR: Exception | None = None  # why mhc.fused_kernels failed to import although Triton did
 try:
-    from . import fused_kernels as _k
-except ImportError:  # no Triton (CPU-only PyTorch builds)
-    _k = None
+    import triton  # only to tell "no Triton" from broken kernels
+except ImportError as err:
+    _TRITON_ERROR = err
+else:
+    try:
+        from . import fused_kernels as _k
+    except Exception as err:  # a NameError in the module is as much a bug as an ImportError
+        _KERNELS_ERROR = err
 
 
 class _Launcher:
@@ -182,7 +195,22 @@ if _k is not None:
 
 
 def available() -> bool:
-    """Whether the Triton kernels can be used (Triton importable)."""
+    """Whether the fused Triton path can run; ``False`` only where Triton is not importable.
+
+    Raises:
+        ImportError: Triton imports but :mod:`mhc.fused_kernels` does not (a
+            bug in mhc, or a Triton version it does not support). The original
+            error is chained as ``__cause__``, with its traceback. The fused
+            path is never dropped silently: ``MHCBlock(..., fused=False)`` runs
+            the PyTorch path on purpose.
+    """
+    if _KERNELS_ERROR is not None:
+        err = _KERNELS_ERROR
+        raise ImportError(
+            f"mhc's Triton kernels (mhc.fused_kernels) failed to import although Triton {triton.__version__} "
+            f"imports: {type(err).__name__}: {err}. This is a bug in mhc or a Triton version it does not "
+            "support; pass fused=False to MHCBlock (or MHCConfig) to run the PyTorch path meanwhile."
+        ) from err
     return _k is not None
 
 
@@ -483,8 +511,8 @@ def mhc_site(
     Returns:
         ``x'`` with the shape and dtype of ``x`` (or ``(x', *rest)``).
     """
-    if _k is None:
-        raise RuntimeError("mhc.fused needs Triton, which this PyTorch install does not have")
+    if not available():
+        raise RuntimeError(f"mhc.fused needs Triton, which is not importable here ({_TRITON_ERROR})")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused mHC site supports {SUPPORTED_DTYPES}, got {x.dtype}")
     if x.dim() < 2 or x.numel() == 0:

@@ -8,6 +8,10 @@ in CI.
 import copy
 import math
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +19,25 @@ import torch.utils.checkpoint
 from torch import nn
 
 import mhc
+import mutations
 from mhc import fused
 
-pytestmark = pytest.mark.skipif(
-    not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs Triton (compiled on CUDA, or its CPU interpreter)",
-)
+try:
+    import triton
+except ImportError as err:  # the one reason the fused path may be missing
+    triton, NO_TRITON = None, f"needs Triton, which is not importable on this machine ({err})"
+else:
+    NO_TRITON = None
+    # Triton imports, so the kernels must: available() raises (collection fails) if they do not.
+    assert fused.available(), "Triton imports but mhc.fused.available() is False"
+    # Without CUDA the kernels can only run in Triton's interpreter, which tests/conftest.py turns on.
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", "no CUDA and no TRITON_INTERPRET"
+
+pytestmark = pytest.mark.skipif(NO_TRITON is not None, reason=NO_TRITON or "")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NO_CUDA = "needs a CUDA device (this machine has none)"
+INTERPRETED = f"{NO_CUDA}: Triton's CPU interpreter always takes Triton's own launch path, no kept variants or C++ site"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rel(a, b):
@@ -29,8 +45,8 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _blocks(n, C, dtype, seed=0):
-    """A reference block (PyTorch path) and a fused copy with non-trivial coefficients."""
+def _blocks(n, C, dtype, seed):
+    """A reference block (PyTorch path) and a fused copy with non-trivial coefficients, drawn from ``seed``."""
     torch.manual_seed(seed)
     branch = nn.Sequential(nn.RMSNorm(C), nn.Linear(C, 2 * C), nn.SiLU(), nn.Linear(2 * C, C))
     ref = mhc.MHCBlock(branch, C, n, init="paper", fused=False)
@@ -71,8 +87,8 @@ def _compare(ref, fast, x, tol_out, tol_grad, run_fast=_run_fused):
 @pytest.mark.parametrize("n", [4, 8, 3])
 @pytest.mark.parametrize("C", [64, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_site_matches_reference(n, C, dtype, monkeypatch):
-    ref, fast = _blocks(n, C, dtype)
+def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
+    ref, fast = _blocks(n, C, dtype, fresh_seed)
     calls = []
     site = fused.run_site  # what MHCBlock calls on CUDA, and mhc_site after its checks
     monkeypatch.setattr(fused, "run_site", lambda *a, **k: calls.append(1) or site(*a, **k))
@@ -82,27 +98,27 @@ def test_fused_site_matches_reference(n, C, dtype, monkeypatch):
     assert calls, "the fused site did not run"
 
 
-def test_fused_site_non_contiguous_and_large_values():
+def test_fused_site_non_contiguous_and_large_values(fresh_seed):
     n, C = 4, 96
-    ref, fast = _blocks(n, C, torch.float32, seed=1)
+    ref, fast = _blocks(n, C, torch.float32, fresh_seed)
     # [S, B, n, C] viewed as [B, S, n, C]: not contiguous; large magnitudes.
     x = (torch.randn(7, 3, n, C, device=DEVICE) * 300).transpose(0, 1)
     assert not x.is_contiguous()
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
-def test_fused_site_many_tokens():
+def test_fused_site_many_tokens(fresh_seed):
     """2100 tokens: dx runs over several 128-token programs (the last one partial), dφ over two token splits."""
-    ref, fast = _blocks(4, 48, torch.float32, seed=4)
+    ref, fast = _blocks(4, 48, torch.float32, fresh_seed)
     x = torch.randn(3, 700, 4, 48, device=DEVICE)
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
 @pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
-def test_fused_site_keeps_any_leading_shape(lead):
+def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
     """The nodes pass the streams' leading shape through (no flattening outside them): u, x', dx and dy keep it."""
     n, C = 4, 40
-    ref, fast = _blocks(n, C, torch.float32, seed=5)
+    ref, fast = _blocks(n, C, torch.float32, fresh_seed)
     seen = []
     inner = fast.branch.forward
     fast.branch.forward = lambda u: seen.append(u.shape) or inner(u)
@@ -111,8 +127,7 @@ def test_fused_site_keeps_any_leading_shape(lead):
     assert seen == [torch.Size((*lead, C))]
 
 
-def test_fused_site_gradcheck_float64():
-    torch.manual_seed(0)
+def test_fused_site_gradcheck_float64(fresh_seed):
     n, C = 3, 8
     lin = nn.Linear(C, C).double().to(DEVICE)
     params = [
@@ -135,7 +150,7 @@ def test_fused_site_gradcheck_float64():
 def test_identity_init_on_identical_streams_is_exact(dtype):
     """A converted model (φ = 0, identical streams) gives x + F(x) to the bit, as the PyTorch path does."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("Triton's CPU interpreter truncates float32 -> bfloat16 casts instead of rounding them")
+        pytest.skip(f"{NO_CUDA}: Triton's CPU interpreter truncates float32 -> bfloat16 casts instead of rounding")
     C, n = 64, 4
     torch.manual_seed(0)
     branch = nn.Sequential(nn.Linear(C, C), nn.GELU()).to(DEVICE, dtype)
@@ -209,7 +224,7 @@ def test_branch_tuple_and_arguments_pass_through():
     assert _rel(out[0], expected[0]) < 1e-5
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+@pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
 def test_cached_launches_match_tritons_own(monkeypatch):
     """Without the C++ site (as under a launch hook), the second call of a configuration launches the
     kept compiled kernels from Python, with the same results."""
@@ -231,7 +246,7 @@ def test_cached_launches_match_tritons_own(monkeypatch):
         assert torch.equal(first, second)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+@pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
 @pytest.mark.parametrize("n", [4, 8])
 def test_later_calls_run_the_cpp_site(n):
     """After one fwd+bwd of a shape the site runs in C++ (csrc/site.cu: its two autograd nodes, and
@@ -319,11 +334,9 @@ def test_cpp_launch_handle_describes_the_kernel_parameters(monkeypatch):
 
 
 def test_cpp_site_is_off_while_a_launch_hook_is_installed():
-    import triton
-
     chain = triton.knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
-        pytest.skip("this Triton keeps launch hooks without a HookChain")
+        pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
     assert fused._native_allowed()
 
     def hook(metadata):
@@ -337,7 +350,7 @@ def test_cpp_site_is_off_while_a_launch_hook_is_installed():
     assert fused._native_allowed()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs the CUDA extension")
+@pytest.mark.skipif(DEVICE != "cuda", reason=f"{NO_CUDA}, so no CUDA extension (csrc/site.cu) to test")
 def test_cpp_site_rejects_bad_arguments():
     from mhc import projection_cuda
 
@@ -359,14 +372,12 @@ def test_cpp_site_rejects_bad_arguments():
         ext.TritonKernel(1, [1, 1, 1], 4, 0, [9])
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter always takes Triton's own launch path")
+@pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
 def test_cached_launches_call_installed_launch_hooks():
     """A launch hook installed in Triton (a profiler's, say) sees the kept launches too."""
-    import triton
-
     chain = triton.knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
-        pytest.skip("this Triton keeps launch hooks without a HookChain")
+        pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
     _, fast = _blocks(4, 96, torch.bfloat16, seed=4)
     x = torch.randn(2, 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     fast(x).sum().backward()  # compiles and keeps every variant
@@ -412,10 +423,10 @@ def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
     assert block(torch.zeros(0, n, C, device=DEVICE)).shape == (0, n, C)
 
 
-def test_fused_site_under_activation_recompute():
+def test_fused_site_under_activation_recompute(fresh_seed):
     """Non-reentrant checkpointing re-runs the site in backward; the nodes' shared state must survive that."""
     n, C = 4, 48
-    ref, fast = _blocks(n, C, torch.float32, seed=2)
+    ref, fast = _blocks(n, C, torch.float32, fresh_seed)
     fast.recompute = True
     calls = []
     inner = fast.branch.forward
@@ -429,3 +440,58 @@ def test_fused_site_under_activation_recompute():
 
         _compare(ref, fast, x, 1e-5, 1e-4, run_fast=checkpointed)
     assert len(calls) == 2, "the branch should run once in forward and once more in backward"
+
+
+# Imports mhc after the mutation's sys.meta_path finder is in place: importing
+# mhc.fused_kernels raises an ImportError, while Triton imports.
+BROKEN_KERNELS_SCRIPT = """
+import sys, traceback
+sys.path.insert(0, {tests!r})
+import mutations
+mutations.activate("fused_kernels_import_broken")
+import torch
+import mhc
+from mhc import fused
+
+def raises_import_error(call):
+    try:
+        call()
+    except ImportError as err:
+        return err
+    raise AssertionError("no ImportError from " + repr(call))
+
+# CPU code, which never runs the kernels, still imports and runs mhc.
+block = mhc.MHCBlock(torch.nn.Identity(), 8, 4)
+assert block(torch.randn(2, 4, 8)).shape == (2, 4, 8)
+err = raises_import_error(fused.available)
+cause = err.__cause__
+assert isinstance(cause, ImportError) and cause.args == (mutations.BROKEN_KERNELS_MESSAGE,), repr(cause)
+text = "".join(traceback.format_exception(err))
+assert "direct cause" in text and "exec_module" in text, text  # the original traceback is chained
+assert mutations.BROKEN_KERNELS_MESSAGE in str(err) and "fused=False" in str(err), str(err)
+params = (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)
+raises_import_error(lambda: fused.mhc_site(torch.randn(2, 4, 8), torch.nn.Identity(), *params, norm_eps=1e-6, tol=1e-6))
+if torch.cuda.is_available():  # the CUDA block raises instead of falling back to the PyTorch path
+    raises_import_error(lambda: block.cuda()(torch.randn(2, 4, 8, device="cuda")))
+print("raised as it should")
+"""
+
+
+def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
+    """Kernels that fail to import while Triton imports are an error everywhere: fused.available(),
+    mhc_site and (on CUDA) MHCBlock raise ImportError with the original error chained, and this test
+    file fails to collect instead of skipping. Only the fused path is affected: CPU code still runs."""
+    script = BROKEN_KERNELS_SCRIPT.format(tests=str(ROOT / "tests"))
+    env = {k: v for k, v in os.environ.items() if k != mutations.VARIABLE}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "raised as it should" in proc.stdout, proc.stdout + proc.stderr
+
+    env[mutations.VARIABLE] = "fused_kernels_import_broken"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", str(Path(__file__))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out  # pytest's "errors during collection", not 0 (skipped) or 5 (nothing collected)
+    assert "1 error" in out and mutations.BROKEN_KERNELS_MESSAGE in out, out

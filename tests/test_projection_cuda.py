@@ -1,6 +1,8 @@
 """GPU tests of the fused CUDA Birkhoff kernels against the float64 PyTorch reference.
 
-Skipped without CUDA. Every test draws fresh random inputs.
+Skipped without a CUDA device. Every test draws fresh random inputs from a
+fresh seed (the ``fresh_seed`` fixture: a failure prints ``seed=<n>``;
+``MHC_TEST_SEED=<n>`` re-runs it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from mhc import projection as P
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)"),
+    pytest.mark.usefixtures("fresh_seed"),
 ]
 
 MILLION = 1 << 20
