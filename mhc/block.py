@@ -17,7 +17,9 @@ from torch.utils.checkpoint import checkpoint
 from . import fused
 from .projection import birkhoff_project
 
-__all__ = ["MHCBlock", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "reject_unknown_options"]
+__all__ = [
+    "MHCBlock", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option", "reject_unknown_options"
+]
 
 MODES = ("mhc", "hc", "residual")
 INITS = ("identity", "paper")
