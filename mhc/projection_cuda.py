@@ -31,7 +31,7 @@ from .projection import ConvergenceWarning, effective_tol, newton_report
 
 __all__ = [
     "available", "supports", "extension", "project", "project_no_autograd", "poll", "unconverged_count",
-    "check_convergence",
+    "check_convergence", "set_enabled",
 ]
 
 SUPPORTED_N = (4, 8)
@@ -39,6 +39,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POLL_EVERY = 64
 
 _LOADED: bool | None = None  # None: not tried yet
+_ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
 _MODULE = None  # the extension's Python module, once loaded
 _lock = threading.Lock()
 _calls = 0
@@ -56,8 +57,25 @@ def supports(logits: Tensor) -> bool:
     )
 
 
+def set_enabled(enabled: bool) -> bool:
+    """Allow (``True``, the default) or forbid the CUDA kernels; returns the previous setting.
+
+    With ``False``, :func:`available` answers ``False`` without building
+    anything, so :func:`mhc.birkhoff_project` and the fused site keep ``H_res``
+    on the PyTorch Newton path even for CUDA tensors (the training config's
+    ``fused_projection: false``, or an A/B against the reference).
+    """
+    global _ENABLED
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_enabled takes a bool, got {type(enabled).__name__}")
+    previous, _ENABLED = _ENABLED, enabled
+    return previous
+
+
 def available() -> bool:
-    """Build/load the extension on first call; ``False`` (after one warning) if impossible."""
+    """Build/load the extension on first call; ``False`` (after one warning) if impossible or disabled."""
+    if not _ENABLED:
+        return False
     if _LOADED is None:
         _try_load()
     return bool(_LOADED)
