@@ -51,6 +51,17 @@ class Run:
         return self.returncode == 0 and self.failed == 0 and self.tests > 0
 
 
+def expand(selection: tuple[str, ...]) -> list[str]:
+    """``selection`` with each ``*`` path replaced by the matching files (sorted), from the repository root."""
+    args = []
+    for arg in selection:
+        matches = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(arg)) if "*" in arg else []
+        # A pattern that matches nothing stays as it is: pytest then says "file not found" instead
+        # of running its default, the whole suite.
+        args.extend(matches or [arg])
+    return args
+
+
 def run_pytest(selection: tuple[str, ...], mutation: str | None, timeout: float) -> Run:
     """pytest on ``selection`` in a subprocess, with ``MHC_MUTATION=mutation`` (or none)."""
     env = {k: v for k, v in os.environ.items() if k != mutations.VARIABLE}
@@ -58,7 +69,8 @@ def run_pytest(selection: tuple[str, ...], mutation: str | None, timeout: float)
         env[mutations.VARIABLE] = mutation
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junitxml={report}", *selection]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junitxml={report}",
+               *expand(selection)]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -140,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in (header, *rows):
         print(" | ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + " | " + row[5][:120])
     bad = [r[0] for r in rows if r[2] != "caught"]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught" + (f"; not caught: {', '.join(bad)}" if bad else ""))
+    missed = f"; not caught: {', '.join(bad)}" if bad else ""
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught{missed}")
     return 1 if bad else 0
 
 
