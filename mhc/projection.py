@@ -204,17 +204,19 @@ def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[T
     H64 = H64 + ridge[:, None, None] * eye
     L, info = torch.linalg.cholesky_ex(H64)
     x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
-    # A non-finite H (from a NaN/Inf T) gets a NaN x: eigh would raise on it
-    # for the whole batch. Out-of-place updates keep this differentiable.
-    finite = H64.isfinite().flatten(1).all(-1)
-    x = torch.where(finite[:, None], x, math.nan)
-    failed = ((info != 0) & finite).nonzero().squeeze(-1)
+    failed = (info != 0).nonzero().squeeze(-1)  # NaN in H makes a pivot NaN, which fails
     if failed.numel():
-        evals, evecs = torch.linalg.eigh(H64[failed])
+        H_failed = H64[failed]
+        # eigh raises for the whole batch on one non-finite matrix (a NaN/Inf
+        # T): it gets the identity, and its x is NaN.
+        finite = H_failed.isfinite().flatten(1).all(-1)
+        evals, evecs = torch.linalg.eigh(torch.where(finite[:, None, None], H_failed, eye))
         cutoff = (H.shape[-1] * eps * scale[failed]).unsqueeze(-1)
         inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
         coords = (evecs.transpose(-1, -2) @ rhs64[failed].unsqueeze(-1)).squeeze(-1)
-        x = x.index_put((failed,), (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1))
+        fallback = torch.where(finite[:, None], (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1), math.nan)
+        # Out of place: cholesky_solve's backward (double backward) needs x as it was.
+        x = x.index_put((failed,), fallback)
     x = x.to(H.dtype)
     return x, x.isfinite().all(-1)
 
@@ -350,10 +352,9 @@ def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
     w, _ = _spd_solve(dual_hessian(T), rhs)
     # Where even the ridged Hessian fails on finite data, T is a permutation
     # to rounding and ∂T/∂R is 0 there; any w gives that, so take w = 0. A
-    # non-finite right-hand side (NaN/Inf in T or grad_T) keeps its NaN w, so
-    # the whole matrix's gradient says so instead of a finite wrong value.
-    solvable = rhs.isfinite().all(-1, keepdim=True)
-    w = _pad_last(torch.where(w.isfinite() | ~solvable, w, 0.0))
+    # non-finite right-hand side (NaN/Inf in T or grad_T) keeps a NaN in w,
+    # which makes the whole matrix's gradient NaN, not a finite wrong value.
+    w = _pad_last(torch.where(w.isfinite(), w, 0 * rhs))  # 0 * rhs: 0, or NaN where rhs is not finite
     return T * _row_centred(T, grad_T - w.unsqueeze(-2))
 
 
