@@ -28,7 +28,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(REPO))
 
-from mhc.training import load_config, prepare_data, write_comparison  # noqa: E402
+from mhc.train import load_config, prepare_data, write_comparison  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 

@@ -38,7 +38,7 @@ try:
 except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, str(REPO))
 
-from mhc.training import (  # noqa: E402
+from mhc.train import (  # noqa: E402
     RESUME_FIXED,
     CheckpointError,
     RunDirLockedError,

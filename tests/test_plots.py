@@ -1,4 +1,4 @@
-"""mhc.plots: each figure writes a readable PNG from plain data, and gain lines at ~1 stay distinguishable."""
+"""mhc.train.plots: each figure writes a readable PNG from plain data, and gain lines at ~1 stay distinguishable."""
 
 import math
 import subprocess
@@ -8,7 +8,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from mhc import plots
+from mhc.train import plots
 
 TOKENS_PER_STEP = 16384
 DEPTH = 24
@@ -266,3 +266,52 @@ def test_variant_colors_are_stable_and_distinct():
 def test_import_mhc_does_not_import_matplotlib():
     code = "import sys, mhc; assert 'matplotlib' not in sys.modules, sorted(m for m in sys.modules if 'matplotlib' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_mhc_train_does_not_import_matplotlib():
+    """Only drawing a figure imports matplotlib: not `import mhc.train`, nor a run with plots=false."""
+    code = "import sys, mhc.train; assert 'matplotlib' not in sys.modules, sorted(m for m in sys.modules if 'matplotlib' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def write_run_files(run_dir, variant, gains, steps=600):
+    """A finished run's metrics.jsonl and summary.json, as mhc.train.train writes them."""
+    import json
+
+    run_dir.mkdir(parents=True)
+    final = {"kind": "final", "step": steps, "variant": variant}
+    recs = train_records(bad=(5, 8)) + eval_records() + [final]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"variant": variant, "n_streams": 4, "steps": steps, "unigram_entropy": 6.7, "composite_gains": gains,
+               "params": 1e6, "tokens": steps * TOKENS_PER_STEP, "train_time_s": 10.0, "tokens_per_s": 1e5,
+               "final_val_loss": 2.5, "loss_spikes": 0, "max_grad_norm": 1.0, "fwd_gain_full_depth": None,
+               "bwd_gain_full_depth": None, "fwd_gain_max": None, "bwd_gain_max": None, "tokenizer": "byte",
+               "vocab_size": 257, "device": "cpu", "precision": "fp32"}  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return recs
+
+
+def test_run_plots_are_the_plots_module_figures(tmp_path):
+    """plot_run and write_comparison draw their files with mhc.train.plots, from the run's own records."""
+    from mhc.train import plot_run, write_comparison
+
+    recs = write_run_files(tmp_path / "mhc", "mhc", mhc_gains())
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [p.name for p in plot_run(tmp_path / "mhc")] == ["loss.png", "gains.png"]
+    expect = plots.plot_loss(train, evals, title="mhc (n=4)", unigram_entropy=6.7, path=tmp_path / "loss.png")
+    assert (tmp_path / "mhc" / "loss.png").read_bytes() == expect.read_bytes()
+    expect = plots.plot_gains(mhc_gains(), title="mhc (n=4)", step=600, path=tmp_path / "gains.png")
+    assert (tmp_path / "mhc" / "gains.png").read_bytes() == expect.read_bytes()
+    write_run_files(tmp_path / "residual", "residual", None)
+    assert [p.name for p in plot_run(tmp_path / "residual")] == ["loss.png"]  # no mHC sites: no gains figure
+    assert not (tmp_path / "residual" / "gains.png").exists()
+
+    write_comparison({"residual": tmp_path / "residual", "mhc": tmp_path / "mhc", "gone": tmp_path / "nope"}, tmp_path / "cmp")
+    run = {"train": train, "eval": evals, "gains_step": 600, "unigram_entropy": 6.7}
+    expect = plots.plot_comparison(
+        {"residual": {**run, "variant": "residual", "gains": None}, "mhc": {**run, "variant": "mhc", "gains": mhc_gains()},
+         "gone": {}},
+        path=tmp_path / "compare.png",
+    )  # fmt: skip
+    assert (tmp_path / "cmp" / "compare.png").read_bytes() == expect.read_bytes()

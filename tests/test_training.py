@@ -1,4 +1,4 @@
-"""Tests of mhc.training and the training scripts (CPU, a few seconds each)."""
+"""Tests of mhc.train and the training scripts (CPU, a few seconds each)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,14 @@ import shutil
 import socket
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from mhc import training as T
-from mhc.plotting import Figure, write_png
-from mhc.checkpoint_io import list_checkpoints
-from mhc.run_dir import RunDirLock
+from mhc import train as T
+from mhc.train import RunDirLock, list_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(
@@ -346,7 +343,7 @@ def test_atomic_checkpoint_leaves_no_partial_folder(tmp_path, full_run):
 
 # ----------------------------------------------------------------------------- killed writes, concurrent runs
 #
-# The CLI runs in processes forked from one forkserver that has imported mhc.training once, so
+# The CLI runs in processes forked from one forkserver that has imported mhc.train once, so
 # each run costs its training time, not a fresh interpreter's imports. The forkserver never runs
 # torch ops itself, so its children start without OpenMP threads (fork-safe).
 
@@ -373,7 +370,7 @@ def cli_procs():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["mhc.training", "mhc.checkpoint_io"])
+    ctx.set_forkserver_preload(["mhc.train"])
     return ctx
 
 
@@ -511,7 +508,7 @@ def test_torchrun_every_rank_stops_when_rank_0_cannot_lock_the_run_dir(tmp_path)
     # rank 0 reports the lock in one line (no traceback). Rank 1 stops as well (it reports rank 0's error,
     # unless torchrun has already ended it because rank 0 exited), rather than waiting in a collective.
     assert "error: " + f"{rd} is in use: another training process holds" in out, out[-3000:]
-    assert "mhc/training.py" not in out and "exitcode  : 2" in out, out[-3000:]
+    assert "mhc/train/" not in out and "exitcode  : 2" in out, out[-3000:]
     assert not (rd / "metrics.jsonl").exists()
 
 
@@ -535,24 +532,6 @@ def test_fsdp2_gloo_two_ranks_resumes(tmp_path):
 
 
 # ----------------------------------------------------------------------------- plots, comparison
-
-
-def test_png_writer(tmp_path):
-    img = np.zeros((3, 4, 3), np.uint8)
-    img[1, 2] = (10, 20, 30)
-    p = write_png(tmp_path / "a.png", img)
-    raw = p.read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[16:24] == (4).to_bytes(4, "big") + (3).to_bytes(4, "big")
-    idat = raw.index(b"IDAT")
-    n = int.from_bytes(raw[idat - 4 : idat], "big")
-    rows = zlib.decompress(raw[idat + 4 : idat + 4 + n])
-    assert len(rows) == 3 * (1 + 4 * 3) and rows[1 * 13 + 1 + 2 * 3 : 1 * 13 + 1 + 3 * 3] == bytes([10, 20, 30])
-    fig = Figure(300, 200)
-    ax = fig.panel(title="t", xlabel="x", ylabel="y", logy=True)
-    ax.line([1, 2, 3], [1, 10, 1000], label="a", markers=True)
-    ax.line([1, 2, 3], [2, 3, float("nan")], dashed=True)
-    ax.hline(5.0, label="ref")
-    assert fig.render().shape == (200, 300, 3)
 
 
 def test_write_comparison(tmp_path, full_run):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from mhc import training as T
-from mhc.checkpoint_io import (
+from mhc import train as T
+from mhc.train.checkpoint import (
     CHECKPOINT_FORMAT,
     decode_tree,
     encode_tree,

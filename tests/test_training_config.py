@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc import training as T
+from mhc import train as T
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(
@@ -76,3 +76,52 @@ def test_unknown_keys_are_refused_with_a_suggestion(tmp_path, cli, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "did you mean 'eval_batches'" in err, err
     assert not (tmp_path / "cli").exists()
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [({"tol": -1.0}, ValueError, "tol must be finite and > 0"), ({"sinkhorn_iters": 2.5}, TypeError, "sinkhorn_iters must be an int"),
+     ({"fused": "yes"}, TypeError, "fused must be True or False"), ({"init": "random"}, ValueError, "init must be one of"),
+     ({"projection": "sinkhorn", "tol": float("nan")}, ValueError, "tol")],
+)  # fmt: skip
+def test_bad_mhc_option_values_are_refused_before_any_setup(tmp_path, cli, capsys, options, error, match):
+    """mhc_options values go through the check MHCBlock and MHCConfig use, when the config is loaded."""
+    with pytest.raises(error, match=match):
+        T.load_config(None, {**TINY, "mhc_options": options, "run_dir": str(tmp_path / "r")})
+    with pytest.raises(error, match=match):
+        T.train(T.TrainConfig(**TINY, mhc_options=options, run_dir=str(tmp_path / "r")))
+    assert not (tmp_path / "r").exists()
+    code = cli.main(["--run-dir", str(tmp_path / "cli"), "--set", f"mhc_options={options}", *_sets(**TINY)])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: " in err and match.split()[0] in err, err
+    assert not (tmp_path / "cli").exists()
+
+
+def test_fused_projection_false_lasts_only_for_the_run(tmp_path, monkeypatch):
+    """fused_projection=false turns the CUDA projection kernels off (projection_cuda.set_enabled) for the run
+    only, and restores the setting it found however the run ends."""
+    from mhc import projection_cuda
+    from mhc.train import RunDirLock
+
+    calls = []
+    real_set_enabled = projection_cuda.set_enabled
+
+    def recording_set_enabled(enabled):
+        calls.append(enabled)
+        return real_set_enabled(enabled)
+
+    monkeypatch.setattr(projection_cuda, "set_enabled", recording_set_enabled)
+    cfg = T.TrainConfig(**{**TINY, "max_steps": 1}, fused_projection=False, run_dir=str(tmp_path / "run"))
+    with RunDirLock(tmp_path / "run"), pytest.raises(T.RunDirLockedError):
+        T.train(cfg)
+    assert calls == [False, True] and real_set_enabled(True) is True  # off for the run, then on again
+    calls.clear()
+    assert T.train(cfg)["steps"] == 1
+    assert calls == [False, True] and real_set_enabled(True) is True
+    calls.clear()
+    real_set_enabled(False)  # a user's own setting is what the run restores
+    T.train(T.TrainConfig(**{**TINY, "max_steps": 1}, fused_projection=False, run_dir=str(tmp_path / "again")))
+    assert calls == [False, False] and real_set_enabled(True) is False
+    calls.clear()
+    T.train(T.TrainConfig(**{**TINY, "max_steps": 1}, run_dir=str(tmp_path / "fused")))
+    assert calls == []  # fused_projection=true (the default) leaves the switch alone

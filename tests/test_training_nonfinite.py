@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mhc import training as T
+from mhc import train as T
 
 TINY = dict(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mhc import training as T
+from mhc import train as T
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(

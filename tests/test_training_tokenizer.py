@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from mhc import training as T
-from mhc.checkpoint_io import TOKENIZER_FILES
+from mhc import train as T
+from mhc.train.checkpoint import TOKENIZER_FILES
 
 TEXT = "def f(x):\n    return x ** 2  # ünïcödé ✓ 🚀\n\tprint('hi')\r\n\x00\x7f end"
 

@@ -38,6 +38,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "write_model_dir",
     "atomic_write_bytes",
     "fsync_dir",
+    "sha256_file",
+    "TOKENIZER_FILES",
 ]
 
 # 1: trainer state as a torch pickle (trainer_state.pt), no longer loaded. 2: JSON + safetensors.
@@ -148,6 +151,7 @@ def decode_tree(tree: Any, tensors: dict[str, Tensor]) -> Any:
 
 
 def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as 64 hex digits (read in 4 MiB blocks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -167,6 +171,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (renames into it) to disk, where the OS allows it."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -195,8 +200,6 @@ def write_model_dir(directory: Path, model_config, state_dict: dict[str, Tensor]
     Returns the aliases (tied weights) that were left out of ``model.safetensors``.
     ``after_file(k)`` is called after each of the three writes.
     """
-    from safetensors.torch import save_file
-
     after_file = after_file or (lambda k: None)
     directory.mkdir(parents=True, exist_ok=True)
     model_config.save_pretrained(str(directory))
@@ -237,8 +240,6 @@ def save_checkpoint(
     ``latest`` or the new one, plus temporaries that the next run removes. ``keep > 0``
     keeps that many complete checkpoints (see :func:`prune_checkpoints`); 0 keeps all.
     """
-    from safetensors.torch import save_file
-
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = ckpt_root / name
@@ -440,8 +441,6 @@ def _old_format(path: Path, fmt: int = 1) -> CheckpointError:
 
 
 def _read_trainer_state(path: Path) -> dict:
-    from safetensors.torch import load_file
-
     try:
         tree = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         tensors = load_file(str(path / TRAINER_TENSORS))
@@ -462,8 +461,6 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
 
 def load_checkpoint_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict]:
     """Verify and load a checkpoint: ``(model state dict, trainer state)``. Nothing is unpickled."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     manifest = verify_checkpoint(path)
     try:

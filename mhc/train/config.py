@@ -1,0 +1,349 @@
+"""A run's settings: :class:`TrainConfig`, YAML files with ``base:`` inheritance, ``key=value`` overrides.
+
+Every setting is checked before anything is set up (:meth:`TrainConfig.validate`): a bad value raises
+``ValueError``/``TypeError`` naming the key, a misspelled key :class:`ConfigKeyError` with the closest
+known keys. The mHC settings go through the same check as :class:`mhc.MHCBlock` and
+:class:`mhc.MHCConfig` (:func:`mhc_config_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..block import OPTION_NAMES, check_options
+from ..hf import MHC_FIELDS
+
+__all__ = [
+    "VARIANTS",
+    "TOKENIZERS",
+    "TrainConfig",
+    "ConfigKeyError",
+    "mhc_config_options",
+    "parse_device",
+    "apply_overrides",
+    "read_yaml",
+    "load_config",
+    "config_yaml",
+    "cache_root",
+]
+
+VARIANTS = ("residual", "hc", "mhc")
+TOKENIZERS = ("byte", "bpe", "gpt2")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run. YAML files and ``--set key=value`` fill these fields."""
+
+    # run
+    run_dir: str = ""  # default: runs/<config name>
+    seed: int = 0
+    # model (Llama-style base config, wrapped by MHCForCausalLM)
+    variant: str = "mhc"  # residual | hc | mhc
+    n_streams: int = 4  # forced to 1 for residual
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0: same as num_heads
+    intermediate_size: int = 344
+    seq_len: int = 128
+    tie_embeddings: bool = False
+    attention_dropout: float = 0.0  # dropout on the attention probabilities while training
+    mhc_options: dict = field(default_factory=dict)  # extra MHCConfig kwargs (projection, init, ...)
+    # data
+    data: str = "stdlib"  # "stdlib", "python" (stdlib + site-packages .py), or comma-separated files/folders
+    data_extensions: str = ""  # for folders: comma-separated suffixes, "" = every UTF-8 text file
+    max_corpus_mb: float = 0.0  # 0: the whole corpus
+    val_fraction: float = 0.05
+    split_chunk_chars: int = 8192
+    # tokenizer
+    tokenizer: str = "byte"  # byte | bpe | gpt2
+    bpe_vocab_size: int = 4096
+    bpe_train_mb: float = 16.0  # train the BPE on (at most) this many MB of the training split
+    tokenizer_path: str = ""  # gpt2: folder with vocab.json/encoder.json and merges.txt/vocab.bpe
+    cache_dir: str = ""  # default: $XDG_CACHE_HOME/mhc or ~/.cache/mhc
+    # optimisation
+    batch_size: int = 16  # sequences per rank per micro-step
+    grad_accum: int = 1
+    max_steps: int = 0  # 0: derived from `tokens`
+    tokens: int = 0  # token budget (used when max_steps is 0)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
+    max_time_s: float = 0.0  # stop early by wall clock (0: never); the summary says so
+    # hardware
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    dist: str = "ddp"  # ddp | fsdp (used under torchrun with >1 process)
+    compile: bool = False
+    fused_projection: bool = True  # False: keep H_res on the PyTorch Newton path even on CUDA
+    threads: int = 0  # CPU threads (0: torch's default)
+    # logging, evaluation, checkpoints
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8  # validation batches of the global batch size (fixed, evenly spaced windows)
+    ckpt_interval: int = 200  # 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    spike_threshold: float = 0.25  # a spike: loss > (1 + this) x EMA of earlier losses, after warmup
+    progress: bool = True
+    plots: bool = True
+    stop_at_step: int = 0  # simulate an interruption: stop after this step without a final checkpoint
+
+    def validate(self) -> None:
+        """Check every key before anything is set up; raise ``ValueError`` (or ``TypeError``) naming the key."""
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if self.dist not in ("ddp", "fsdp"):
+            raise ValueError(f"dist must be 'ddp' or 'fsdp', got {self.dist!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        parse_device(self.device)
+        if self.max_steps <= 0 and self.tokens <= 0:
+            raise ValueError("set max_steps or tokens (a token budget)")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):  # NaN fails both
+                raise ValueError(f"{name} must be >= 0 (0: {_ZERO_MEANS[name]}), got {value}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps}")
+        for name in ("beta1", "beta2", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (self.spike_threshold > 0 and math.isfinite(self.spike_threshold)):
+            raise ValueError(f"spike_threshold must be a finite number > 0, got {self.spike_threshold}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
+            raise ValueError(f"bpe_vocab_size must be >= 258 (256 bytes, end-of-text, one merge), got {self.bpe_vocab_size}")
+        mhc_config_options(self)
+
+    @property
+    def streams(self) -> int:
+        """The number of residual streams the model gets: ``n_streams``, or 1 for ``variant="residual"``."""
+        return 1 if self.variant == "residual" else self.n_streams
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as a plain dict (what ``config.yaml`` and the checkpoints store)."""
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_AT_LEAST_ONE = (
+    "batch_size grad_accum seq_len num_layers hidden_size num_heads n_streams intermediate_size "
+    "split_chunk_chars log_interval eval_batches"
+).split()
+_ZERO_MEANS = {
+    "num_kv_heads": "as many as num_heads",
+    "max_corpus_mb": "the whole corpus",
+    "bpe_train_mb": "the whole training split",
+    "max_steps": "derived from tokens",
+    "tokens": "max_steps decides",
+    "warmup_steps": "no warmup",
+    "weight_decay": "none",
+    "grad_clip": "no clipping",
+    "max_time_s": "no time limit",
+    "threads": "torch's default",
+    "eval_interval": "only the final evaluation",
+    "ckpt_interval": "only the final checkpoint",
+    "keep_checkpoints": "keep all",
+    "stop_at_step": "never",
+}
+_NON_NEGATIVE = tuple(_ZERO_MEANS)
+
+
+class ConfigKeyError(KeyError, ValueError):
+    """An unknown (e.g. misspelled) config key; the message suggests the closest known keys."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def unknown_key_error(name: str, known, what: str = "config key") -> ConfigKeyError:
+    """A :class:`ConfigKeyError` for ``name``, suggesting up to three close names of ``known``."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigKeyError(f"unknown {what} {name!r}{hint}")
+
+
+# MHCConfig settings the trainer fills itself: the wrapped config, and the top-level n_streams and variant.
+_SET_BY_TRAINER = ("base_config", "n_streams", "mode")
+MHC_OPTION_KEYS = tuple(k for k in MHC_FIELDS if k not in _SET_BY_TRAINER)
+
+
+def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The mHC settings of ``MHCConfig`` for ``cfg``: ``n_streams`` (:attr:`~TrainConfig.streams`),
+    ``mode`` (the variant) and ``cfg.mhc_options``, checked and normalised.
+
+    The site options among them go through :func:`mhc.block.check_options`, the check that
+    :class:`mhc.MHCBlock` and :class:`mhc.MHCConfig` apply; ``expand`` and ``reduce`` (model-level
+    settings, not site options) are checked by ``MHCConfig`` itself when the model is built.
+
+    Raises:
+        TypeError: ``mhc_options`` is not a mapping, or a value of the wrong type.
+        ValueError: a value out of range; a key the trainer sets itself (``mode``, ``n_streams``).
+        ConfigKeyError: an unknown ``mhc_options`` key (a ``ValueError`` too), with the closest keys.
+    """
+    options = cfg.mhc_options
+    if not isinstance(options, dict):
+        raise TypeError(f"mhc_options must be a mapping, got {options!r}")
+    for key in options:
+        if key in _SET_BY_TRAINER:
+            raise ValueError(f"mhc_options.{key} is set by the trainer; use the top-level key instead")
+        if key not in MHC_OPTION_KEYS:
+            raise unknown_key_error(str(key), MHC_OPTION_KEYS, "mhc_options key")
+    settings = {"n_streams": cfg.streams, "mode": cfg.variant, **options}
+    site_options = {k: v for k, v in settings.items() if k in OPTION_NAMES}
+    return {**settings, **check_options(**site_options)}
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``"auto" | "cpu" | "cuda" | "cuda:N"`` -> ``(kind, index)``; anything else raises ``ValueError``."""
+    m = re.fullmatch(r"(auto|cpu|cuda)(?::(\d+))?", str(device).strip())
+    if not m or (m.group(2) is not None and m.group(1) != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Coerce a YAML or command-line value to the type of ``TrainConfig.<name>``."""
+    if name not in FIELDS:
+        raise unknown_key_error(name, FIELDS)
+    default = FIELDS[name].default
+    if FIELDS[name].default_factory is not dataclasses.MISSING:  # dict
+        if isinstance(value, str):
+            value = yaml.safe_load(value) or {}
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a mapping, got {value!r}")
+        return value
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{name} needs a boolean, got {value!r}")
+        return bool(value)
+    if kind is int:
+        if isinstance(value, str):
+            value = float(value.replace("_", "")) if any(c in value for c in ".eE") else int(value.replace("_", ""))
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{name} needs an integer, got {value}")
+            value = int(value)
+        return int(value)
+    if kind is float:
+        return float(value)
+    return "" if value is None else str(value)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any] | Sequence[str]) -> TrainConfig:
+    """Return ``cfg`` with overrides applied: a mapping, or ``["key=value", ...]`` strings.
+
+    Values are coerced to each field's type (``"1e3"`` for an int field is 1000).
+    """
+    if not isinstance(overrides, dict):
+        pairs = {}
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not key=value")
+            k, v = item.split("=", 1)
+            pairs[k.strip().replace("-", "_")] = v.strip()
+        overrides = pairs
+    values = cfg.to_dict()
+    for k, v in overrides.items():
+        values[k] = _coerce(k, v)
+    return TrainConfig(**values)
+
+
+def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The keys of a YAML config, with those of its ``base:`` file (relative to it) underneath.
+
+    ``mhc_options`` mappings merge key by key; every other key of the file replaces its base's.
+    """
+    path = path.resolve()
+    if path in seen:
+        raise ValueError(f"config inheritance loop through {path}")
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a config must be a YAML mapping")
+    base = raw.pop("base", None)
+    merged: dict[str, Any] = {}
+    if base:
+        merged.update(read_yaml(path.parent / base, seen + (path,)))
+    for k, v in raw.items():
+        if k == "mhc_options" and isinstance(v, dict):
+            merged[k] = {**merged.get(k, {}), **v}
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig:
+    """Load a YAML config (following ``base:`` links), then apply overrides, then validate.
+
+    The run directory defaults to ``runs/<config file stem>`` (``runs/default`` without a file).
+    """
+    cfg = TrainConfig()
+    if path is not None:
+        values = read_yaml(Path(path))
+        cfg = apply_overrides(cfg, values)
+        if not cfg.run_dir:
+            cfg.run_dir = str(Path("runs") / Path(path).stem)
+    cfg = apply_overrides(cfg, overrides)
+    if not cfg.run_dir:
+        cfg.run_dir = "runs/default"
+    cfg.validate()
+    return cfg
+
+
+def config_yaml(cfg: TrainConfig, overrides: Sequence[dict] = ()) -> str:
+    """``config.yaml`` of a run: its settings, after a comment line per ``--resume-override``.
+
+    ``overrides``: ``{"step": int, "changes": {key: [old, new]}}`` records, oldest first.
+    """
+    notes = "".join(
+        f"# --resume-override at step {o['step']}: "
+        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in o["changes"].items())
+        + "\n"
+        for o in overrides
+    )
+    return notes + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def cache_root(cfg: TrainConfig) -> Path:
+    """Where tokenizers and token arrays are cached: ``cache_dir``, else ``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc``."""
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mhc"

@@ -1,0 +1,379 @@
+"""The training loop: :func:`train` reads top to bottom, one commented stage after another.
+
+Setup (processes, run dir, data), resume point, model, optimizer, the step loop (log, evaluate,
+checkpoint, stop), the end (final evaluation and checkpoint, ``model/``, ``summary.json``, plots).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .. import projection_cuda
+from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_write_bytes, save_checkpoint
+from .config import TrainConfig, config_yaml
+from .data import PackedData, prepare_data, unigram_entropy
+from .distributed import (
+    DistInfo,
+    all_reduce_mean,
+    all_reduce_sum,
+    barrier,
+    broadcast_flag,
+    full_state,
+    gather_objects,
+    setup_distributed,
+    shard_optimizer_state,
+    shutdown_distributed,
+    wrap_model,
+)
+from .model import build_model, build_optimizer, count_parameters, restore_optimizer
+from .reporting import (
+    ConvergenceWarningCounter,
+    MainProcessLog,
+    MetricsLog,
+    SpikeTracker,
+    Throughput,
+    composite_gains_of,
+    eval_record,
+    plot_run,
+    train_record,
+)
+from .resume import load_resume_point
+from .rng import rng_state, seed_all, set_rng_state
+from .run_dir import RunDirLock, claim_run_dir, replace_model_dir
+
+__all__ = ["train", "Counters"]
+
+
+@dataclass
+class Counters:
+    """What a run has counted so far; saved in every checkpoint and restored on resume."""
+
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    elapsed_s: float = 0.0  # training wall time, over all sessions of the run
+    max_grad_norm: float = 0.0  # the largest finite gradient norm (before clipping) of a step taken
+    skipped_steps: int = 0  # steps whose loss or gradient was not finite: no update
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, resume_override: bool = False) -> dict:
+    """Run (or resume) training as ``cfg`` says; return the summary (also written to ``summary.json``).
+
+    Under ``torchrun`` with more than one process it trains with DDP
+    (``cfg.dist="ddp"``) or FSDP2 (``cfg.dist="fsdp"``).
+
+    The run directory is locked for the whole run (:class:`mhc.train.RunDirLock`, rank 0):
+    a second process raises :class:`RunDirLockedError` at once, and under ``torchrun`` every
+    rank stops when rank 0 cannot set up the folder. A fresh run refuses a folder that already
+    holds any run output (``FileExistsError``); ``overwrite`` deletes those outputs first,
+    and nothing else in the folder is ever deleted.
+
+    With ``resume`` it continues from the run directory's latest checkpoint. ``cfg`` must then
+    be the run's own settings (:func:`resume_config` builds them): keys that differ from the
+    checkpoint's config raise :class:`CheckpointError` listing them, except the
+    :data:`RESUME_SESSION` keys; ``resume_override`` lets the other keys change (recorded in
+    ``config.yaml``), but :data:`RESUME_FIXED` keys can never change.
+
+    A run stopped by ``cfg.stop_at_step`` returns ``{"interrupted": True, "step": step}``.
+    """
+    # ---- setup: processes and device (a bad device stops here), the locked run dir ----
+    cfg.validate()
+    info, device = setup_distributed(cfg)
+    log = MainProcessLog(info)
+    run_dir, ckpt_root = Path(cfg.run_dir), Path(cfg.run_dir) / "checkpoints"
+    lock = RunDirLock(run_dir) if info.is_main else None
+    # fused_projection: false keeps H_res on the PyTorch Newton path even on CUDA, for this run only.
+    cuda_kernels_before = None if cfg.fused_projection else projection_cuda.set_enabled(False)
+    try:
+        claim_run_dir(run_dir, lock, info, device, resume=resume, overwrite=overwrite, log=log)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+
+        # ---- resume: the checkpoint to continue from, checked before the data (a refused resume stops at once) ----
+        point = load_resume_point(cfg, info.world, resume_override=resume_override, log=log) if resume else None
+        state = point.trainer_state if point else None
+
+        # ---- data: rank 0 fills the tokenizer/token caches, the other ranks then read them ----
+        seed_all(cfg.seed)
+        if not info.is_main:
+            barrier(info)
+        data, tok, corpus = prepare_data(cfg, log=log)
+        if info.is_main:
+            barrier(info)
+        h_unigram = unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
+        tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
+        max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
+
+        # ---- model: built from the seed, then the checkpoint's weights; wrapped for DDP/FSDP2 ----
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, tok.vocab_size, tok.eos_id)
+        n_params = count_parameters(model)
+        model.to(device)
+        if point is not None:
+            missing, unexpected = model.load_state_dict(point.model_state, strict=False)
+            if missing or unexpected:
+                raise CheckpointError(f"checkpoint {point.path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        fsdp = info.enabled and cfg.dist == "fsdp"
+        train_model = wrap_model(model, cfg, info, device)
+        use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        autocast = contextlib.nullcontext
+        if use_bf16:
+            autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+
+        # ---- optimizer, schedule, counters: fresh, or as the checkpoint left them (RNG last) ----
+        optimizer, scheduler = build_optimizer(model, cfg, max_steps, device)
+        spikes = SpikeTracker(cfg.spike_threshold, cfg.warmup_steps)
+        counters = Counters()
+        if state is not None:
+            opt_state = shard_optimizer_state(optimizer, state["optimizer"], device) if fsdp else state["optimizer"]
+            restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
+            spikes.load_state_dict(state["spikes"])
+            counters = Counters(state["step"], state.get("elapsed_s", 0.0), state.get("max_grad_norm", 0.0),
+                                state.get("skipped_steps", 0))  # fmt: skip
+            set_rng_state(state["rng"][info.rank], device)
+            log(f"resumed from {point.path} at step {counters.step}")
+        start_step = counters.step
+        overrides = point.overrides if point else []
+
+        # ---- run files: metrics.jsonl (kept up to the checkpoint on resume), config.yaml ----
+        metrics = MetricsLog(run_dir / "metrics.jsonl", info.is_main, start_step if state is not None else None,
+                             finished=state is not None and start_step >= max_steps)  # fmt: skip
+        if info.is_main:
+            atomic_write_bytes(run_dir / "config.yaml", config_yaml(cfg, overrides).encode())
+        wrapping = " (FSDP2)" if fsdp else " (DDP)" if info.enabled else ""
+        log(
+            f"model: {cfg.variant} (n_streams={cfg.streams}), {cfg.num_layers} layers x {cfg.hidden_size}, "
+            f"{n_params / 1e6:.2f}M parameters; {info.world} process(es) on {device.type}{wrapping}, "
+            f"{'bf16 autocast' if use_bf16 else 'fp32'}; {max_steps} steps x {tokens_per_step:,} tokens"
+        )
+        log(f"unigram entropy of the data: {h_unigram:.4f} nats/token ({h_unigram / math.log(2):.3f} bits)")
+        val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
+        diag_ids = val_windows[:2].to(device)  # the composite gains are measured on these (model, not DDP)
+        to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
+                       max_steps=max_steps, overrides=overrides)  # what every checkpoint holds  # fmt: skip
+
+        # ---- the step loop: one optimizer step per iteration; then log, evaluate, checkpoint, stop ----
+        interrupted = stopped_early = False
+        last_val, throughput, t0 = None, Throughput(), time.perf_counter()
+        elapsed_before = counters.elapsed_s
+        bar = tqdm(total=max_steps, initial=start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True,
+                   mininterval=1.0, desc=cfg.variant, file=sys.stderr)  # fmt: skip
+        train_model.train()
+        with bar, ConvergenceWarningCounter(bar.write, show=info.is_main) as projection_warnings:
+            while counters.step < max_steps:
+                optimizer.zero_grad(set_to_none=True)
+                loss, gnorm = forward_backward(train_model, model, data, counters.step, cfg, info, device, autocast)
+                finite = math.isfinite(gnorm) and math.isfinite(loss)
+                if finite:
+                    optimizer.step()
+                    counters.max_grad_norm = max(counters.max_grad_norm, gnorm)
+                else:  # a NaN/Inf loss or gradient on some rank: no update from this batch, on any rank
+                    counters.skipped_steps += 1
+                    if counters.skipped_steps == 1:
+                        what = "loss" if not math.isfinite(loss) else "gradient"
+                        bar.write(f"step {counters.step + 1}: non-finite {what}; the update is skipped (every skipped "
+                                  f"step is in metrics.jsonl, the count in summary.json)", file=sys.stderr)  # fmt: skip
+                lr = optimizer.param_groups[0]["lr"]
+                scheduler.step()
+                counters.step += 1
+                step, tokens = counters.step, counters.step * tokens_per_step
+                is_spike = spikes.update(step, loss)
+                now = time.perf_counter()
+                throughput.tick(step - start_step, now)
+                counters.elapsed_s = elapsed_before + now - t0
+                bar.update(1)
+                # log
+                if step % cfg.log_interval == 0 or step in (1, max_steps) or is_spike or not finite:
+                    metrics.write(train_record(step, tokens, loss, lr, gnorm, spike=is_spike, skipped=not finite,
+                                               time_s=counters.elapsed_s))  # fmt: skip
+                    bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}" if last_val else "-", refresh=False)
+                if step >= max_steps:
+                    break  # the end below evaluates and checkpoints the last step
+                # evaluate
+                if cfg.eval_interval and step % cfg.eval_interval == 0:
+                    last_val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
+                    gains = composite_gains_of(model, diag_ids)
+                    metrics.write(eval_record(step, tokens, last_val, gains, counters.elapsed_s))
+                # checkpoint
+                if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
+                    save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
+                # stop early: a simulated interruption, or the wall-clock budget (rank 0's clock decides)
+                if cfg.stop_at_step and step >= cfg.stop_at_step:
+                    interrupted = True
+                    break
+                if cfg.max_time_s > 0 and broadcast_flag(counters.elapsed_s >= cfg.max_time_s, info, device):
+                    stopped_early = True
+                    log(f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent")
+                    break
+        counters.elapsed_s = elapsed_before + time.perf_counter() - t0
+        tokens_per_s = throughput.tokens_per_s(tokens_per_step, time.perf_counter())
+        step, tokens = counters.step, counters.step * tokens_per_step
+        if interrupted:
+            metrics.close()
+            log(f"stopped at step {step} (stop_at_step); resume with --resume")
+            return {"interrupted": True, "step": step}
+
+        # ---- the end: final evaluation and checkpoint, model/, summary.json, plots ----
+        val_loss = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
+        gains = composite_gains_of(model, diag_ids)
+        metrics.write(eval_record(step, tokens, val_loss, gains, counters.elapsed_s))
+        if state is None or step > start_step:  # a finished run resumed again keeps its final checkpoint as it is
+            save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
+        model_sd = full_state(model.state_dict())
+        summary = {
+            "variant": cfg.variant,
+            "n_streams": cfg.streams,
+            "params": n_params,
+            "steps": step,
+            "max_steps": max_steps,
+            "tokens": tokens,
+            "world_size": info.world,
+            "dist": (cfg.dist if info.enabled else "none"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "precision": "bf16-autocast" if use_bf16 else "fp32",
+            "final_val_loss": val_loss,
+            "final_train_loss": spikes.ema,
+            "unigram_entropy": h_unigram,
+            "beats_unigram": bool(val_loss < h_unigram),
+            "loss_spikes": spikes.spikes,
+            "max_grad_norm": counters.max_grad_norm,
+            "skipped_steps": counters.skipped_steps,
+            "projection_warnings": projection_warnings.count,
+            "train_time_s": counters.elapsed_s,
+            "tokens_per_s": tokens_per_s,
+            "stopped_early": stopped_early,
+            "composite_gains": gains,
+            "fwd_gain_full_depth": gains["forward_gain"][-1] if gains else None,
+            "bwd_gain_full_depth": gains["backward_gain"][-1] if gains else None,
+            "fwd_gain_max": max(gains["forward_gain"]) if gains else None,
+            "bwd_gain_max": max(gains["backward_gain"]) if gains else None,
+            "tokenizer": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "data": corpus.source,
+        }
+        if info.is_main:
+            metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k != "composite_gains"}})
+            replace_model_dir(run_dir, model.config, model_sd, tok)
+            atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
+            if cfg.plots:
+                plot_run(run_dir)
+        metrics.close()
+        barrier(info)
+        log(
+            f"val loss {val_loss:.4f} nats/token vs unigram entropy {h_unigram:.4f}: "
+            f"{'below' if val_loss < h_unigram else 'NOT below'}; {step} steps in {counters.elapsed_s:.1f} s"
+            + (f" ({tokens_per_s:,.0f} tokens/s)" if tokens_per_s else "")
+        )
+        if gains:
+            log(
+                f"composite mapping at full depth ({len(gains['forward_gain'])} sites): "
+                f"forward gain {gains['forward_gain'][-1]:.4g}, backward gain {gains['backward_gain'][-1]:.4g}"
+            )
+        log(f"run dir: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
+        return summary
+    finally:
+        if cuda_kernels_before is not None:
+            projection_cuda.set_enabled(cuda_kernels_before)
+        if lock is not None:
+            lock.release()
+        shutdown_distributed(info)
+
+
+# --------------------------------------------------------------------------------------
+# One step, evaluation, checkpoints
+# --------------------------------------------------------------------------------------
+
+
+def lm_loss(model: nn.Module, ids: Tensor, autocast) -> Tensor:
+    """Mean next-token cross-entropy (float32) of ``ids`` (``[B, S]`` int64) under ``autocast()``."""
+    with autocast():
+        logits = model(input_ids=ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def forward_backward(
+    train_model: nn.Module, model: nn.Module, data: PackedData, step: int, cfg: TrainConfig, info: DistInfo, device, autocast
+) -> tuple[float, float]:
+    """Gradients (into zeroed ``.grad``) of optimizer step ``step`` (0-based), accumulated over ``cfg.grad_accum`` micro-batches, clipped.
+
+    Rank ``r``'s micro-batch ``m`` is global samples ``(step * accum + m) * world + r`` times
+    ``batch_size`` on: the data position is the step count. Returns the loss averaged over
+    micro-batches and ranks, and the gradient norm before clipping; both are the same on every
+    rank, so all ranks skip a non-finite step together.
+    """
+    per_rank = cfg.batch_size
+    global_per_step = per_rank * cfg.grad_accum * info.world
+    ddp = info.enabled and cfg.dist != "fsdp"
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum):
+        start = step * global_per_step + (micro * info.world + info.rank) * per_rank
+        ids = data.train_batch(start, per_rank).to(device, non_blocking=True)
+        # DDP all-reduces gradients at every backward; only the last micro-batch's needs to.
+        sync = train_model.no_sync() if ddp and micro < cfg.grad_accum - 1 else contextlib.nullcontext()
+        with sync:
+            loss = lm_loss(train_model, ids, autocast)
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach().float()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)  # a DTensor under FSDP2
+    loss = all_reduce_mean([float(loss_sum) / cfg.grad_accum], info, device)[0]
+    return loss, gnorm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: Tensor, batch_size: int, info: DistInfo, device, autocast) -> float:
+    """Mean loss over ``windows`` (``[N, S]`` int64), each rank taking every ``world``-th one; weighted by window."""
+    model.eval()
+    total, count = 0.0, 0
+    mine = windows[info.rank :: info.world]
+    for i in range(0, len(mine), batch_size):
+        ids = mine[i : i + batch_size].to(device)
+        total += lm_loss(model, ids, autocast).item() * len(ids)
+        count += len(ids)
+    total, count = all_reduce_sum([total, float(count)], info, device)
+    model.train()
+    return total / max(count, 1)
+
+
+def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, device, *, model, optimizer, scheduler,
+                        spikes: SpikeTracker, counters: Counters, tok, max_steps: int, overrides: list[dict]) -> None:  # fmt: skip
+    """Save checkpoint ``counters.step`` of the run (a collective: every rank calls it; rank 0 writes).
+
+    The trainer state holds what resuming needs to continue exactly: the optimizer (gathered into
+    full tensors under FSDP2), scheduler, spike tracker, every rank's RNG states, counters, the
+    data position, the run's config and its ``--resume-override`` records.
+    """
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
+    rngs = gather_objects(rng_state(device), info)
+    trainer_state = {
+        "format": CHECKPOINT_FORMAT,
+        "step": counters.step,
+        "max_steps": max_steps,
+        "tokens_seen": counters.step * tokens_per_step,
+        "data_cursor": counters.step * cfg.batch_size * cfg.grad_accum * info.world,
+        "optimizer": full_state(optimizer.state_dict()),
+        "scheduler": scheduler.state_dict(),
+        "spikes": spikes.state_dict(),
+        "rng": rngs,
+        "world": info.world,
+        "elapsed_s": counters.elapsed_s,
+        "max_grad_norm": counters.max_grad_norm,
+        "skipped_steps": counters.skipped_steps,
+        "config": cfg.to_dict(),
+        "overrides": overrides,
+    }
+    model_sd = full_state(model.state_dict())
+    if info.is_main:
+        save_checkpoint(ckpt_root, counters.step, model.config, model_sd, trainer_state, tok, cfg.keep_checkpoints)
+    barrier(info)

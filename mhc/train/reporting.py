@@ -1,0 +1,255 @@
+"""What a run reports: ``metrics.jsonl`` records, loss spikes, throughput, projection warnings, gains, plots.
+
+``metrics.jsonl`` holds one JSON object a line, with ``kind``:
+
+* ``"train"``: ``step``, ``tokens``, ``loss``, ``lr``, ``grad_norm``, ``spike``, ``skipped``, ``time_s``
+  (every ``log_interval`` steps, and at step 1, the last step, spikes and skipped steps);
+* ``"eval"``: ``step``, ``tokens``, ``val_loss``, ``fwd_gain``, ``bwd_gain`` (full-depth composite
+  gains, None without mHC sites), ``time_s``;
+* ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..diagnostics import collect_h_res, composite_gains
+from ..projection import ConvergenceWarning
+from .distributed import DistInfo
+
+__all__ = [
+    "read_metrics",
+    "MetricsLog",
+    "train_record",
+    "eval_record",
+    "SpikeTracker",
+    "Throughput",
+    "ConvergenceWarningCounter",
+    "MainProcessLog",
+    "composite_gains_of",
+    "plot_run",
+]
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Records of a ``metrics.jsonl`` file (a torn last line is skipped; a missing file has none)."""
+    out = []
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class MetricsLog:
+    """Appends records to ``metrics.jsonl`` (rank 0 only: ``enabled``), one flushed line each.
+
+    Args:
+        path: the file.
+        enabled: False on ranks that write nothing.
+        keep_upto_step: None for a fresh run (the file starts empty); on resume, the checkpoint's
+            step: later records are dropped, as the resumed run writes them again.
+        finished: the resumed run had already ended (its final evaluation is redone too).
+    """
+
+    def __init__(self, path: Path, enabled: bool, keep_upto_step: int | None, finished: bool = False):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if keep_upto_step is None:
+            path.write_text("")
+        else:
+            kept = [
+                r
+                for r in read_metrics(path)
+                if r.get("step", 0) <= keep_upto_step
+                and r.get("kind") != "final"
+                and not (finished and r.get("kind") == "eval" and r.get("step") == keep_upto_step)
+            ]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        """Append one record."""
+        if self.enabled:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        if self.enabled:
+            self.f.close()
+
+
+def train_record(step: int, tokens: int, loss: float, lr: float, grad_norm: float, *, spike: bool, skipped: bool,
+                 time_s: float) -> dict:  # fmt: skip
+    """A ``"train"`` record of ``metrics.jsonl``."""
+    return {"kind": "train", "step": step, "tokens": tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "spike": spike, "skipped": skipped, "time_s": round(time_s, 3)}  # fmt: skip
+
+
+def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, time_s: float) -> dict:
+    """An ``"eval"`` record of ``metrics.jsonl``; ``gains`` as :func:`composite_gains_of` returns them."""
+    return {
+        "kind": "eval",
+        "step": step,
+        "tokens": tokens,
+        "val_loss": val_loss,
+        "fwd_gain": gains["forward_gain"][-1] if gains else None,
+        "bwd_gain": gains["backward_gain"][-1] if gains else None,
+        "time_s": round(time_s, 3),
+    }
+
+
+class SpikeTracker:
+    """Counts steps whose loss exceeds ``(1 + threshold)`` x the EMA of the earlier losses, after warmup.
+
+    A non-finite loss after warmup is a spike too, and leaves the EMA as it was.
+    """
+
+    def __init__(self, threshold: float, warmup: int, beta: float = 0.95):
+        self.threshold, self.warmup, self.beta = threshold, warmup, beta
+        self.ema: float | None = None
+        self.spikes = 0
+
+    def update(self, step: int, loss: float) -> bool:
+        """Record the loss of ``step`` (1-based); return whether it is a spike."""
+        spike = False
+        if not math.isfinite(loss):
+            spike = step > self.warmup
+        elif self.ema is not None and step > self.warmup and loss > (1 + self.threshold) * self.ema:
+            spike = True
+        if spike:
+            self.spikes += 1
+        if math.isfinite(loss):
+            self.ema = loss if self.ema is None else self.beta * self.ema + (1 - self.beta) * loss
+        return spike
+
+    def state_dict(self) -> dict:
+        """The EMA and the count (saved in checkpoints)."""
+        return {"ema": self.ema, "spikes": self.spikes}
+
+    def load_state_dict(self, s: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.ema, self.spikes = s["ema"], s["spikes"]
+
+
+class Throughput:
+    """Tokens per second over the steps after the first three of this process (compilation, caches warm up)."""
+
+    WARMUP_STEPS = 3
+
+    def __init__(self):
+        self.start: float | None = None
+        self.steps = 0
+
+    def tick(self, steps_done: int, now: float) -> None:
+        """Call after each step; ``steps_done`` counts the steps this process has run."""
+        if steps_done == self.WARMUP_STEPS:
+            self.start, self.steps = now, 0
+        elif self.start is not None:
+            self.steps += 1
+
+    def tokens_per_s(self, tokens_per_step: int, now: float) -> float | None:
+        """The rate so far, or None before any timed step."""
+        if self.start is None or self.steps == 0:
+            return None
+        return self.steps * tokens_per_step / (now - self.start)
+
+
+class ConvergenceWarningCounter:
+    """A context: counts :class:`mhc.ConvergenceWarning` s (for the summary) and shows only the first.
+
+    Other warnings pass through as usual. The filters and ``warnings.showwarning`` are restored on exit.
+
+    Args:
+        write: prints a line above the progress bar (``tqdm.write``).
+        show: whether this process shows the first warning (rank 0).
+    """
+
+    def __init__(self, write, show: bool):
+        self.write, self.show = write, show
+        self.count = 0
+        self._catch = warnings.catch_warnings()
+
+    def __enter__(self) -> ConvergenceWarningCounter:
+        self._catch.__enter__()
+        self._passed_on = warnings.showwarning
+        warnings.simplefilter("always", ConvergenceWarning)
+        warnings.showwarning = self._showwarning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._catch.__exit__(*exc)
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, ConvergenceWarning):
+            self._passed_on(message, category, filename, lineno, file, line)
+            return
+        self.count += 1
+        if self.count == 1 and self.show:
+            self.write(f"warning (shown once; the count goes to summary.json): {message}", file=sys.stderr)
+
+
+class MainProcessLog:
+    """``log(msg)``: print on rank 0 (flushed), nothing on the other ranks."""
+
+    def __init__(self, info: DistInfo):
+        self.enabled = info.is_main
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+
+def composite_gains_of(model: nn.Module, input_ids: Tensor) -> dict[str, list[float]] | None:
+    """Per-depth composite forward/backward gains and spectral norms of the model's ``H_res`` on ``input_ids``.
+
+    None for a model without mHC sites; NaN everywhere for a diverged model (the run goes on).
+    """
+    try:
+        h_res = collect_h_res(model, input_ids=input_ids, use_cache=False)
+    except ValueError:  # no MHCBlock in the model
+        return None
+    if not all(bool(torch.isfinite(h).all()) for h in h_res):
+        nan = [float("nan")] * len(h_res)
+        return {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
+    return composite_gains(h_res).as_dict()
+
+
+def plot_run(run_dir: str | os.PathLike) -> list[Path]:
+    """Write ``loss.png`` and (with mHC sites) ``gains.png`` of a finished run directory; return their paths.
+
+    Reads ``metrics.jsonl`` and ``summary.json``; draws with :mod:`mhc.train.plots` (matplotlib).
+    """
+    # matplotlib only here: importing it takes about half a second, which runs with plots=false,
+    # ranks other than 0 and `import mhc.train` do not need to spend.
+    from .plots import plot_gains, plot_loss
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    title = f"{summary['variant']} (n={summary['n_streams']})"
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    out = [plot_loss(train, evals, title=title, unigram_entropy=summary["unigram_entropy"], path=run_dir / "loss.png")]
+    gains = summary.get("composite_gains")
+    if gains:
+        out.append(plot_gains(gains, title=title, step=summary["steps"], path=run_dir / "gains.png"))
+    return out

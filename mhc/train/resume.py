@@ -1,0 +1,141 @@
+"""What ``--resume`` continues with: the run's own settings, and which of them a resume may change.
+
+Key classes (the three tuples partition :class:`~mhc.train.TrainConfig`'s fields):
+
+* :data:`RESUME_FIXED`: the model's shape, the seed, the data and its order. Never change in a run.
+* :data:`RESUME_SESSION`: where and how this process runs (run dir, cache, threads, progress,
+  plots, ``stop_at_step``). Change freely.
+* :data:`RESUME_OVERRIDABLE`: everything else (schedule, optimizer, intervals, ...). Changes only
+  with ``resume_override`` (``--resume-override``); ``config.yaml`` records each change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, find_latest_checkpoint, load_checkpoint_state, read_checkpoint_config
+from .config import FIELDS, TrainConfig, apply_overrides, read_yaml
+
+__all__ = [
+    "RESUME_FIXED",
+    "RESUME_SESSION",
+    "RESUME_OVERRIDABLE",
+    "config_changes",
+    "check_resume_changes",
+    "resume_config",
+    "ResumePoint",
+    "load_resume_point",
+]
+
+RESUME_FIXED = tuple(
+    (
+        "seed variant n_streams hidden_size num_layers num_heads num_kv_heads intermediate_size seq_len "
+        "tie_embeddings mhc_options data data_extensions max_corpus_mb val_fraction split_chunk_chars "
+        "tokenizer bpe_vocab_size bpe_train_mb tokenizer_path batch_size grad_accum"
+    ).split()
+)
+RESUME_SESSION = ("run_dir", "cache_dir", "threads", "progress", "plots", "stop_at_step")
+RESUME_OVERRIDABLE = tuple(k for k in FIELDS if k not in RESUME_FIXED and k not in RESUME_SESSION)
+
+
+def config_changes(saved: dict, cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Keys (outside :data:`RESUME_SESSION`) whose value in ``cfg`` differs from a run's saved config:
+    ``{key: (saved value, new value)}``. Keys the saved config lacks count as their defaults."""
+    now, defaults = cfg.to_dict(), TrainConfig().to_dict()
+    return {
+        k: (saved.get(k, defaults[k]), now[k])
+        for k in now
+        if k not in RESUME_SESSION and saved.get(k, defaults[k]) != now[k]
+    }
+
+
+def check_resume_changes(changes: dict[str, tuple[Any, Any]], where, resume_override: bool) -> None:
+    """Refuse resuming with changed settings: always for :data:`RESUME_FIXED` keys, otherwise without override.
+
+    Raises:
+        CheckpointError: listing every changed key with its saved and new value.
+    """
+    fixed = {k: v for k, v in changes.items() if k in RESUME_FIXED}
+    if fixed:
+        lines = "\n  ".join(f"{k}: run {a!r}, now {b!r}" for k, (a, b) in fixed.items())
+        raise CheckpointError(
+            f"cannot resume {where}: these settings shape the model, the data or its order and cannot change "
+            f"in a run, not even with --resume-override:\n  {lines}\nStart a new run (another --run-dir) instead."
+        )
+    if changes and not resume_override:
+        lines = "\n  ".join(f"{k}: run {a!r}, now {b!r}" for k, (a, b) in changes.items())
+        raise CheckpointError(
+            f"cannot resume {where}: the run was trained with other settings:\n  {lines}\n"
+            f"Resume without these flags to continue the run exactly as it was, or add --resume-override to apply "
+            f"them from here on (config.yaml records the change)."
+        )
+
+
+def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig | None:
+    """The settings a run was trained with, plus ``overrides``: what ``--resume`` trains with.
+
+    They come from the run's latest checkpoint or, for a run stopped before its first checkpoint,
+    from its ``config.yaml``; ``None`` when ``run_dir`` holds neither. ``run_dir`` is set to the
+    given folder (the run may have moved) and ``stop_at_step`` starts at 0 again (it simulates one
+    interruption). Whether the overrides may change the run is checked by :func:`mhc.train.train`.
+    """
+    run_dir = Path(run_dir)
+    ckpt = find_latest_checkpoint(run_dir)
+    if ckpt is not None:
+        saved = read_checkpoint_config(ckpt)
+    elif (run_dir / "config.yaml").is_file():
+        saved = read_yaml(run_dir / "config.yaml")
+    else:
+        return None
+    unknown = [k for k in saved if k not in FIELDS]
+    if unknown:
+        raise CheckpointError(f"the run in {run_dir} was saved with config keys this version does not know: {unknown}")
+    base = dataclasses.replace(apply_overrides(TrainConfig(), saved), run_dir=str(run_dir), stop_at_step=0)
+    cfg = apply_overrides(base, overrides)
+    cfg.validate()
+    return cfg
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a resumed run continues from, loaded and checked against the run's settings."""
+
+    path: Path
+    model_state: dict[str, Tensor]
+    trainer_state: dict  # what mhc.train.loop saved: step, optimizer, scheduler, RNG, counters, config
+    overrides: list[dict]  # every --resume-override so far, this one included: {"step", "changes"}
+
+
+def load_resume_point(cfg: TrainConfig, world: int, *, resume_override: bool, log) -> ResumePoint | None:
+    """Load the run dir's latest checkpoint (``None`` if it has none) and check that ``cfg`` may continue it.
+
+    Raises:
+        CheckpointError: the checkpoint is bad, of another trainer-state format, was written by
+            another number of processes, or ``cfg`` changes settings it may not (:func:`check_resume_changes`).
+    """
+    path = find_latest_checkpoint(cfg.run_dir)
+    if path is None:
+        log(f"--resume: {cfg.run_dir} holds no checkpoint yet; starting from step 0")
+        return None
+    model_state, state = load_checkpoint_state(path)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {path}: trainer state of format {state.get('format')!r}")
+    changes = config_changes(state["config"], cfg)
+    check_resume_changes(changes, f"from {path}", resume_override)
+    if state.get("world") != world:
+        raise CheckpointError(
+            f"cannot resume from {path}: the run used {state.get('world')} process(es), now {world} "
+            f"(the data position depends on it)"
+        )
+    overrides = list(state.get("overrides", []))
+    if changes:
+        overrides.append({"step": state["step"], "changes": {k: list(v) for k, v in changes.items()}})
+        log(f"--resume-override: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}")
+    return ResumePoint(path, model_state, state, overrides)
