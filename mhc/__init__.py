@@ -3,6 +3,7 @@
 from . import diagnostics
 from .block import MHCBlock
 from .hf import MHCConfig, MHCForCausalLM, convert_to_mhc
+from .options import MHCOptions
 from .projection import ConvergenceWarning, ProjectionInfo, birkhoff_project, marginal_error
 from .streams import StreamReduce, expand_streams, reduce_streams
 
@@ -12,6 +13,7 @@ __all__ = [
     "ProjectionInfo",
     "ConvergenceWarning",
     "MHCBlock",
+    "MHCOptions",
     "expand_streams",
     "reduce_streams",
     "StreamReduce",

@@ -1,119 +1,57 @@
-"""``MHCBlock``: one hyper-connection site around one sublayer (design.md §1)."""
+"""``MHCBlock``: one hyper-connection site around one sublayer (design.md §1).
+
+The block owns the site's flow, written once in :meth:`MHCBlock.forward`:
+
+1. coefficients and pre-mix: ``u = Σ_i H_pre[i] x_i``;
+2. the sublayer, called once, here only: ``y = F(u, *args, **kwargs)`` (a
+   tuple result mixes its first element; the output shape is checked here);
+3. the post-mix: ``x' = H_res·x + H_postᵀ ⊗ y``.
+
+Steps 1 and 3 run on one of two backends, chosen per call by
+:meth:`MHCBlock.uses_fused`: the PyTorch reference in :mod:`mhc.site` (pure
+functions; every mode, CPU streams, double backward) or, for CUDA streams
+with ``mode="mhc"`` and the Newton projection, the fused Triton nodes of
+:mod:`mhc.fused` (:func:`~mhc.fused.site_pre_unchecked`,
+:func:`~mhc.fused.post_mix_unchecked`). Neither backend calls the sublayer.
+The block's settings are one :class:`mhc.MHCOptions`, checked in
+:mod:`mhc.options`.
+"""
 
 from __future__ import annotations
 
-import difflib
 import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import fused
-from .projection import birkhoff_project
+from . import fused, site
+# Re-exported: mhc.streams, mhc.hf and the training config import these from here.
+from .options import (
+    INITS,
+    MODES,
+    OPTION_NAMES,
+    PROJECTIONS,
+    MHCOptions,
+    check_options,
+    close_option,
+    reject_unknown_options,
+)
 
 __all__ = [
-    "MHCBlock", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option", "reject_unknown_options"
+    "MHCBlock", "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option",
+    "reject_unknown_options",
 ]
-
-MODES = ("mhc", "hc", "residual")
-INITS = ("identity", "paper")
-PROJECTIONS = ("newton", "sinkhorn")
 
 # H_res at the default init: this much mass on the diagonal. Any doubly
 # stochastic start preserves the function; a mostly-diagonal one lets streams
 # keep their own content while the projection still has gradient (T(1-T) > 0).
 _RES_INIT_DIAGONAL = 0.9
 
-
-def _integer(name: str, value: Any, minimum: int) -> int:
-    # bool is an int subclass; True streams or layer index is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _real(name: str, value: Any, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{name} must be {'finite and > 0' if positive else 'finite'}, got {value}")
-    return value
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-# How each option of an mHC site is checked; also the list of the options there are.
-_OPTION_CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "hidden_size": lambda k, v: _integer(k, v, 1),
-    "n_streams": lambda k, v: _integer(k, v, 1),
-    "mode": lambda k, v: _choice(k, v, MODES),
-    "init": lambda k, v: _choice(k, v, INITS),
-    "layer_index": lambda k, v: _integer(k, v, 0),
-    "alpha_init": lambda k, v: _real(k, v, positive=False),
-    "norm_eps": lambda k, v: _real(k, v, positive=True),
-    "projection": lambda k, v: _choice(k, v, PROJECTIONS),
-    "tol": lambda k, v: _real(k, v, positive=True),
-    "sinkhorn_iters": lambda k, v: _integer(k, v, 1),
-    "fused": _flag,
-    "recompute": _flag,
-}
-OPTION_NAMES = tuple(_OPTION_CHECKS)
-
-
-def close_option(name: str, known: Iterable[str]) -> str | None:
-    """The known option ``name`` most likely misspells (``difflib``, case-insensitive), or ``None``."""
-    by_lower = {k.lower(): k for k in known}
-    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.8)
-    return by_lower[match[0]] if match else None
-
-
-def reject_unknown_options(names: Iterable[str], known: Iterable[str], owner: str) -> None:
-    """Raise ``TypeError`` for the first of ``names`` (keyword arguments given to ``owner``) not in ``known``."""
-    known = tuple(known)
-    for name in names:
-        if name not in known:
-            guess = close_option(name, known)
-            hint = f"; did you mean {guess!r}?" if guess else f"; its options are {', '.join(known)}"
-            raise TypeError(f"{owner} got an unknown option {name!r}{hint}")
-
-
-def check_options(**options: Any) -> dict[str, Any]:
-    """Check mHC site options by name; return them normalised (ints as ``int``, reals as ``float``).
-
-    Any subset of ``hidden_size``, ``n_streams``, ``mode``, ``init``,
-    ``layer_index``, ``alpha_init``, ``norm_eps``, ``projection``, ``tol``,
-    ``sinkhorn_iters``, ``fused``, ``recompute`` (see :class:`MHCBlock`).
-    Integers must be ints (not floats, not bools): ``hidden_size``,
-    ``n_streams`` and ``sinkhorn_iters`` ``>= 1``, ``layer_index >= 0``.
-    ``tol`` and ``norm_eps`` are finite and ``> 0``, ``alpha_init`` finite;
-    ``fused`` and ``recompute`` are bools. Both :class:`MHCBlock` and
-    :class:`mhc.MHCConfig` validate through this function.
-
-    Raises:
-        TypeError: an unknown option (naming the closest known one) or a value of the wrong type.
-        ValueError: a value out of range or not among the choices.
-    """
-    reject_unknown_options(options, OPTION_NAMES, "mHC options")
-    return {name: _OPTION_CHECKS[name](name, value) for name, value in options.items()}
+# MHCBlock's own keywords besides the option fields (for the did-you-mean of an unknown one).
+_BLOCK_KEYWORDS = ("hidden_size", "n_streams", "layer_index", "options")
 
 
 def _pre_init_weights(n: int, layer_index: int) -> Tensor:
@@ -156,7 +94,7 @@ class MHCBlock(nn.Module):
     """One mHC site: ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` around a sublayer ``F``.
 
     The coefficients are per token (dynamic) plus static biases, and are
-    computed in float32 whatever the streams' dtype:
+    computed in float32 whatever the streams' dtype (:mod:`mhc.site`):
 
     * ``mode="mhc"``: flattened RMSNorm over all ``n·C`` values, one
       ``nC × (n² + 2n)`` projection ``φ``, ``H_pre = σ(·)``,
@@ -169,38 +107,33 @@ class MHCBlock(nn.Module):
     Args:
         branch: the sublayer ``F``, an ``nn.Module`` (registered as a submodule)
             or any callable (its weights then stay out of this block's
-            parameters); called as ``branch(u, *args, **kwargs)`` with
-            ``u: [..., C]``. If it returns a tuple (as HF attention does), its
+            parameters); called once per forward as ``branch(u, *args, **kwargs)``
+            with ``u: [..., C]``. If it returns a tuple (as HF attention does), its
             first element is mixed into the streams and the rest is returned
             beside the new streams. Avoid a bound method of the module that
             holds this block: ``copy.deepcopy(block)`` would deep-copy that
             whole module with it (:mod:`mhc.hf` uses a callable that rebinds
             on copy instead).
-        hidden_size: ``C``.
-        n_streams: ``n`` (default 4).
-        mode: ``"mhc"``, ``"hc"`` or ``"residual"``.
-        init: ``"identity"`` (default) starts with ``φ = 0``, so that on identical
-            streams every stream computes ``x + F(x)`` exactly (conversion of a
-            pretrained model keeps its outputs); ``"paper"`` draws ``φ`` at
-            random, as the mHC paper does, which is close to but not exactly
-            function-preserving.
-        layer_index: depth of this site; rotates the stream ``H_pre`` favours.
-        alpha_init: initial value of the three dynamic scales ``α``.
-        norm_eps: epsilon of the coefficient RMSNorm.
-        projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
-        tol: tolerance of the Newton projection.
-        sinkhorn_iters: steps for ``projection="sinkhorn"``.
-        fused: with ``mode="mhc"`` and ``projection="newton"``, run CUDA
-            streams on the fused Triton kernels of :mod:`mhc.fused` (fewer
-            passes over the streams, same maths); ``False`` keeps the PyTorch
-            path everywhere. CPU streams always take the PyTorch path.
-        recompute: keep only the block's inputs (the streams and the branch's
-            arguments) for backward and run the site's forward again there,
-            ``F`` included (``torch.utils.checkpoint``, non-reentrant): less
-            memory for one more forward.
+        hidden_size: ``C``, an int ``>= 1``.
+        n_streams: ``n`` (default 4), an int ``>= 1``.
+        layer_index: depth of this site (int ``>= 0``); rotates the stream ``H_pre`` favours.
+        options: an :class:`mhc.MHCOptions` (default ``MHCOptions()``).
+        **option_values: fields of :class:`mhc.MHCOptions` given one by one
+            (``mode``, ``init``, ``projection``, ``tol``, ``sinkhorn_iters``,
+            ``fused``, ``recompute``, ``alpha_init``, ``norm_eps``); they
+            override those of ``options``. In brief: ``init="identity"``
+            starts with ``φ = 0``, so that identical streams give ``x + F(x)``
+            exactly (conversion keeps a model's outputs); ``fused=True`` runs
+            CUDA streams on :mod:`mhc.fused` (``mode="mhc"``, Newton), CPU streams
+            always take the PyTorch path; ``recompute=True`` keeps only the
+            block's inputs for backward and runs the site again there, ``F``
+            included (``torch.utils.checkpoint``, non-reentrant).
 
-    Options are checked by :func:`check_options` (types and ranges); an
-    unknown keyword raises ``TypeError`` naming the closest option.
+    Every value is checked (:mod:`mhc.options`); an unknown keyword raises
+    ``TypeError`` naming the closest option. The options are readable as
+    attributes (``block.tol``) and as :attr:`options`; setting one
+    (``block.fused = False``) checks it and replaces :attr:`options`, except
+    ``mode``, which the parameters' shapes depend on.
 
     Shapes:
         ``forward(x: [..., n, C], *args, **kwargs) -> [..., n, C]`` (or a tuple
@@ -213,52 +146,60 @@ class MHCBlock(nn.Module):
         hidden_size: int,
         n_streams: int = 4,
         *,
-        mode: str = "mhc",
-        init: str = "identity",
         layer_index: int = 0,
-        alpha_init: float = 0.01,
-        norm_eps: float = 1e-6,
-        projection: str = "newton",
-        tol: float = 1e-6,
-        sinkhorn_iters: int = 20,
-        fused: bool = True,
-        recompute: bool = False,
-        **unknown: Any,
+        options: MHCOptions | None = None,
+        **option_values: Any,
     ):
         super().__init__()
-        reject_unknown_options(unknown, _OPTION_CHECKS, "MHCBlock")
-        opts = check_options(
-            hidden_size=hidden_size, n_streams=n_streams, mode=mode, init=init, layer_index=layer_index,
-            alpha_init=alpha_init, norm_eps=norm_eps, projection=projection, tol=tol,
-            sinkhorn_iters=sinkhorn_iters, fused=fused, recompute=recompute,
-        )
+        reject_unknown_options(option_values, (*_BLOCK_KEYWORDS, *MHCOptions.fields()), "MHCBlock")
+        if options is None:
+            options = MHCOptions()
+        elif not isinstance(options, MHCOptions):
+            raise TypeError(f"options must be an MHCOptions, got {type(options).__name__}")
+        options = options.replace(**option_values)
+        sizes = check_options(hidden_size=hidden_size, n_streams=n_streams, layer_index=layer_index)
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
-        self.hidden_size = opts["hidden_size"]
-        self.n_streams = opts["n_streams"]
-        self.mode = opts["mode"]
-        self.init = opts["init"]
-        self.layer_index = opts["layer_index"]
-        self.norm_eps = opts["norm_eps"]
-        self.projection = opts["projection"]
-        self.tol = opts["tol"]
-        self.sinkhorn_iters = opts["sinkhorn_iters"]
-        self.alpha_init = opts["alpha_init"]
-        self.fused = opts["fused"]
-        self.recompute = opts["recompute"]
-        if self.mode == "residual":
+        self.hidden_size = sizes["hidden_size"]
+        self.n_streams = sizes["n_streams"]
+        self.layer_index = sizes["layer_index"]
+        self._use_options(options)
+        if options.mode == "residual":
             return
 
         n, C = self.n_streams, self.hidden_size
         # mhc reads all n·C values of a token at once; hc reads each stream alone.
-        fan_in, fan_out = (n * C, n * n + 2 * n) if self.mode == "mhc" else (C, n + 2)
+        fan_in, fan_out = (n * C, n * n + 2 * n) if options.mode == "mhc" else (C, n + 2)
         self.phi = nn.Parameter(torch.empty(fan_out, fan_in))
         self.alpha = nn.Parameter(torch.empty(3))
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(n, n))
         self.reset_parameters()
+
+    @property
+    def options(self) -> MHCOptions:
+        """This block's :class:`mhc.MHCOptions`; assignable (checked), with the same ``mode``."""
+        return self._options
+
+    @options.setter
+    def options(self, value: MHCOptions) -> None:
+        if not isinstance(value, MHCOptions):
+            raise TypeError(f"options must be an MHCOptions, got {type(value).__name__}")
+        if value.mode != self._options.mode:
+            raise ValueError(
+                f"an MHCBlock's mode is fixed when it is built (its parameters depend on it): "
+                f"it is {self._options.mode!r}, not {value.mode!r}"
+            )
+        self._use_options(value)
+
+    def _use_options(self, options: MHCOptions) -> None:
+        self._options = options
+        # Worked out here, not per call: forward's host time matters (notes/block_benchmarks.md).
+        newton_mhc = options.mode == "mhc" and options.projection == "newton"
+        self._fusable = options.fused and newton_mhc
+        self._exact_rows = newton_mhc  # Newton's H_res has rows summing to one by construction
 
     def reset_parameters(self, names: Iterable[str] | None = None) -> None:
         """Initialise the coefficient parameters (float32) as ``init`` says.
@@ -306,106 +247,96 @@ class MHCBlock(nn.Module):
                 f"MHCBlock expects streams of shape [..., {self.n_streams}, {self.hidden_size}], "
                 f"got {tuple(x.shape)}"
             )
-        if self.mode != "residual" and x.device != self.phi.device:
+        if self._options.mode != "residual" and x.device != self.phi.device:
             raise ValueError(f"streams are on {x.device} but the block's parameters are on {self.phi.device}")
 
     def coefficients(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The mixing coefficients for streams ``x: [..., n, C]``.
+        """The mixing coefficients for streams ``x: [..., n, C]`` (the PyTorch reference, :mod:`mhc.site`).
 
         Returns:
             ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, float32
             (float64 if ``x`` is float64).
         """
-        n = self.n_streams
-        acc = torch.promote_types(x.dtype, torch.float32)
-        if self.mode == "residual":
-            ones = x.new_ones(x.shape[:-1], dtype=acc)
-            return ones / n, ones, torch.eye(n, dtype=acc, device=x.device).expand(*x.shape[:-2], n, n)
+        if self._options.mode == "residual":
+            return site.residual_coefficients(x)
+        return site.coefficients(x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self._options)
 
-        a_pre, a_post, a_res = self.alpha.to(acc)
-        b_pre, b_post, b_res = self.b_pre.to(acc), self.b_post.to(acc), self.b_res.to(acc)
-        phi = self.phi.to(acc)
-        if self.mode == "mhc":
-            x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
-            x_norm = F.rms_norm(x_flat, (n * self.hidden_size,), eps=self.norm_eps)
-            pre, post, res = (x_norm @ phi.t()).split([n, n, n * n], dim=-1)
-            H_pre = torch.sigmoid(a_pre * pre + b_pre)
-            H_post = 2 * torch.sigmoid(a_post * post + b_post)
-            H_res = birkhoff_project(
-                a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res,
-                tol=self.tol,
-                method=self.projection,
-                iters=self.sinkhorn_iters,
-            )
-            return H_pre, H_post, H_res
+    def uses_fused(self, x: Tensor) -> bool:
+        """Whether :meth:`forward` runs streams ``x`` on the fused backend (:mod:`mhc.fused`).
 
-        x_norm = F.rms_norm(x.to(acc), (self.hidden_size,), eps=self.norm_eps)
-        dyn = torch.tanh(x_norm @ phi.t())  # [..., n, n + 2]: row i is read off stream i
-        H_pre = a_pre * dyn[..., 0] + b_pre
-        H_post = a_post * dyn[..., 1] + b_post
-        H_res = a_res * dyn[..., 2:] + b_res
-        return H_pre, H_post, H_res
+        True for non-empty CUDA streams of a dtype in
+        :data:`mhc.fused.SUPPORTED_DTYPES` when ``fused=True``, ``mode="mhc"``,
+        ``projection="newton"`` and Triton is importable; the PyTorch
+        reference (:mod:`mhc.site`) runs otherwise. A subclass may override
+        this to choose the backend, for instance to run the fused kernels on
+        CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``), as the
+        tests do.
 
-    def forward(self, x: Tensor, *args, **kwargs):
-        self._check_streams(x)
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._site, x, *args, use_reentrant=False, **kwargs)
-        return self._site(x, *args, **kwargs)
-
-    def _site(self, x: Tensor, *args, **kwargs):
-        if self._use_fused(x):
-            # forward() checked the streams and _use_fused the rest of what mhc_site checks.
-            return fused.run_site(
-                x, self.branch, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self.norm_eps, self.tol,
-                args, kwargs,
-            )
-        H_pre, H_post, H_res = self.coefficients(x)
-        # The mixes are written around stream 0: Σ_i h_i x_i = (Σ_i h_i) x_0 +
-        # Σ_i h_i (x_i - x_0). Same maths, but on identical streams (a freshly
-        # converted model) the deviations are exactly zero, so the block
-        # returns x + F(x) to the bit instead of n roundings of |x| away.
-        xs = x.to(H_pre.dtype)
-        anchor = xs[..., :1, :]
-        dev = xs - anchor
-        u = H_pre.sum(-1, keepdim=True) * anchor.squeeze(-2) + torch.einsum("...n,...nc->...c", H_pre, dev)
-        u = u.to(x.dtype)
-
-        out = self.branch(u, *args, **kwargs)
-        y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-        if y.shape != u.shape:
-            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
-
-        if self.mode == "residual":
-            x_new = x + y.unsqueeze(-2)
-        else:
-            # Newton's H_res has rows summing to one by construction; use the
-            # exact 1 rather than its rounded row sums.
-            rows = 1.0 if self._exact_rows else H_res.sum(-1, keepdim=True)
-            mixed = rows * anchor + H_res @ dev + H_post.unsqueeze(-1) * y.to(xs.dtype).unsqueeze(-2)
-            x_new = mixed.to(x.dtype)
-        return x_new if rest is None else (x_new, *rest)
-
-    def _use_fused(self, x: Tensor) -> bool:
+        Raises:
+            ImportError: the fused path is asked for and Triton imports but the
+                kernels do not (:func:`mhc.fused.available`).
+        """
         return (
-            self.fused
-            and self.mode == "mhc"
-            and self.projection == "newton"
+            self._fusable
             and x.is_cuda
             and x.dtype in fused.SUPPORTED_DTYPES
             and x.numel() > 0
             and fused.available()
         )
 
-    @property
-    def _exact_rows(self) -> bool:
-        return self.mode == "mhc" and self.projection == "newton"
+    def forward(self, x: Tensor, *args, **kwargs):
+        self._check_streams(x)
+        if self._options.recompute and torch.is_grad_enabled():
+            return checkpoint(self._site, x, *args, use_reentrant=False, **kwargs)
+        return self._site(x, *args, **kwargs)
+
+    def _site(self, x: Tensor, *args, **kwargs):
+        # forward() checked the streams, uses_fused() what else the fused nodes need.
+        fast = self.uses_fused(x)
+        if fast:  # coefficients, H_res and the pre-mix: one fused node
+            opts = self._options
+            u, mix = fused.site_pre_unchecked(
+                x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, opts.norm_eps, opts.tol
+            )
+        else:
+            H_pre, H_post, H_res = self.coefficients(x)
+            u, anchor, dev = site.pre_mix(x, H_pre)
+
+        out = self.branch(u, *args, **kwargs)
+        y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        if y.shape != u.shape:
+            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+
+        if fast:
+            x_new = fused.post_mix_unchecked(y, mix)
+        elif self._options.mode == "residual":
+            x_new = x + y.unsqueeze(-2)
+        else:
+            x_new = site.post_mix(y, anchor, dev, H_post, H_res, exact_rows=self._exact_rows, dtype=x.dtype)
+        return x_new if rest is None else (x_new, *rest)
 
     def extra_repr(self) -> str:
-        s = f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, mode={self.mode!r}"
-        if self.mode != "residual":
-            s += f", init={self.init!r}, layer_index={self.layer_index}, projection={self.projection!r}"
-        if self.mode == "mhc" and not self.fused:
+        opts = self._options
+        s = f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, mode={opts.mode!r}"
+        if opts.mode != "residual":
+            s += f", init={opts.init!r}, layer_index={self.layer_index}, projection={opts.projection!r}"
+        if opts.mode == "mhc" and not opts.fused:
             s += ", fused=False"
-        if self.recompute:
+        if opts.recompute:
             s += ", recompute=True"
         return s
+
+
+def _option_property(name: str) -> property:
+    def get(self: MHCBlock):
+        return getattr(self._options, name)
+
+    def set(self: MHCBlock, value) -> None:
+        self.options = self._options.replace(**{name: value})
+
+    return property(get, set, doc=f"``options.{name}`` (:class:`mhc.MHCOptions`); setting it is checked.")
+
+
+for _name in MHCOptions.fields():
+    setattr(MHCBlock, _name, _option_property(_name))
+del _name

@@ -1,37 +1,33 @@
-"""Fused mHC site for CUDA: the streams are read and written in a few passes.
+"""Fused mHC site for CUDA: the site's steps on Triton kernels, in a few passes over the streams.
 
-:class:`mhc.MHCBlock` (``mode="mhc"``, Newton projection) sends CUDA streams
-here when Triton is importable; the PyTorch code in :mod:`mhc.block` stays
-the reference and the CPU implementation. The kernels are in
-:mod:`mhc.fused_kernels`.
+:class:`mhc.MHCBlock` owns the site's flow (design.md §1): coefficients and
+pre-mix, then the sublayer ``F``, called once, then the post-mix. It runs
+those steps on one of two backends: the PyTorch reference of :mod:`mhc.site`
+(CPU streams, ``fused=False``, ``mode="hc"``, Sinkhorn) or, for CUDA streams
+with ``mode="mhc"`` and the Newton projection, the two steps here, each one
+autograd node over the kernels of :mod:`mhc.fused_kernels`::
 
-The site is two autograd nodes around the sublayer ``F``::
+    u, site = site_pre(x, φ, α, b_pre, b_post, b_res)  # RMSNorm(x_flat) φᵀ, σ, Π_B(exp(·)), Σ H_pre[i] x_i
+    y       = F(u)                                     # the caller's sublayer
+    x'      = post_mix(y, site)                        # H_res·x + H_post ⊗ y
 
-    u, h, H_res = _SitePre(x, φ, α, b)   # RMSNorm(x_flat) φᵀ, h = σ(·), Π_B(exp(·)), Σ H_pre[i] x_i
-    y           = F(u)
-    x'          = _PostMix(x, y, h, H_res)  # H_res·x + H_post ⊗ y, H_post = 2·h[:, n:]
+Neither calls ``F``. :func:`site_pre` / :func:`post_mix` check their
+arguments; :func:`site_pre_unchecked` / :func:`post_mix_unchecked` are the same
+steps for a caller that checked them already (``MHCBlock``).
 
-Few nodes and few host-side launches matter as much as the kernels: at the
-width of a ~125M model a site is bound by its launch overhead, not by the GPU
-(notes/block_benchmarks.md). So the projection runs inside ``_SitePre`` (its
-implicit backward needs only ``H_res``), each backward is one kernel per
-memory pass plus a couple of small reductions, the launch geometry of a
-shape is worked out once (:class:`_Plan`), and compiled kernels are
-launched directly (:class:`_Launcher`).
+Few nodes and little host time per launch matter as much as the kernels: at
+the width of a ~125M model the forward of a site is bound by its host time,
+not by the GPU (notes/block_benchmarks.md). So the projection runs inside
+the first node (its implicit backward needs only ``H_res``), each backward is
+one kernel per memory pass plus a couple of small reductions, the launch
+geometry of a shape is worked out once and compiled kernels are launched
+directly (:mod:`mhc.fused_plan`).
 
-Once Triton's own launches have compiled a shape's six kernels (its first
-fwd+bwd), the site runs in C++ (``csrc/site.cu``): the same two nodes as C++
-autograd functions, which launch the kept Triton variants and the projection
-themselves, with less host time per site (notes/block_benchmarks.md). Under
-``torch.compile``, functorch transforms or a Triton launch hook, and where the
-projection has no CUDA op, the Python nodes below run instead; they are the
-same maths, launch for launch.
-
-Backward order is fixed by the graph: ``_PostMix``, ``F``, then
-``_SitePre``. ``_PostMix`` returns no gradient for ``x``; it leaves ``dx'``
-in a per-call :class:`_SiteState`, and ``_SitePre`` writes the whole ``dx``
-in one pass (separate gradients would cost extra reads and writes of the
-streams to add up). Double backward is not supported.
+Backward order is fixed by the graph: the post-mix, ``F``, then the pre-step.
+The post-mix node returns no gradient for ``x``; it leaves ``dx'`` in the
+call's :class:`_SiteState`, and the pre-step's backward writes the whole
+``dx`` in one pass (separate gradients would cost extra reads and writes of
+the streams to add up). Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -41,9 +37,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import projection_cuda as _projection_cuda
-from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project, effective_tol
+from .options import check_options
+from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
-__all__ = ["available", "mhc_site", "SUPPORTED_DTYPES"]
+__all__ = [
+    "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "clear_plans",
+    "compiled_variants", "SUPPORTED_DTYPES",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -51,10 +51,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # absent. Kernels that fail to import while Triton imports are a bug in mhc or a Triton it does not
 # support, never a reason to fall back to the PyTorch path: the error is kept and raised, with its
 # cause, by available() (which MHCBlock asks before every fused-eligible CUDA forward) and
-# mhc_site. It is not raised here, so that CPU code, which never runs the kernels, still imports mhc.
+# site_pre. It is not raised here, so that CPU code, which never runs the kernels, still imports mhc.
 _k = None
 _TRITON_ERROR: ImportError | None = None  # why Triton is not importable
 _KERNELS_ERROR: Exception | None = None  # why mhc.fused_kernels failed to import although Triton did
+_plans = None  # mhc.fused_plan: launch plans and direct launches
+_INTERPRETED = False  # the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which takes CPU tensors
 try:
     import triton  # only to tell "no Triton" from broken kernels
 except ImportError as err:
@@ -62,136 +64,15 @@ except ImportError as err:
 else:
     try:
         from . import fused_kernels as _k
+        from . import fused_plan as _plans
     except Exception as err:  # a NameError in the module is as much a bug as an ImportError
         _KERNELS_ERROR = err
+    else:
+        _INTERPRETED = not isinstance(_k.coeff_fwd, triton.runtime.jit.JITFunction)
 
-
-class _Launcher:
-    """``launcher(spec, *args)``: one Triton kernel, with less host time per call.
-
-    ``kernel[grid](...)`` binds and specializes every argument again on each
-    call (15-40 µs of host time on the H200's host, measured), and at the width
-    of a ~125M model host time, not the GPU, sets the step time. Every argument
-    this module passes is contiguous and 16-byte aligned (:func:`_dense`), its
-    dtype follows from the streams', and its integers from their shape, so the
-    compiled variant is fixed by the :class:`_Launch` spec that :class:`_Plan`
-    builds once per shape. After Triton's own first launch of a variant this
-    keeps it and makes the call Triton would make (launch hooks included).
-    Positional arguments are the kernel's runtime parameters; the spec holds its
-    constexprs. Under Triton's interpreter and under ``torch.compile`` every
-    call takes Triton's own path.
-    """
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.variants = {}
-
-    def native(self, spec: "_Launch"):
-        """The C++ launch handle (``TritonKernel``) of ``spec``'s kept variant, or ``None``.
-
-        ``None`` until Triton's own first launch has compiled the variant, and for
-        a variant that needs what ``csrc/site.cu``'s launch does not pass (scratch
-        memory, clusters, cooperative or programmatic launches).
-        """
-        if spec.native is None:
-            hit = self.variants.get(spec.variant)
-            if hit is None:
-                return None
-            handle = _native_kernel(hit[0], self.kernel.arg_names, spec)
-            # The compiled kernel stays with its handle: its CUfunction lives as long as it does.
-            spec.native = (handle, hit[0]) if handle is not None else False
-        return spec.native[0] if spec.native else None
-
-    def __call__(self, spec: "_Launch", *args) -> None:
-        # torch.compile traces Triton's own launch as a user-defined kernel.
-        if not spec.cached or torch.compiler.is_compiling():
-            self.kernel[spec.grid](*args, **spec.meta)
-            return
-        hit = self.variants.get(spec.variant)
-        if hit is None:
-            compiled = self.kernel[spec.grid](*args, **spec.meta)
-            # Triton before its `knobs` module is not handled.
-            if getattr(compiled, "function", None) is not None and hasattr(_k.triton, "knobs"):
-                constexprs = tuple(spec.meta[name] for name in self.kernel.arg_names[len(args):])
-                self.variants[spec.variant] = (compiled, compiled.run, constexprs)
-            return
-        compiled, run, constexprs = hit
-        full = (*args, *constexprs)
-        # Triton's own stream getter: torch.cuda.current_stream().cuda_stream took
-        # 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
-        stream = _k.triton.runtime.driver.active.get_current_stream(spec.device)
-        runtime = _k.triton.knobs.runtime
-        enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
-        metadata = None if enter is None else compiled.launch_metadata(spec.grid, stream, *full)
-        run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *full)
-
-
-# Parameter kinds of csrc/site.cu's TritonKernel, by Triton signature type.
-_PARAM_KINDS = {"constexpr": 0, "i32": 2, "i64": 3, "fp32": 4, "fp64": 5}
-
-
-def _native_kernel(compiled, arg_names, spec: "_Launch"):
-    """``compiled`` as a ``TritonKernel`` for ``spec``'s grid, or ``None`` if its launch needs more."""
-    md = compiled.metadata
-    if any(getattr(md, f, 0) for f in ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
-                                        "launch_pdl")) or getattr(md, "num_ctas", 1) != 1:
-        return None
-    signature = compiled.src.signature
-    kinds = []
-    for name in arg_names:
-        if name in spec.meta:
-            break  # the constexprs, which follow the runtime parameters
-        sig = signature.get(name)
-        kind = 1 if isinstance(sig, str) and sig.startswith("*") else _PARAM_KINDS.get(sig)
-        if kind is None:
-            return None
-        kinds.append(kind)
-    module = _projection_cuda.extension()
-    return module.TritonKernel(compiled.function, list(spec.grid3), md.num_warps, md.shared, kinds)
-
-
-def _native_allowed() -> bool:
-    """Whether the C++ site may run now: not while tracing or under functorch transforms, nor with a
-    Triton launch hook installed.
-
-    A hook (a profiler's, say) sees only Triton's own launches.
-    """
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    runtime = _k.triton.knobs.runtime
-    return _hook(runtime.launch_enter_hook) is None and _hook(runtime.launch_exit_hook) is None
-
-
-def _hook(hook):
-    """A Triton launch hook, or ``None`` for an empty ``HookChain``.
-
-    Triton 3.5+ keeps its hooks in chains that are never ``None``; with a chain,
-    Triton's own launch builds the launch metadata and calls both chains on
-    every launch, though no hook is installed.
-    """
-    return None if hook is None or getattr(hook, "calls", None) == [] else hook
-
-
-class _Launch:
-    """Grid and constexprs of one kernel launch, and the key of its compiled variant."""
-
-    __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant", "native")
-
-    def __init__(self, grid: tuple, meta: dict, ints: tuple, dtype: torch.dtype, device: torch.device):
-        self.grid, self.grid3, self.meta = grid, (*grid, 1, 1)[:3], meta
-        self.cached = device.type == "cuda"
-        self.device = device.index
-        # What Triton specializes a variant on, besides the (fixed) pointer alignment and
-        # dtypes: integers equal to 1, divisible by 16, or beyond int32.
-        int_key = tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints)
-        self.variant = (self.device, dtype, int_key, tuple(meta.items()))
-        self.native = None  # (C++ launch handle, compiled kernel): None until built, False where there is none
-
-
-if _k is not None:
-    _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = map(
-        _Launcher, (_k.coeff_fwd, _k.postmix_fwd, _k.postmix_bwd, _k.coeff_bwd, _k.stream_grad, _k.phi_grad)
-    )
+if _plans is not None:
+    _plan = _plans.plan_for
+    _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
 
 
 def available() -> bool:
@@ -214,121 +95,28 @@ def available() -> bool:
     return _k is not None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def clear_plans() -> None:
+    """Forget every shape's launch plan and every kept compiled kernel variant.
 
-
-def _pow2(v: int, lo: int = 1) -> int:
-    return max(lo, 1 << (int(v) - 1).bit_length())
-
-
-class _Plan:
-    """Every launch of a site for streams of one shape, dtype and device, worked out once.
-
-    Shapes: ``n`` streams of width ``C`` over ``T`` tokens; ``Z = n² + 2n``
-    coefficient columns. Tile sizes are the best of the sweeps on the H200
-    (notes/block_benchmarks.md).
+    The next site call of each shape works its launches out again, and each
+    kernel's next launch of a variant goes through Triton's own launch (which
+    compiles or loads it) before it is kept again. Compiled kernels stay in
+    Triton's caches; this only drops this module's references. Nothing to do
+    where Triton is not importable.
     """
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
-        n, C = shape[-2:]
-        T = shape.numel() // (n * C)
-        Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
-        self.T, self.n, self.C, self.Z = T, n, C, Z
-        self.cuda_device = device.index if device.type == "cuda" else None
-        self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        acc = _k.acc_type(dtype)
-        # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
-        # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
-        # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
-        # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
-        numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
-        coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
-
-        def launch(grid, ints, **meta):
-            return _Launch(grid, meta, ints, dtype, device)
-
-        # 64 tokens x 128 columns, 4 warps: the best of 10 shapes for the norm and φ, and of 6 for
-        # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
-        # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
-        # and a σ op on the host).
-        BM = 64
-        self.coeff_fwd = launch(
-            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
-        )
-        # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
-        # were 8-30x slower (n=4, C=2048).
-        BC = min(4096 // NP, _pow2(C, 16))
-        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc)
-        # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
-        BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
-        self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
-        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=acc, num_warps=2)
-        # 32-token steps over 128 tokens per program and 64 columns, 4 warps. 32-token steps
-        # beat 16 (bf16, T=16384, n=4: 127 vs 149 µs at C=768, 312 vs 341 µs at C=2048; n=8,
-        # C=768: 906 vs 1283 µs); loading every operand straight into the [BM, NP, BC] layout,
-        # one stream per program, or flat [BM, n·C] tiles were no faster or slower. Wider n
-        # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
-        BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
-        self.stream_grad = launch(
-            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
-            n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics,
-            num_warps=4 if ZP * NP * BC <= 8192 else 8,
-        )
-        K, BT, BN = n * C, 32, 128
-        splits = max(1, min(16, T // 1024))
-        self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
-        self.phi_splits = _cdiv(T, self.phi_tokens)
-        self.phi_grad = launch(
-            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
-        )
-        # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
-        probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
-        self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
-        self._tol_eff: dict = {}
-        self._native_site = None
-
-    def native_site(self):
-        """The C++ site's launch handles (``csrc/site.cu``'s ``SiteKernels``), or ``None``.
-
-        ``None`` until Triton's own launches have compiled all six kernels (the
-        first fwd+bwd of this shape), whenever :func:`_native_allowed` says no
-        (``torch.compile``, functorch, a Triton launch hook), and where the
-        projection has no CUDA op (the C++ site calls it).
-        """
-        if not self.cuda_projection or not _native_allowed():
-            return None
-        if self._native_site is None:
-            launches = ((_coeff_fwd, self.coeff_fwd), (_postmix_fwd, self.postmix_fwd),
-                        (_postmix_bwd, self.postmix_bwd), (_coeff_bwd, self.coeff_bwd),
-                        (_stream_grad, self.stream_grad), (_phi_grad, self.phi_grad))
-            handles = [launcher.native(spec) for launcher, spec in launches]
-            if any(h is None for h in handles):
-                return None
-            self._native_site = _projection_cuda.extension().SiteKernels(
-                *handles, self.stream_tokens, self.phi_splits, self.phi_tokens
-            )
-        return self._native_site
-
-    def projection_tol(self, tol: float) -> float:
-        """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
-        tol_eff = self._tol_eff.get(tol)
-        if tol_eff is None:
-            tol_eff = self._tol_eff[tol] = effective_tol(tol, self.n, self.cdt)
-        return tol_eff
+    if _plans is not None:
+        _plans.clear()
 
 
-_PLANS: dict = {}
+def compiled_variants() -> dict[str, int]:
+    """``{kernel name: number of compiled variants kept for direct launch}``, for the six kernels.
 
-
-def _plan(x: Tensor) -> _Plan:
-    key = (x.shape, x.dtype, x.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= 256:  # e.g. generation, one token count per step
-            _PLANS.clear()
-        plan = _PLANS[key] = _Plan(*key)
-    return plan
+    A variant is kept after Triton's own first launch of it on CUDA; later
+    launches of it skip Triton's argument binding (15-40 µs of host time each).
+    Always 0 under Triton's interpreter and ``torch.compile``, where every
+    launch is Triton's own; ``{}`` where Triton is not importable.
+    """
+    return _plans.compiled_variants() if _plans is not None else {}
 
 
 class _SiteState:
@@ -336,20 +124,22 @@ class _SiteState:
 
     The nodes take it as their one non-tensor argument (each argument of
     ``Function.apply`` costs host time). ``d_out`` is ``dx'`` (detached), set
-    by ``_PostMix``'s backward.
+    by ``_PostMix``'s backward. ``switch_device``: the forward found another
+    CUDA device current than the streams', so the post-mix launches under the
+    streams' device too.
     """
 
-    __slots__ = ("plan", "eps", "tol", "d_out")
+    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device")
 
-    def __init__(self, plan: _Plan, eps: float, tol: float):
-        self.plan, self.eps, self.tol, self.d_out = plan, eps, tol, None
+    def __init__(self, plan, eps: float, tol: float):
+        self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
 
 
 def _dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``t`` as a contiguous, 16-byte aligned tensor of ``dtype``; no dispatcher call when it is one.
 
     Every tensor a kernel sees passes through here or is a fresh allocation,
-    which is what lets :class:`_Launcher` reuse compiled variants. A site runs a
+    which is what lets :class:`mhc.fused_plan.Launcher` reuse compiled variants. A site runs a
     few dozen such calls per step, and on the H200's host each no-op ``.to()`` /
     ``.contiguous()`` still costs microseconds of dispatch.
     """
@@ -475,82 +265,118 @@ def _direct_apply(function: type):
 _site_pre, _post_mix = _direct_apply(_SitePre), _direct_apply(_PostMix)
 
 
-def mhc_site(
-    x: Tensor,
-    branch,
-    phi: Tensor,
-    alpha: Tensor,
-    b_pre: Tensor,
-    b_post: Tensor,
-    b_res: Tensor,
-    *,
-    norm_eps: float,
-    tol: float,
-    branch_args: tuple = (),
-    branch_kwargs: dict | None = None,
-):
-    """One mHC site ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` on the fused kernels.
+def site_pre(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, *, norm_eps: float, tol: float
+) -> tuple[Tensor, tuple]:
+    """The site's first step on the fused kernels: coefficients, ``H_res`` and the pre-mix.
 
-    Same maths, parameters and outputs as :meth:`mhc.MHCBlock.forward` with
-    ``mode="mhc"`` and ``projection="newton"`` (see there); used by it for
-    CUDA streams.
+    Same maths as :func:`mhc.site.coefficients` and :func:`mhc.site.pre_mix`
+    with ``mode="mhc"`` and ``projection="newton"``, in one autograd node.
+    Call ``F`` on ``u`` yourself, then :func:`post_mix` with its output and
+    ``site``.
 
     Args:
-        x: streams ``[..., n, C]``, float32 / bfloat16 / float16 / float64, on the
-            device of the parameters (CUDA; CPU only under
-            ``TRITON_INTERPRET=1``).
-        branch: the sublayer, called as ``branch(u, *branch_args, **branch_kwargs)``
-            with ``u: [..., C]`` in ``x``'s dtype; a tuple result mixes its
-            first element and returns the rest beside the new streams.
+        x: streams ``[..., n, C]`` with at least one token, float32 / bfloat16 /
+            float16 / float64, on the device of the parameters (CUDA; CPU only
+            under ``TRITON_INTERPRET=1``).
         phi: ``[n² + 2n, n·C]``; ``alpha [3]``, ``b_pre [n]``, ``b_post [n]``,
-            ``b_res [n, n]``; float32 parameters (the coefficients are
-            computed in float32, float64 for float64 streams).
-        norm_eps: the flattened RMSNorm's epsilon.
+            ``b_res [n, n]``: float parameters (the coefficients are computed
+            in float32, float64 for float64 streams).
+        norm_eps: the flattened RMSNorm's epsilon, finite and ``> 0``.
         tol: tolerance of the Newton projection (:func:`mhc.birkhoff_project`).
 
     Returns:
-        ``x'`` with the shape and dtype of ``x`` (or ``(x', *rest)``).
+        ``(u, site)``: ``u [..., C]`` in ``x``'s dtype, the sublayer's input;
+        ``site = (x, h, H_res, state)``, what :func:`post_mix` needs: the
+        streams (contiguous), ``h [T, 2n]`` = σ of H_pre's and H_post's
+        columns (``H_pre = h[:, :n]``, ``H_post = 2·h[:, n:]``), ``H_res [T, n, n]``
+        (both float32, float64 for float64 streams; ``T`` tokens), and the
+        call's state.
+
+    Raises:
+        ImportError: Triton imports but the kernels do not (see :func:`available`).
+        RuntimeError: Triton is not importable.
+        TypeError: ``x`` or a parameter is not a floating-point tensor, or ``x`` has an unsupported dtype.
+        ValueError: empty or misshapen streams, parameters of the wrong shape or on another device,
+            CPU streams outside Triton's interpreter, or a bad ``norm_eps`` / ``tol``.
     """
     if not available():
         raise RuntimeError(f"mhc.fused needs Triton, which is not importable here ({_TRITON_ERROR})")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"fused mHC site needs the streams as a tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused mHC site supports {SUPPORTED_DTYPES}, got {x.dtype}")
     if x.dim() < 2 or x.numel() == 0:
         raise ValueError(f"fused mHC site needs streams [..., n, C] with at least one token, got {tuple(x.shape)}")
+    if x.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(f"fused mHC site needs CUDA streams (CPU ones only under TRITON_INTERPRET=1), got {x.device}")
     n, C = x.shape[-2:]
-    if phi.shape != (n * n + 2 * n, n * C):
-        raise ValueError(f"phi must be [{n * n + 2 * n}, {n * C}] for streams [..., {n}, {C}], got {tuple(phi.shape)}")
-    if phi.device != x.device:
-        raise ValueError(f"streams are on {x.device} but phi is on {phi.device}")
-    return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs or {})
+    shapes = {"phi": (n * n + 2 * n, n * C), "alpha": (3,), "b_pre": (n,), "b_post": (n,), "b_res": (n, n)}
+    for (name, shape), p in zip(shapes.items(), (phi, alpha, b_pre, b_post, b_res)):
+        if not isinstance(p, Tensor) or not p.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(p, 'dtype', type(p).__name__)}")
+        if p.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)} for streams [..., {n}, {C}], got {list(p.shape)}")
+        if p.device != x.device:
+            raise ValueError(f"streams are on {x.device} but {name} is on {p.device}")
+    scalars = check_options(norm_eps=norm_eps, tol=tol)
+    return site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, scalars["norm_eps"], scalars["tol"])
 
 
-def run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs):
-    """:func:`mhc_site` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`).
+def post_mix(y: Tensor, site: tuple) -> Tensor:
+    """The site's last step on the fused kernels: ``x' = H_res·x + H_post ⊗ y``.
 
-    On the H200's host every Python-level check of a site costs microseconds,
-    24 sites a step.
+    Args:
+        y: ``F(u)``, ``[..., C]`` with ``u``'s shape, on the streams' device (any
+            float dtype; used in the streams' dtype).
+        site: the second value :func:`site_pre` returned.
+
+    Returns:
+        ``x'`` with the shape and dtype of the streams given to :func:`site_pre`.
+
+    Raises:
+        TypeError: ``y`` is not a floating-point tensor, or ``site`` is not from :func:`site_pre`.
+        ValueError: ``y`` has the wrong shape or device.
+    """
+    if not (isinstance(site, tuple) and len(site) == 4 and isinstance(site[3], _SiteState)):
+        raise TypeError("site must be the second value site_pre returned")
+    x = site[0]
+    if not isinstance(y, Tensor) or not y.is_floating_point():
+        raise TypeError(f"y must be a floating-point tensor, got {getattr(y, 'dtype', type(y).__name__)}")
+    if y.shape != x.shape[:-2] + x.shape[-1:]:
+        raise ValueError(f"y must have u's shape {tuple(x.shape[:-2] + x.shape[-1:])}, got {tuple(y.shape)}")
+    if y.device != x.device:
+        raise ValueError(f"streams are on {x.device} but y is on {y.device}")
+    return post_mix_unchecked(y, site)
+
+
+def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, tuple]:
+    """:func:`site_pre` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`).
+
+    ``norm_eps`` and ``tol`` must be Python floats. On the H200's host every
+    Python-level check of a site costs microseconds, 24 sites a step, and the
+    forward of a ~125M model is bound by its host time.
     """
     x = _dense(x)  # a strided input is copied once here
     plan = _plan(x)
-    if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
-        # Triton launches on the current device (autograd's backward threads already set it).
-        with torch.cuda.device(plan.cuda_device):
-            return run_site(x, branch, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, branch_args, branch_kwargs)
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
-    native = plan.native_site()
-    if native is not None:  # both nodes in C++
-        ext = _projection_cuda.extension()
-        u, h, H_res, call = ext.site_pre(native, x, *params, float(norm_eps), plan.projection_tol(tol), NEWTON_MAX_ITER)
-        _projection_cuda.poll(x.device)
+    state = _SiteState(plan, norm_eps, tol)
+    if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
+        # Triton launches on the current device (autograd's backward threads already set it).
+        state.switch_device = True
+        with torch.cuda.device(plan.cuda_device):
+            u, h, H_res = _site_pre(x, *params, state)
     else:
-        state = _SiteState(plan, float(norm_eps), float(tol))
         u, h, H_res = _site_pre(x, *params, state)
-    out = branch(u, *branch_args, **branch_kwargs)
-    y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-    if y.shape != u.shape:
-        raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+    return u, (x, h, H_res, state)
+
+
+def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
+    """:func:`post_mix` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`)."""
+    x, h, H_res, state = site
     y = _dense(y, x.dtype)
-    x_new = ext.post_mix(call, x, y, h, H_res) if native is not None else _post_mix(x, y, h, H_res, state)
-    return x_new if rest is None else (x_new, *rest)
+    if state.switch_device:
+        with torch.cuda.device(state.plan.cuda_device):
+            return _post_mix(x, y, h, H_res, state)
+    return _post_mix(x, y, h, H_res, state)

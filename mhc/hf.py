@@ -62,7 +62,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .adapters import Adapter, get_adapter
-from .block import MHCBlock, check_options, close_option, reject_unknown_options
+from .block import MHCBlock
+from .options import MHCOptions, check_options, close_option, reject_unknown_options
 from .streams import StreamReduce, expand_streams
 
 __all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
@@ -75,9 +76,7 @@ _NOT_DELEGATED = frozenset(
 )
 
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
-_BLOCK_FIELDS = (
-    "n_streams", "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps"
-)
+_BLOCK_FIELDS = ("n_streams", *MHCOptions.fields())
 MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
 # Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
 _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
@@ -134,9 +133,10 @@ class MHCConfig(_BaseConfig):
             starting at ``1/n``) to merge the streams before the final norm.
         **kwargs: PretrainedConfig's own settings (token ids, ``dtype``, ...).
 
-    The mHC settings are checked as :func:`mhc.block.check_options` says
-    (``n_streams`` an int ``>= 1``, not a bool or ``2.7``; ``tol`` finite and
-    ``> 0``; ...). Unknown keywords go to ``PretrainedConfig``, which keeps
+    The site settings are stored as plain fields (what ``config.json``
+    holds) and checked as :class:`mhc.MHCOptions` checks them (``n_streams``
+    an int ``>= 1``, not a bool or ``2.7``; ``tol`` finite and ``> 0``; ...);
+    :meth:`options` returns them as one ``MHCOptions``. Unknown keywords go to ``PretrainedConfig``, which keeps
     them as attributes (HF passes its own when loading), except one that looks
     like a misspelt mHC field (``projecton=``): that raises ``TypeError``
     naming the field it resembles.
@@ -175,20 +175,26 @@ class MHCConfig(_BaseConfig):
         if base_config.get("model_type") == self.model_type:
             raise ValueError("base_config is itself an MHCConfig; pass the wrapped model's config")
         _reject_misspelled_fields(kwargs, base_config)
-        opts = check_options(
-            n_streams=n_streams, mode=mode, init=init, projection=projection, tol=tol,
-            sinkhorn_iters=sinkhorn_iters, fused=fused, recompute=recompute, alpha_init=alpha_init, norm_eps=norm_eps,
+        n_streams = check_options(n_streams=n_streams)["n_streams"]
+        opts = MHCOptions(
+            mode=mode, init=init, projection=projection, tol=tol, sinkhorn_iters=sinkhorn_iters, fused=fused,
+            recompute=recompute, alpha_init=alpha_init, norm_eps=norm_eps,
         )
         if expand != "copy":
             raise ValueError(f"expand must be 'copy', got {expand!r}")
         if reduce not in ("mean", "learned"):
             raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
         self.base_config = base_config
-        for name in _BLOCK_FIELDS:
-            setattr(self, name, opts[name])
+        self.n_streams = n_streams
+        for name, value in opts.to_dict().items():
+            setattr(self, name, value)
         self.expand = expand
         self.reduce = reduce
         super().__init__(**kwargs)
+
+    def options(self) -> MHCOptions:
+        """The site settings as an :class:`mhc.MHCOptions` (checked again: the fields are assignable)."""
+        return MHCOptions.from_dict({name: getattr(self, name) for name in MHCOptions.fields()}, owner="MHCConfig")
 
     def get_base_config(self) -> _BaseConfig:
         """A fresh config object of the wrapped architecture, built from ``base_config``."""
@@ -227,20 +233,6 @@ class MHCConfig(_BaseConfig):
 def _positional_names(fn) -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)
-
-
-def _block_options(config: MHCConfig) -> dict[str, Any]:
-    return dict(
-        mode=config.mode,
-        init=config.init,
-        alpha_init=config.alpha_init,
-        norm_eps=config.norm_eps,
-        projection=config.projection,
-        tol=config.tol,
-        sinkhorn_iters=config.sinkhorn_iters,
-        fused=config.fused,
-        recompute=config.recompute,
-    )
 
 
 class _LayerBranch:
@@ -326,10 +318,10 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.n_streams = config.n_streams
         self.expand_input = expand_input
         hidden = config.get_text_config().hidden_size
-        opts = _block_options(config)
+        opts = config.options()
         attn, mlp = _LayerBranch(self, "_attn_branch"), _LayerBranch(self, "_mlp_branch")
-        self.attn_mhc = MHCBlock(attn, hidden, config.n_streams, layer_index=2 * layer_idx, **opts)
-        self.mlp_mhc = MHCBlock(mlp, hidden, config.n_streams, layer_index=2 * layer_idx + 1, **opts)
+        self.attn_mhc = MHCBlock(attn, hidden, config.n_streams, layer_index=2 * layer_idx, options=opts)
+        self.mlp_mhc = MHCBlock(mlp, hidden, config.n_streams, layer_index=2 * layer_idx + 1, options=opts)
 
     def _attn_branch(self, u: Tensor, **kwargs):
         return getattr(self, self._attn)(getattr(self, self._attn_norm)(u), **kwargs)

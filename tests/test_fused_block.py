@@ -1,8 +1,10 @@
-"""Fused mHC site (mhc.fused, Triton) against the PyTorch MHCBlock.
+"""Fused mHC site (mhc.fused, Triton) against the PyTorch reference of MHCBlock.
 
-On CUDA the kernels are compiled; without CUDA they run in Triton's
-interpreter on CPU tensors (tests/conftest.py), so the same comparisons run
-in CI.
+On CUDA the kernels are compiled and MHCBlock picks the fused backend itself.
+Without CUDA the kernels run in Triton's interpreter on CPU tensors
+(tests/conftest.py), and the blocks under test are :class:`InterpretedFusedBlock`,
+an MHCBlock whose ``uses_fused`` also accepts CPU streams: the same flow,
+branch call and checks as on CUDA, so the same comparisons run in CI.
 """
 
 import copy
@@ -10,12 +12,10 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 import mhc
@@ -36,8 +36,23 @@ else:
 pytestmark = pytest.mark.skipif(NO_TRITON is not None, reason=NO_TRITON or "")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NO_CUDA = "needs a CUDA device (this machine has none)"
-INTERPRETED = f"{NO_CUDA}: Triton's CPU interpreter always takes Triton's own launch path, no kept variants or C++ site"
+INTERPRETED = f"{NO_CUDA}: Triton's CPU interpreter always takes Triton's own launch path, no kept variants"
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class InterpretedFusedBlock(mhc.MHCBlock):
+    """MHCBlock whose fused backend also takes CPU streams (Triton's interpreter); used only without CUDA."""
+
+    def uses_fused(self, x):
+        # MHCBlock.uses_fused without its `x.is_cuda`.
+        return (self.fused and self.mode == "mhc" and self.projection == "newton"
+                and x.dtype in fused.SUPPORTED_DTYPES and x.numel() > 0 and fused.available())
+
+
+def fused_block(branch, C, n, **options):
+    """An MHCBlock on DEVICE that runs the fused backend (on CPU: in Triton's interpreter)."""
+    cls = mhc.MHCBlock if DEVICE == "cuda" else InterpretedFusedBlock
+    return cls(branch, C, n, **options).to(DEVICE)
 
 
 def _rel(a, b):
@@ -57,23 +72,16 @@ def _blocks(n, C, dtype, seed):
         ref.alpha.copy_(torch.tensor([0.5, 0.7, 2.0]))
     ref = ref.to(DEVICE)
     ref.branch.to(dtype)
-    fast = copy.deepcopy(ref)
-    fast.fused = True
+    fast = fused_block(copy.deepcopy(ref.branch), C, n, init="paper")
+    fast.load_state_dict(ref.state_dict())
     return ref, fast
 
 
-def _run_fused(block, x):
-    """The block on CUDA (which must dispatch to the fused site); the fused site itself on CPU."""
-    if DEVICE == "cuda":
-        return block(x)
-    return fused.mhc_site(x, block.branch, block.phi, block.alpha, block.b_pre, block.b_post, block.b_res,
-                          norm_eps=block.norm_eps, tol=block.tol)
-
-
-def _compare(ref, fast, x, tol_out, tol_grad, run_fast=_run_fused):
+def _compare(ref, fast, x, tol_out, tol_grad):
+    assert fast.uses_fused(x) and not ref.uses_fused(x)
     x_ref = x.detach().clone().requires_grad_()
     x_fast = x.detach().clone().requires_grad_()
-    out_ref, out_fast = ref(x_ref), run_fast(fast, x_fast)
+    out_ref, out_fast = ref(x_ref), fast(x_fast)
     assert out_fast.dtype == x.dtype and out_fast.shape == x.shape
     g = torch.randn_like(out_ref)
     out_ref.backward(g)
@@ -84,18 +92,24 @@ def _compare(ref, fast, x, tol_out, tol_grad, run_fast=_run_fused):
         assert _rel(p_fast.grad, p_ref.grad) < tol_grad, name
 
 
+def _count_calls(monkeypatch, owner, name) -> list:
+    """Replace ``owner.name`` by a wrapper that appends to the returned list on each call."""
+    calls, inner = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or inner(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("n", [4, 8, 3])
 @pytest.mark.parametrize("C", [64, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
     ref, fast = _blocks(n, C, dtype, fresh_seed)
-    calls = []
-    site = fused.run_site  # what MHCBlock calls on CUDA, and mhc_site after its checks
-    monkeypatch.setattr(fused, "run_site", lambda *a, **k: calls.append(1) or site(*a, **k))
+    pre = _count_calls(monkeypatch, fused, "site_pre_unchecked")  # what MHCBlock calls for the fused backend
+    post = _count_calls(monkeypatch, fused, "post_mix_unchecked")
     x = torch.randn(2, 9, n, C, device=DEVICE).to(dtype)
     tight = dtype == torch.float32
     _compare(ref, fast, x, 1e-5 if tight else 1e-2, 1e-4 if tight else 3e-2)
-    assert calls, "the fused site did not run"
+    assert pre == [1] and post == [1], "the fused site did not run (or ran for the reference block)"
 
 
 def test_fused_site_non_contiguous_and_large_values(fresh_seed):
@@ -128,6 +142,7 @@ def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
 
 
 def test_fused_site_gradcheck_float64(fresh_seed):
+    """The public steps fused.site_pre / fused.post_mix around a branch, against finite differences."""
     n, C = 3, 8
     lin = nn.Linear(C, C).double().to(DEVICE)
     params = [
@@ -140,7 +155,8 @@ def test_fused_site_gradcheck_float64(fresh_seed):
     x = torch.randn(2, n, C, dtype=torch.float64, device=DEVICE)
 
     def site(x, phi, alpha, b_pre, b_post, b_res):
-        return fused.mhc_site(x, lambda u: torch.tanh(lin(u)), phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-12)
+        u, mix = fused.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-12)
+        return fused.post_mix(torch.tanh(lin(u)), mix)
 
     inputs = [t.requires_grad_() for t in (x, *params)]
     assert torch.autograd.gradcheck(site, inputs, atol=1e-7, rtol=1e-5)
@@ -154,13 +170,20 @@ def test_identity_init_on_identical_streams_is_exact(dtype):
     C, n = 64, 4
     torch.manual_seed(0)
     branch = nn.Sequential(nn.Linear(C, C), nn.GELU()).to(DEVICE, dtype)
-    block = mhc.MHCBlock(branch, C, n, layer_index=2).to(DEVICE)
+    block = fused_block(branch, C, n, layer_index=2)
     h = torch.randn(3, 5, C, device=DEVICE, dtype=dtype)
     x = mhc.expand_streams(h, n)
-    out = fused.mhc_site(x, block.branch, block.phi, block.alpha, block.b_pre, block.b_post, block.b_res, norm_eps=1e-6, tol=1e-6)
+    assert block.uses_fused(x)
+    out = block(x)
     expected = h + branch(h)
     for i in range(n):
         assert torch.equal(out[..., i, :], expected)
+
+
+def _coefficient_h(x, phi, alpha, b_pre, b_post, b_res):
+    """``h = [σ of H_pre's columns | σ of H_post's]`` as fused.site_pre computes it."""
+    _, (_, h, _, _) = fused.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-6)
+    return h
 
 
 def test_in_kernel_sigmoid_matches_torch():
@@ -174,8 +197,7 @@ def test_in_kernel_sigmoid_matches_torch():
     for trial in range(6):
         b = special if trial == 0 else torch.randn(n, device=DEVICE) * 4 * trial
         b_pre, b_post = b, -b.flip(0)
-        state = fused._SiteState(fused._plan(x), 1e-6, 1e-6)
-        _, h, _ = fused._SitePre.apply(x, phi, alpha, b_pre, b_post, b_res, state)
+        h = _coefficient_h(x, phi, alpha, b_pre, b_post, b_res)
         expected = torch.sigmoid(torch.cat([b_pre, b_post])).expand(T, -1)
         if DEVICE == "cuda":
             assert torch.equal(h, expected)
@@ -196,8 +218,7 @@ def test_coefficients_close_to_float64(dtype):
     phi = torch.randn(n * n + 2 * n, n * C, device=DEVICE) * (n * C) ** -0.5
     alpha, b_res = torch.tensor([1.0, 1.0, 1.0], device=DEVICE), torch.zeros(n, n, device=DEVICE)
     b_pre, b_post = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
-    state = fused._SiteState(fused._plan(x), 1e-6, 1e-6)
-    _, h, _ = fused._SitePre.apply(x, phi, alpha, b_pre, b_post, b_res, state)
+    h = _coefficient_h(x, phi, alpha, b_pre, b_post, b_res)
     z = torch.nn.functional.rms_norm(x.double().flatten(1), (n * C,), eps=1e-6) @ phi.double().t()
     expected = torch.sigmoid(z[:, : 2 * n] + torch.cat([b_pre, b_post]).double())
     assert (h.double() - expected).abs().max().item() < (2e-5 if dtype == torch.bfloat16 else 2e-6)
@@ -213,55 +234,63 @@ def test_branch_tuple_and_arguments_pass_through():
         seen["tag"] = tag
         return lin(u) * scale, "extra"
 
-    block = mhc.MHCBlock(branch, C, n, init="paper").to(DEVICE)
+    block = fused_block(branch, C, n, init="paper")
     x = torch.randn(2, 3, n, C, device=DEVICE)
-    out = fused.mhc_site(x, branch, block.phi, block.alpha, block.b_pre, block.b_post, block.b_res,
-                         norm_eps=1e-6, tol=1e-6, branch_args=(2.0,), branch_kwargs={"tag": "t"})
+    out = block(x, 2.0, tag="t")
+    assert out[1] == "extra" and seen["tag"] == "t" and len(out) == 2
     ref = mhc.MHCBlock(branch, C, n, init="paper", fused=False).to(DEVICE)
     ref.load_state_dict(block.state_dict())
     expected = ref(x, 2.0, tag="t")
-    assert out[1] == "extra" and seen["tag"] == "t"
     assert _rel(out[0], expected[0]) < 1e-5
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
-def test_cached_launches_match_tritons_own(monkeypatch):
-    """Without the C++ site (as under a launch hook), the second call of a configuration launches the
-    kept compiled kernels from Python, with the same results."""
-    monkeypatch.setattr(fused, "_native_allowed", lambda: False)
-    ref, fast = _blocks(4, 96, torch.bfloat16, seed=3)
-    x = torch.randn(3, 7, 4, 96, device=DEVICE, dtype=torch.bfloat16)
-    for launcher in (fused._coeff_fwd, fused._stream_grad):
-        launcher.variants.clear()
-    fused._PLANS.clear()
-    results = []
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+@pytest.mark.parametrize("tuple_output", [False, True])
+def test_branch_runs_once_per_forward_on_both_backends(backend, tuple_output, fresh_seed):
+    """MHCBlock calls its branch exactly once per forward, whichever backend runs the mixes, and
+    backward does not call it again (without recompute)."""
+    n, C = 4, 24
+    lin = nn.Linear(C, C).to(DEVICE)
+    calls = []
+
+    def branch(u):
+        calls.append(u.shape)
+        return (lin(u), "aux") if tuple_output else lin(u)
+
+    if backend == "fused":
+        block = fused_block(branch, C, n, init="paper")
+    else:
+        block = mhc.MHCBlock(branch, C, n, init="paper", fused=False).to(DEVICE)
+    x = torch.randn(2, 5, n, C, device=DEVICE, requires_grad=True)
+    assert block.uses_fused(x) == (backend == "fused")
     for _ in range(2):
-        xg = x.clone().requires_grad_()
-        out = fast(xg)
-        out.backward(torch.ones_like(out))
-        results.append((out, xg.grad, fast.phi.grad.clone()))
-        fast.zero_grad()
-    assert fused._coeff_fwd.variants and fused._stream_grad.variants
-    for first, second in zip(*results):
-        assert torch.equal(first, second)
+        calls.clear()
+        out = block(x)
+        assert calls == [torch.Size((2, 5, C))], f"seed={fresh_seed}: {len(calls)} branch calls in one forward"
+        y = out[0] if tuple_output else out
+        y.square().sum().backward()
+        assert len(calls) == 1, f"seed={fresh_seed}: backward called the branch"
+
+
+def test_fused_double_backward_raises(fresh_seed):
+    """The fused nodes are once-differentiable: a second derivative through them is an error, not garbage."""
+    _, fast = _blocks(4, 16, torch.float32, fresh_seed)
+    x = torch.randn(2, 3, 4, 16, device=DEVICE, requires_grad=True)
+    (gx,) = torch.autograd.grad(fast(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
-@pytest.mark.parametrize("n", [4, 8])
-def test_later_calls_run_the_cpp_site(n):
-    """After one fwd+bwd of a shape the site runs in C++ (csrc/site.cu: its two autograd nodes, and
-    Triton's kept variants launched from there). Its results are the bits of the first call (Triton's
-    own launches, Python nodes), whichever inputs need gradients."""
-    from mhc import projection_cuda
-
-    assert projection_cuda.available(), "the CUDA extension did not build"
+def test_kept_launches_match_tritons_own():
+    """After fused.clear_plans() a shape's first fwd+bwd goes through Triton's own launches and keeps every
+    compiled variant; later calls launch those directly, with the bits of the first call, whichever
+    inputs need gradients."""
+    n = 4
     ref, fast = _blocks(n, 200, torch.bfloat16, seed=5)
     x = torch.randn(3, 5, n, 200, device=DEVICE, dtype=torch.bfloat16)
-    for launcher in (fused._coeff_fwd, fused._postmix_fwd, fused._postmix_bwd, fused._coeff_bwd,
-                     fused._stream_grad, fused._phi_grad):
-        launcher.variants.clear()  # so that the first call is Triton's own launch
-    fused._PLANS.clear()
-    plan = fused._plan(x)
+    fused.clear_plans()
+    assert set(fused.compiled_variants().values()) == {0}
 
     def run(x_grad=True, phi_grad=True):
         fast.phi.requires_grad_(phi_grad)
@@ -273,9 +302,10 @@ def test_later_calls_run_the_cpp_site(n):
         fast.phi.requires_grad_(True)
         return (out, *grads)
 
-    assert plan.native_site() is None
     first = run()
-    assert plan.native_site() is not None
+    kept = fused.compiled_variants()
+    assert sorted(kept) == ["coeff_bwd", "coeff_fwd", "phi_grad", "postmix_bwd", "postmix_fwd", "stream_grad"]
+    assert all(count >= 1 for count in kept.values()), kept
     for a, b in zip(first, run()):
         assert torch.equal(a, b)
     no_dx, no_dphi = run(x_grad=False), run(phi_grad=False)
@@ -285,6 +315,7 @@ def test_later_calls_run_the_cpp_site(n):
             assert torch.equal(a, b)
         if i != 2:
             assert torch.equal(a, c)
+    assert fused.compiled_variants() == kept  # nothing compiled again
 
     xr = x.clone().requires_grad_()
     expected = ref(xr)
@@ -293,88 +324,10 @@ def test_later_calls_run_the_cpp_site(n):
     assert _rel(first[1], xr.grad) < 2e-2
     assert _rel(first[2], ref.phi.grad) < 2e-2
 
-    xg = x.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(fast(xg).sum(), xg, create_graph=True)
-
-
-def test_cpp_launch_handle_describes_the_kernel_parameters(monkeypatch):
-    """What Python hands csrc/site.cu for a compiled variant: one kind per runtime parameter (in the
-    kernel's order, constexpr-specialised ones marked 0), and nothing for a variant whose launch needs
-    scratch memory or clusters (the C++ launch passes neither)."""
-    from types import SimpleNamespace
-
-    made = []
-
-    class FakeExtension:
-        @staticmethod
-        def TritonKernel(function, grid, num_warps, shared, kinds):
-            made.append((function, grid, num_warps, shared, kinds))
-            return "handle"
-
-    monkeypatch.setattr(fused._projection_cuda, "extension", lambda: FakeExtension)
-    spec = fused._Launch((6, 2), {"n": 4, "BC": 64}, (128,), torch.bfloat16, torch.device("cpu"))
-    signature = {"x_ptr": "*bf16", "T": "i32", "C": "constexpr", "eps": "fp32", "big": "i64", "n": "constexpr",
-                 "BC": "constexpr"}
-    compiled = SimpleNamespace(
-        function=1234, src=SimpleNamespace(signature=signature),
-        metadata=SimpleNamespace(num_warps=4, shared=512, num_ctas=1, global_scratch_size=0),
-    )
-    names = ["x_ptr", "T", "C", "eps", "big", "n", "BC"]
-    assert fused._native_kernel(compiled, names, spec) == "handle"
-    assert made == [(1234, [6, 2, 1], 4, 512, [1, 2, 0, 4, 3])]
-
-    compiled.metadata.global_scratch_size = 128
-    assert fused._native_kernel(compiled, names, spec) is None
-    compiled.metadata.global_scratch_size, compiled.metadata.num_ctas = 0, 2
-    assert fused._native_kernel(compiled, names, spec) is None
-    compiled.metadata.num_ctas, signature["x_ptr"] = 1, "tensordesc<bf16[64]>"
-    assert fused._native_kernel(compiled, names, spec) is None  # a parameter kind it cannot pass
-    assert len(made) == 1
-
-
-def test_cpp_site_is_off_while_a_launch_hook_is_installed():
-    chain = triton.knobs.runtime.launch_enter_hook
-    if not hasattr(chain, "add"):
-        pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
-    assert fused._native_allowed()
-
-    def hook(metadata):
-        pass
-
-    chain.add(hook)
-    try:
-        assert not fused._native_allowed()
-    finally:
-        chain.remove(hook)
-    assert fused._native_allowed()
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason=f"{NO_CUDA}, so no CUDA extension (csrc/site.cu) to test")
-def test_cpp_site_rejects_bad_arguments():
-    from mhc import projection_cuda
-
-    ext = projection_cuda.extension()
-    _, fast = _blocks(4, 64, torch.float32, seed=6)
-    x = torch.randn(2, 4, 64, device=DEVICE)
-    fast(x.requires_grad_()).sum().backward()  # compiles the plan's kernels
-    kernels = fused._plan(x).native_site()
-    params = (fast.phi, fast.alpha, fast.b_pre, fast.b_post, fast.b_res)
-    with pytest.raises(RuntimeError, match="CUDA streams"):
-        ext.site_pre(kernels, x.detach().cpu(), *params, 1e-6, 1e-6, 32)
-    with pytest.raises(RuntimeError, match="float32 / bfloat16 / float16"):
-        ext.site_pre(kernels, x.detach().double(), *params, 1e-6, 1e-6, 32)
-    with pytest.raises(RuntimeError, match="CUfunction"):
-        ext.TritonKernel(0, [1, 1, 1], 4, 0, [1])
-    with pytest.raises(RuntimeError, match="grid"):
-        ext.TritonKernel(1, [0, 1, 1], 4, 0, [1])
-    with pytest.raises(RuntimeError, match="kind"):
-        ext.TritonKernel(1, [1, 1, 1], 4, 0, [9])
-
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=INTERPRETED)
-def test_cached_launches_call_installed_launch_hooks():
-    """A launch hook installed in Triton (a profiler's, say) sees the kept launches too."""
+def test_kept_launches_call_installed_launch_hooks():
+    """A launch hook installed in Triton (a profiler's, say) sees the kept launches too, and only while installed."""
     chain = triton.knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
         pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
@@ -392,33 +345,55 @@ def test_cached_launches_call_installed_launch_hooks():
     finally:
         chain.remove(hook)
     assert {"coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"} <= set(names)
-    assert fused._hook(chain) is None  # empty again: the launches pass no hook
+    seen = len(names)
+    fast(x).sum().backward()
+    assert len(names) == seen  # removed: the launches no longer call it
 
 
 def test_bad_inputs_are_rejected():
     n, C = 4, 16
     block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
-    args = (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)
+    params = (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)
+    x = torch.zeros(2, n, C, device=DEVICE)
     with pytest.raises(TypeError, match="supports"):
-        fused.mhc_site(torch.zeros(2, n, C, dtype=torch.int32, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
+        fused.site_pre(x.int(), *params, norm_eps=1e-6, tol=1e-6)
     with pytest.raises(ValueError, match="at least one token"):
-        fused.mhc_site(torch.zeros(0, n, C, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
+        fused.site_pre(torch.zeros(0, n, C, device=DEVICE), *params, norm_eps=1e-6, tol=1e-6)
     with pytest.raises(ValueError, match="phi must be"):
-        fused.mhc_site(torch.zeros(2, n, C + 1, device=DEVICE), nn.Identity(), *args, norm_eps=1e-6, tol=1e-6)
-    with pytest.raises(ValueError, match="branch returned shape"):
-        fused.mhc_site(torch.zeros(2, n, C, device=DEVICE), lambda u: u[..., :-1], *args, norm_eps=1e-6, tol=1e-6)
+        fused.site_pre(torch.zeros(2, n, C + 1, device=DEVICE), *params, norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="b_res must be"):
+        fused.site_pre(x, *params[:4], block.b_res[:, :2], norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(TypeError, match="alpha must be a floating-point tensor"):
+        fused.site_pre(x, block.phi, [1.0, 1.0, 1.0], *params[2:], norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="tol"):
+        fused.site_pre(x, *params, norm_eps=1e-6, tol=0.0)
+    u, mix = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6)
+    with pytest.raises(ValueError, match="u's shape"):
+        fused.post_mix(u[..., :-1], mix)
+    with pytest.raises(TypeError, match="site_pre returned"):
+        fused.post_mix(u, mix[:3])
+    assert fused.post_mix(u, mix).shape == x.shape
+    # Through the block, on both backends: the branch's output shape is checked once, in MHCBlock.
+    for bad in (fused_block(lambda u: u[..., :-1], C, n), mhc.MHCBlock(lambda u: u[..., :-1], C, n, fused=False)):
+        with pytest.raises(ValueError, match="branch returned shape"):
+            bad.to(DEVICE)(x)
 
 
 def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
     n, C = 4, 16
     block = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
-    assert not block._use_fused(torch.zeros(2, n, C))
-    assert not block._use_fused(torch.zeros(0, n, C, device=DEVICE))
-    assert block._use_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
-    assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE)._use_fused(torch.zeros(2, n, C, device=DEVICE))
-    # Sinkhorn blocks (backward through the iterations) stay on the PyTorch path.
-    sinkhorn = mhc.MHCBlock(nn.Identity(), C, n, projection="sinkhorn").to(DEVICE)
-    assert not sinkhorn._use_fused(torch.zeros(2, n, C, device=DEVICE))
+    assert not block.uses_fused(torch.zeros(2, n, C))
+    assert not block.uses_fused(torch.zeros(0, n, C, device=DEVICE))
+    assert block.uses_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
+    assert not block.uses_fused(torch.zeros(2, n, C, dtype=torch.int32, device=DEVICE))
+    assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
+    # Sinkhorn and hc blocks (backward through the iterations; no fused kernels) stay on the PyTorch path,
+    # and so does a block switched to fused=False after it was built.
+    for other in (dict(projection="sinkhorn"), dict(mode="hc")):
+        assert not mhc.MHCBlock(nn.Identity(), C, n, **other).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
+    switched = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
+    switched.fused = False
+    assert not switched.uses_fused(torch.zeros(2, n, C, device=DEVICE))
     # An empty batch still works end to end (PyTorch path).
     assert block(torch.zeros(0, n, C, device=DEVICE)).shape == (0, n, C)
 
@@ -432,13 +407,7 @@ def test_fused_site_under_activation_recompute(fresh_seed):
     inner = fast.branch.forward
     fast.branch.forward = lambda u: calls.append(1) or inner(u)
     x = torch.randn(2, 5, n, C, device=DEVICE)
-    if DEVICE == "cuda":
-        _compare(ref, fast, x, 1e-5, 1e-4)
-    else:  # the block's fused path is CUDA-only: checkpoint the fused site itself
-        def checkpointed(block, t):
-            return torch.utils.checkpoint.checkpoint(lambda u: _run_fused(block, u), t, use_reentrant=False)
-
-        _compare(ref, fast, x, 1e-5, 1e-4, run_fast=checkpointed)
+    _compare(ref, fast, x, 1e-5, 1e-4)
     assert len(calls) == 2, "the branch should run once in forward and once more in backward"
 
 
@@ -470,7 +439,7 @@ text = "".join(traceback.format_exception(err))
 assert "direct cause" in text and "exec_module" in text, text  # the original traceback is chained
 assert mutations.BROKEN_KERNELS_MESSAGE in str(err) and "fused=False" in str(err), str(err)
 params = (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)
-raises_import_error(lambda: fused.mhc_site(torch.randn(2, 4, 8), torch.nn.Identity(), *params, norm_eps=1e-6, tol=1e-6))
+raises_import_error(lambda: fused.site_pre(torch.randn(2, 4, 8), *params, norm_eps=1e-6, tol=1e-6))
 if torch.cuda.is_available():  # the CUDA block raises instead of falling back to the PyTorch path
     raises_import_error(lambda: block.cuda()(torch.randn(2, 4, 8, device="cuda")))
 print("raised as it should")
@@ -479,7 +448,7 @@ print("raised as it should")
 
 def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
     """Kernels that fail to import while Triton imports are an error everywhere: fused.available(),
-    mhc_site and (on CUDA) MHCBlock raise ImportError with the original error chained, and this test
+    fused.site_pre and (on CUDA) MHCBlock raise ImportError with the original error chained, and this test
     file fails to collect instead of skipping. Only the fused path is affected: CPU code still runs."""
     script = BROKEN_KERNELS_SCRIPT.format(tests=str(ROOT / "tests"))
     env = {k: v for k, v in os.environ.items() if k != mutations.VARIABLE}

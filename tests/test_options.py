@@ -1,7 +1,9 @@
-"""Options of MHCBlock, MHCConfig and convert_to_mhc: misspelt or ill-typed ones raise, naming the option."""
+"""Options of MHCBlock, MHCOptions, MHCConfig and convert_to_mhc: misspelt or ill-typed ones raise, naming the option."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -10,7 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, MHCOptions, convert_to_mhc
 from test_hf import tiny_base, tiny_config
 
 C = 8
@@ -150,3 +152,91 @@ def test_reset_parameters_names_are_checked():
         b.b_pre.add_(1.0)
     b.reset_parameters(["b_pre"])  # only b_pre goes back to its init; phi keeps its (random) draw
     assert torch.equal(b.b_pre, b_pre) and torch.equal(b.phi, phi)
+
+
+OPTION_BAD_VALUES = [(name, value, error) for name, value, error in BAD_VALUES if name in MHCOptions.fields()]
+
+
+def test_options_fields_are_the_site_settings():
+    assert MHCOptions.fields() == (
+        "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps"
+    )
+    defaults = MHCOptions().to_dict()
+    assert defaults == dict(mode="mhc", init="identity", projection="newton", tol=1e-6, sinkhorn_iters=20,
+                            fused=True, recompute=False, alpha_init=0.01, norm_eps=1e-6)
+    assert json.loads(json.dumps(defaults)) == defaults  # plain values
+
+
+@pytest.mark.parametrize("name, value, error", OPTION_BAD_VALUES)
+def test_options_reject_bad_values(name, value, error):
+    with pytest.raises(error, match=name):
+        MHCOptions(**{name: value})
+    with pytest.raises(error, match=name):
+        MHCOptions.from_dict({name: value})
+    with pytest.raises(error, match=name):
+        MHCOptions().replace(**{name: value})
+
+
+def test_options_from_dict_round_trip_and_normalise():
+    opts = MHCOptions.from_dict({"tol": np.float32(1e-5), "sinkhorn_iters": np.int64(7), "mode": "hc"})
+    assert type(opts.tol) is float and type(opts.sinkhorn_iters) is int
+    assert opts.mode == "hc" and opts.init == "identity"  # the rest keep their defaults
+    assert MHCOptions.from_dict(opts.to_dict()) == opts
+    assert opts.replace(recompute=True) == MHCOptions(**{**opts.to_dict(), "recompute": True})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.tol = 1.0
+
+
+@pytest.mark.parametrize("typo, meant", [("tool", "tol"), ("Fused", "fused"), ("sinkhorn_iter", "sinkhorn_iters")])
+def test_options_unknown_keys_raise_with_the_close_match(typo, meant):
+    with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
+        MHCOptions.from_dict({typo: 1})
+    with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
+        MHCOptions().replace(**{typo: 1})
+    with pytest.raises(TypeError, match="mapping"):
+        MHCOptions.from_dict([("tol", 1e-5)])
+
+
+def test_block_takes_options_and_keywords():
+    opts = MHCOptions(mode="hc", tol=1e-5, recompute=True)
+    b = MHCBlock(nn.Linear(C, C), C, 2, options=opts)
+    assert b.options == opts and b.mode == "hc" and b.tol == 1e-5 and b.recompute
+    # Keywords override the options object's fields.
+    b = MHCBlock(nn.Linear(C, C), C, 2, options=opts, recompute=False, init="paper")
+    assert b.options == opts.replace(recompute=False, init="paper")
+    assert MHCBlock(nn.Linear(C, C), C, 2, sinkhorn_iters=3).options == MHCOptions(sinkhorn_iters=3)
+    with pytest.raises(TypeError, match="options must be an MHCOptions"):
+        MHCBlock(nn.Linear(C, C), C, 2, options={"mode": "hc"})
+
+
+def test_block_option_attributes_are_checked_when_set():
+    b = block()
+    b.fused = False
+    b.tol = 1e-4
+    assert b.options == MHCOptions(fused=False, tol=1e-4)
+    with pytest.raises(TypeError, match="fused"):
+        b.fused = 1
+    with pytest.raises(ValueError, match="tol"):
+        b.tol = -1.0
+    assert b.options == MHCOptions(fused=False, tol=1e-4)  # unchanged by the refused values
+    with pytest.raises(ValueError, match="mode is fixed"):
+        b.mode = "hc"
+    with pytest.raises(ValueError, match="mode is fixed"):
+        b.options = MHCOptions(mode="residual")
+    b.options = MHCOptions(projection="sinkhorn")
+    assert b.projection == "sinkhorn"
+    with pytest.raises(TypeError, match="options must be an MHCOptions"):
+        b.options = {"projection": "newton"}
+
+
+def test_config_options_are_what_its_blocks_run_by():
+    cfg = MHCConfig(base_config=tiny_config("llama"), n_streams=2, mode="hc", tol=1e-5, recompute=True, fused=False)
+    opts = cfg.options()
+    assert opts == MHCOptions(mode="hc", tol=1e-5, recompute=True, fused=False)
+    assert {k: getattr(cfg, k) for k in MHCOptions.fields()} == opts.to_dict()  # plain fields, as config.json holds
+    model = MHCForCausalLM(cfg)
+    blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+    assert blocks and all(b.options == opts and b.n_streams == 2 for b in blocks)
+    cfg.tol = "small"  # HF config fields are plain attributes; options() checks them again
+    with pytest.raises(TypeError, match="tol"):
+        cfg.options()

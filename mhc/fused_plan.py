@@ -1,0 +1,200 @@
+"""Launch plans and direct launches of the fused site's Triton kernels (internal to :mod:`mhc.fused`).
+
+Imported by :mod:`mhc.fused` only once :mod:`mhc.fused_kernels` has imported.
+A :class:`Plan` holds every launch of a site for one shape, dtype and device,
+worked out once; a :class:`Launcher` launches one kernel with the compiled
+variant Triton's own first launch built, skipping Triton's argument binding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import fused_kernels as _k
+from . import projection_cuda as _projection_cuda
+from .projection import effective_tol
+
+__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
+
+
+class Launcher:
+    """``launcher(spec, *args)``: one Triton kernel, with less host time per call.
+
+    ``kernel[grid](...)`` binds and specializes every argument again on each
+    call (15-40 µs of host time on the H200's host, measured), and at the width
+    of a ~125M model host time, not the GPU, sets the step time. Every argument
+    mhc.fused passes is contiguous and 16-byte aligned (``mhc.fused._dense``), its
+    dtype follows from the streams', and its integers from their shape, so the
+    compiled variant is fixed by the :class:`Launch` spec that :class:`Plan`
+    builds once per shape. After Triton's own first launch of a variant this
+    keeps it and makes the call Triton would make (launch hooks included).
+    Positional arguments are the kernel's runtime parameters; the spec holds its
+    constexprs. Under Triton's interpreter and under ``torch.compile`` every
+    call takes Triton's own path.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.variants = {}
+
+    def __call__(self, spec: "Launch", *args) -> None:
+        # torch.compile traces Triton's own launch as a user-defined kernel.
+        if not spec.cached or torch.compiler.is_compiling():
+            self.kernel[spec.grid](*args, **spec.meta)
+            return
+        hit = self.variants.get(spec.variant)
+        if hit is None:
+            compiled = self.kernel[spec.grid](*args, **spec.meta)
+            # Triton before its `knobs` module is not handled.
+            if getattr(compiled, "function", None) is not None and hasattr(_k.triton, "knobs"):
+                constexprs = tuple(spec.meta[name] for name in self.kernel.arg_names[len(args):])
+                self.variants[spec.variant] = (compiled, compiled.run, constexprs)
+            return
+        compiled, run, constexprs = hit
+        full = (*args, *constexprs)
+        # Triton's own stream getter: torch.cuda.current_stream().cuda_stream took
+        # 7.7-8.5 µs per call on the H200's host (timed alone), the getter 0.13 µs.
+        stream = _k.triton.runtime.driver.active.get_current_stream(spec.device)
+        runtime = _k.triton.knobs.runtime
+        enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
+        metadata = None if enter is None else compiled.launch_metadata(spec.grid, stream, *full)
+        run(*spec.grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *full)
+
+
+def _hook(hook):
+    """A Triton launch hook, or ``None`` for an empty ``HookChain``.
+
+    Triton 3.5+ keeps its hooks in chains that are never ``None``; with a chain,
+    Triton's own launch builds the launch metadata and calls both chains on
+    every launch, though no hook is installed.
+    """
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
+
+
+class Launch:
+    """Grid and constexprs of one kernel launch, and the key of its compiled variant."""
+
+    __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant")
+
+    def __init__(self, grid: tuple, meta: dict, ints: tuple, dtype: torch.dtype, device: torch.device):
+        self.grid, self.grid3, self.meta = grid, (*grid, 1, 1)[:3], meta
+        self.cached = device.type == "cuda"
+        self.device = device.index
+        # What Triton specializes a variant on, besides the (fixed) pointer alignment and
+        # dtypes: integers equal to 1, divisible by 16, or beyond int32.
+        int_key = tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints)
+        self.variant = (self.device, dtype, int_key, tuple(meta.items()))
+
+
+LAUNCHERS: dict[str, Launcher] = {
+    name: Launcher(getattr(_k, name))
+    for name in ("coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int, lo: int = 1) -> int:
+    return max(lo, 1 << (int(v) - 1).bit_length())
+
+
+class Plan:
+    """Every launch of a site for streams of one shape, dtype and device, worked out once.
+
+    Shapes: ``n`` streams of width ``C`` over ``T`` tokens; ``Z = n² + 2n``
+    coefficient columns. Tile sizes are the best of the sweeps on the H200
+    (notes/block_benchmarks.md).
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        n, C = shape[-2:]
+        T = shape.numel() // (n * C)
+        Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
+        self.T, self.n, self.C, self.Z = T, n, C, Z
+        self.cuda_device = device.index if device.type == "cuda" else None
+        self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = _k.acc_type(dtype)
+        # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
+        # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
+        # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
+        # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
+        numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
+        coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
+
+        def launch(grid, ints, **meta):
+            return Launch(grid, meta, ints, dtype, device)
+
+        # 64 tokens x 128 columns, 4 warps: the best of 10 shapes for the norm and φ, and of 6 for
+        # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
+        # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
+        # and a σ op on the host).
+        BM = 64
+        self.coeff_fwd = launch(
+            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
+        )
+        # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
+        # were 8-30x slower (n=4, C=2048).
+        BC = min(4096 // NP, _pow2(C, 16))
+        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc)
+        # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
+        BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
+        self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
+        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=acc, num_warps=2)
+        # 32-token steps over 128 tokens per program and 64 columns, 4 warps. 32-token steps
+        # beat 16 (bf16, T=16384, n=4: 127 vs 149 µs at C=768, 312 vs 341 µs at C=2048; n=8,
+        # C=768: 906 vs 1283 µs); loading every operand straight into the [BM, NP, BC] layout,
+        # one stream per program, or flat [BM, n·C] tiles were no faster or slower. Wider n
+        # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
+        BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
+        self.stream_grad = launch(
+            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
+            n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics,
+            num_warps=4 if ZP * NP * BC <= 8192 else 8,
+        )
+        K, BT, BN = n * C, 32, 128
+        splits = max(1, min(16, T // 1024))
+        self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
+        self.phi_splits = _cdiv(T, self.phi_tokens)
+        self.phi_grad = launch(
+            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
+        )
+        # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
+        probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
+        self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
+        self._tol_eff: dict = {}
+
+    def projection_tol(self, tol: float) -> float:
+        """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
+        tol_eff = self._tol_eff.get(tol)
+        if tol_eff is None:
+            tol_eff = self._tol_eff[tol] = effective_tol(tol, self.n, self.cdt)
+        return tol_eff
+
+
+_PLANS: dict = {}
+
+
+def plan_for(x: Tensor) -> Plan:
+    """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device), made on first use."""
+    key = (x.shape, x.dtype, x.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:  # e.g. generation, one token count per step
+            _PLANS.clear()
+        plan = _PLANS[key] = Plan(*key)
+    return plan
+
+
+def clear() -> None:
+    """Forget every plan and every kept compiled variant (see :func:`mhc.fused.clear_plans`)."""
+    _PLANS.clear()
+    for launcher in LAUNCHERS.values():
+        launcher.variants.clear()
+
+
+def compiled_variants() -> dict[str, int]:
+    """``{kernel name: kept variants}`` (see :func:`mhc.fused.compiled_variants`)."""
+    return {name: len(launcher.variants) for name, launcher in LAUNCHERS.items()}

@@ -1,0 +1,129 @@
+"""The mHC site's steps in plain PyTorch: the reference backend of :class:`mhc.MHCBlock`.
+
+A site is ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` (design.md §1). Its steps,
+around the sublayer ``F`` that :class:`mhc.MHCBlock` calls in between:
+
+* :func:`coefficients`: ``(H_pre, H_post, H_res)`` per token, in float32
+  (float64 for float64 streams) whatever the streams' dtype;
+* :func:`pre_mix`: ``u = Σ_i H_pre[i] x_i``, the sublayer's input;
+* :func:`post_mix`: ``x'_i = Σ_j H_res[i, j] x_j + H_post[i] y``.
+
+:mod:`mhc.fused` provides the same steps on fused Triton kernels for CUDA
+streams; these functions are the reference they are tested against, the CPU
+implementation, and the only path with double backward.
+
+Both mixes are written around stream 0: ``Σ_i h_i x_i = (Σ_i h_i) x_0 +
+Σ_i h_i (x_i - x_0)``. Same maths, but on identical streams (a freshly
+converted model) the deviations are exactly zero, so the site returns
+``x + F(x)`` to the bit instead of ``n`` roundings of ``|x|`` away.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from .options import MHCOptions
+from .projection import birkhoff_project
+
+__all__ = ["coefficients", "residual_coefficients", "pre_mix", "post_mix"]
+
+
+def coefficients(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, options: MHCOptions
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The mixing coefficients of streams ``x: [..., n, C]`` (``options.mode`` ``"mhc"`` or ``"hc"``).
+
+    * ``"mhc"``: flattened RMSNorm over all ``n·C`` values, ``z = x̃ φᵀ`` with
+      ``phi [n² + 2n, n·C]``, ``H_pre = σ(α_pre z_pre + b_pre)``,
+      ``H_post = 2σ(α_post z_post + b_post)``, ``H_res = birkhoff_project(α_res z_res + b_res)``
+      (doubly stochastic, by ``options.projection``).
+    * ``"hc"``: per-stream RMSNorm, ``phi [n + 2, C]``, ``H = α·tanh(x̃ φᵀ) + b``, a free ``H_res``.
+
+    Args:
+        x: streams ``[..., n, C]``, any float dtype.
+        phi, alpha ``[3]``, b_pre ``[n]``, b_post ``[n]``, b_res ``[n, n]``: the parameters.
+        options: ``mode``, ``norm_eps``, ``projection``, ``tol``, ``sinkhorn_iters`` are read.
+
+    Returns:
+        ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, float32
+        (float64 if ``x`` is float64).
+    """
+    n, C = x.shape[-2:]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    a_pre, a_post, a_res = alpha.to(acc)
+    b_pre, b_post, b_res = b_pre.to(acc), b_post.to(acc), b_res.to(acc)
+    phi = phi.to(acc)
+    if options.mode == "mhc":
+        x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
+        x_norm = F.rms_norm(x_flat, (n * C,), eps=options.norm_eps)
+        pre, post, res = (x_norm @ phi.t()).split([n, n, n * n], dim=-1)
+        H_pre = torch.sigmoid(a_pre * pre + b_pre)
+        H_post = 2 * torch.sigmoid(a_post * post + b_post)
+        H_res = birkhoff_project(
+            a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res,
+            tol=options.tol,
+            method=options.projection,
+            iters=options.sinkhorn_iters,
+        )
+        return H_pre, H_post, H_res
+
+    x_norm = F.rms_norm(x.to(acc), (C,), eps=options.norm_eps)
+    dyn = torch.tanh(x_norm @ phi.t())  # [..., n, n + 2]: row i is read off stream i
+    H_pre = a_pre * dyn[..., 0] + b_pre
+    H_post = a_post * dyn[..., 1] + b_post
+    H_res = a_res * dyn[..., 2:] + b_res
+    return H_pre, H_post, H_res
+
+
+def residual_coefficients(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``mode="residual"``'s fixed coefficients for ``x: [..., n, C]``: ``H_pre = 1/n``, ``H_post = 1``, ``H_res = I``.
+
+    Same shapes and dtype as :func:`coefficients`; ``H_res`` is an expanded view.
+    """
+    n = x.shape[-2]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    ones = x.new_ones(x.shape[:-1], dtype=acc)
+    return ones / n, ones, torch.eye(n, dtype=acc, device=x.device).expand(*x.shape[:-2], n, n)
+
+
+def pre_mix(x: Tensor, H_pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``u = Σ_i H_pre[i] x_i``, around stream 0.
+
+    Args:
+        x: streams ``[..., n, C]``.
+        H_pre: ``[..., n]``, the coefficients' dtype.
+
+    Returns:
+        ``(u [..., C]`` in ``x``'s dtype, ``anchor [..., 1, C]``, ``dev [..., n, C]``)``: stream 0 and
+        the deviations ``x_i - x_0``, in ``H_pre``'s dtype, which :func:`post_mix` mixes.
+    """
+    xs = x.to(H_pre.dtype)
+    anchor = xs[..., :1, :]
+    dev = xs - anchor
+    u = H_pre.sum(-1, keepdim=True) * anchor.squeeze(-2) + torch.einsum("...n,...nc->...c", H_pre, dev)
+    return u.to(x.dtype), anchor, dev
+
+
+def post_mix(
+    y: Tensor, anchor: Tensor, dev: Tensor, H_post: Tensor, H_res: Tensor, *, exact_rows: bool, dtype: torch.dtype
+) -> Tensor:
+    """``x'_i = Σ_j H_res[i, j] x_j + H_post[i] y``, around stream 0.
+
+    Args:
+        y: the sublayer's output ``[..., C]``.
+        anchor, dev: from :func:`pre_mix`.
+        H_post: ``[..., n]``; H_res: ``[..., n, n]``.
+        exact_rows: ``H_res``'s rows sum to one by construction (Newton's
+            projection), so the anchor is mixed with the exact 1 instead of
+            the rows' rounded sums.
+        dtype: of the result (the streams').
+
+    Returns:
+        ``x' [..., n, C]`` in ``dtype``.
+    """
+    rows = 1.0 if exact_rows else H_res.sum(-1, keepdim=True)
+    mixed = rows * anchor + H_res @ dev + H_post.unsqueeze(-1) * y.to(dev.dtype).unsqueeze(-2)
+    return mixed.to(dtype)
