@@ -1,8 +1,9 @@
 """Benchmark one mHC site against the plain residual block, and a ~125M Llama's training step (CUDA).
 
-    python scripts/bench_block.py                  # block table, then the model step
-    python scripts/bench_block.py --skip-model     # block table only
-    python scripts/bench_block.py --skip-block --skip-torch   # model step, residual and fused only
+    python benchmarks/bench_block.py                  # block table, then the model step
+    python benchmarks/bench_block.py --skip-model     # block table only
+    python benchmarks/bench_block.py --skip-block --skip-torch   # model step, residual and fused only
+    python benchmarks/bench_block.py --json out.json  # also write every printed figure to out.json
 
 Block table: bf16, B=4, S=4096, C in {1024, 2048, 4096}; the branch F is a
 SwiGLU MLP (intermediate 8C/3, rounded to 64) or a cheap one (RMSNorm + one
@@ -19,15 +20,19 @@ adds to F alone, against a device copy's GB/s measured in the same run.
 
 Model step: LlamaForCausalLM (hidden 768, 12 layers, 12 heads, intermediate
 2048, vocab 32000; ~134M parameters) against ``convert_to_mhc(n_streams=4)``
-of it; bf16 weights (mHC coefficients fp32), batch 8 × seq 2048 (``--batch``, ``--seq``), SDPA
-attention, AdamW (fused); one step = forward, loss, backward, optimizer
-step, zero_grad.
+of it (``init="paper"``); bf16 weights (mHC coefficients fp32), batch 8 × seq
+2048 (``--batch``, ``--seq``), SDPA attention, AdamW (fused); one step =
+forward, loss, backward, optimizer step, zero_grad. The models are timed in
+interleaved rounds (``--rounds``, default 2): each round runs 3 warm-up steps
+and 10 timed steps (CUDA events) of every model in turn, and a model's figure
+is the best of its round medians (``common.interleaved``).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import common
 import torch
 from torch import nn
 from triton.testing import do_bench
@@ -92,13 +97,6 @@ def _peak_mb(module, x, g) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _copy_gbps() -> float:
-    a = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    ms = _bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 2 / ms / 1e6
-
-
 def _fused_bytes(T: int, n: int, C: int, elt: int = 2) -> tuple[int, int]:
     """Stream bytes the fused kernels read and write: (forward, backward)."""
     nC = n * C
@@ -107,10 +105,12 @@ def _fused_bytes(T: int, n: int, C: int, elt: int = 2) -> tuple[int, int]:
     return fwd * T * elt, bwd * T * elt
 
 
-def block_table(n: int = 4, B: int = 4, S: int = 4096) -> None:
+def block_table(n: int = 4, B: int = 4, S: int = 4096) -> dict:
+    """Print the block table; return its figures (``copy_gbps`` and one dict per row)."""
     dt = torch.bfloat16
-    copy = _copy_gbps()
+    copy = common.copy_gbps()
     print(f"device copy: {copy:.0f} GB/s")
+    rows = []
     hdr = (f"{'branch':7} {'C':>5} {'impl':11} | {'fwd ms':>7} {'x res':>6} | {'f+b ms':>7} {'x res':>6} | "
            f"{'peak MB':>8} {'kept B/tok':>11} | {'non-F GB/s':>10} {'x copy':>6}")
     print(hdr)
@@ -137,71 +137,45 @@ def block_table(n: int = 4, B: int = 4, S: int = 4096) -> None:
                 base = base or (fwd, fb)
                 peak = _peak_mb(mod, x, g)
                 kept = _kept_bytes(mod, x) / (B * S)
+                row = dict(branch=bname, C=C, impl=name, fwd_ms=fwd, fwd_x_res=fwd / base[0], fwd_bwd_ms=fb,
+                           fwd_bwd_x_res=fb / base[1], peak_mb=peak, kept_bytes_per_token=kept)
                 extra = ""
                 if name == "mhc fused":
                     moved = sum(_fused_bytes(B * S, n, C))
                     gbps = moved / max(fb - f_ms, 1e-6) / 1e6
                     extra = f"{gbps:10.0f} {gbps / copy:6.2f}"
+                    row.update(non_f_gbps=gbps, x_copy=gbps / copy)
+                rows.append(row)
                 print(f"{bname:7} {C:5d} {name:11} | {fwd:7.3f} {fwd / base[0]:6.2f} | {fb:7.3f} {fb / base[1]:6.2f} | "
                       f"{peak:8.0f} {kept:11.0f} | {extra}")
             del impls, branch, x1, xs
             torch.cuda.empty_cache()
+    return {"copy_gbps": copy, "rows": rows}
 
 
-def llama_134m(seq: int = 2048):
-    """The LlamaConfig of the model-step benchmark (hidden 768, 12 layers, ~134M parameters)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-        intermediate_size=2048, vocab_size=32000, max_position_embeddings=seq, attn_implementation="sdpa",
-    )
-
-
-def model_step(batch: int = 8, seq: int = 2048, torch_path: bool = True) -> None:
-    from transformers import LlamaForCausalLM
-
-    cfg = llama_134m(seq)
+def model_step(batch: int = 8, seq: int = 2048, torch_path: bool = True, rounds: int = 2) -> dict:
+    """Print the model-step figures; return them (per model: best median ms, ratio, round medians, steps)."""
+    cfg = common.llama_134m(seq)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
-
-    def step_ms(model, steps: int = 10) -> float:
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        times = []
-        for i in range(3 + steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 3:  # warm-up: allocator, kernel compilation, autotuning
-                times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-    def fresh():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-
-    base = fresh()
-    n_params = sum(p.numel() for p in base.parameters())
-    results = {"residual": step_ms(base)}
-    del base
-    model = mhc.convert_to_mhc(fresh(), n_streams=4, init="paper")
-    results["mhc n=4 fused"] = step_ms(model)
+    models = {"residual": common.llama_model(cfg), "mhc n=4 fused": common.llama_model(cfg, 4, init="paper")}
     if torch_path:
-        for m in model.modules():
-            if isinstance(m, mhc.MHCBlock):
-                m.fused = False
-        results["mhc n=4 torch"] = step_ms(model)
-    del model
+        models["mhc n=4 torch"] = common.llama_model(cfg, 4, init="paper", fused=False)
+    n_params = sum(p.numel() for p in models["residual"].parameters())
+    steps = {name: common.training_step(model, ids) for name, model in models.items()}
+    results = common.interleaved(steps, rounds=rounds, steps=10, warmup=3)
+    del models, steps
     torch.cuda.empty_cache()
-    t_res = results["residual"]
-    print(f"\nLlama {n_params / 1e6:.0f}M, bf16, batch {batch} x seq {seq}: training step (fwd+loss+bwd+AdamW), median of 10")
-    for name, ms in results.items():
-        print(f"  {name:14} {ms:8.2f} ms  {ms / t_res:5.3f}x residual")
+    t_res = results["residual"].ms
+    print(f"\nLlama {n_params / 1e6:.0f}M, bf16, batch {batch} x seq {seq}: training step (fwd+loss+bwd+AdamW), "
+          f"best of {rounds} interleaved medians of 10")
+    for name, m in results.items():
+        medians = " ".join(f"{ms:.2f}" for ms in m.round_medians)
+        print(f"  {name:14} {m.ms:8.2f} ms  {m.ms / t_res:5.3f}x residual   (round medians {medians})")
+    return {
+        "params_m": n_params / 1e6, "batch": batch, "seq": seq, "rounds": rounds,
+        "models": {name: {"ms": m.ms, "x_residual": m.ms / t_res, "round_medians": m.round_medians, "steps_ms": m.times}
+                   for name, m in results.items()},
+    }
 
 
 def main() -> None:
@@ -211,14 +185,19 @@ def main() -> None:
     ap.add_argument("--skip-torch", action="store_true", help="model step: leave out the PyTorch mHC path")
     ap.add_argument("--batch", type=int, default=8, help="model step: sequences per batch (default 8)")
     ap.add_argument("--seq", type=int, default=2048, help="model step: sequence length (default 2048)")
+    ap.add_argument("--rounds", type=int, default=2, help="model step: interleaved rounds, best median kept (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures printed to PATH as JSON")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_block.py needs a CUDA device")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    common.require_cuda("bench_block.py")
+    env = common.environment()
+    print(f"{env['device']}, torch {env['torch']}")
+    figures = {"environment": env}
     if not args.skip_block:
-        block_table()
+        figures["block_table"] = block_table()
     if not args.skip_model:
-        model_step(args.batch, args.seq, torch_path=not args.skip_torch)
+        figures["model_step"] = model_step(args.batch, args.seq, torch_path=not args.skip_torch, rounds=args.rounds)
+    if args.json:
+        common.write_json(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Host time, wall time and GPU kernel time of the 134M Llama training step (CUDA).
 
-    python scripts/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
-    python scripts/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
-    python scripts/profile_step.py --timeline               # also where in the step the GPU waits
-    python scripts/profile_step.py --steps 30               # also 30 steps one by one
+    python benchmarks/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
+    python benchmarks/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
+    python benchmarks/profile_step.py --timeline               # also where in the step the GPU waits
+    python benchmarks/profile_step.py --steps 30               # also 30 steps one by one
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
-``scripts/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
+``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
 host time (until the step's Python code returns, before a sync) and of the
 wall time (after the sync), and the sum of the CUDA kernel times of one more
 step under ``torch.profiler``. A step whose host time approaches its GPU time
@@ -36,33 +36,24 @@ from __future__ import annotations
 import argparse
 import time
 
+import common
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import mhc
-from bench_block import llama_134m
-
 
 def main() -> None:
-    from transformers import LlamaForCausalLM
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
     ap.add_argument("--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_step.py needs a CUDA device")
-    cfg = llama_134m(max(2048, args.seq))
+    common.require_cuda("profile_step.py")
+    cfg = common.llama_134m(max(2048, args.seq))
 
-    def fresh():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-
-    for name, make in (("residual", fresh), ("mhc n=4 fused", lambda: mhc.convert_to_mhc(fresh(), n_streams=4, init="paper"))):
-        model = make()
+    for name, streams in (("residual", None), ("mhc n=4 fused", 4)):
+        model = common.llama_model(cfg, streams, init="paper") if streams else common.llama_model(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
 

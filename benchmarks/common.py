@@ -1,0 +1,141 @@
+"""What the benchmark scripts share: CUDA-event timing, interleaved variants, device-copy bandwidth,
+the 134M Llama model step, and JSON output.
+
+Scripts in this folder import it as ``import common`` (Python puts a script's
+own folder first on ``sys.path``); they do not import one another. Nothing
+here is mhc-specific except :func:`llama_model`'s ``convert_to_mhc``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "require_cuda", "environment", "time_calls", "Measurement", "interleaved", "copy_gbps", "llama_134m",
+    "llama_model", "training_step", "write_json",
+]
+
+
+def require_cuda(script: str) -> None:
+    """Exit with a message naming ``script`` when there is no CUDA device."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device")
+
+
+def environment() -> dict[str, str]:
+    """The device and library versions a measurement ran with."""
+    info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    try:
+        import triton
+    except ImportError:
+        pass
+    else:
+        info["triton"] = triton.__version__
+    return info
+
+
+def time_calls(fn: Callable[[], Any], steps: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of ``steps`` calls of ``fn`` (CUDA events, synchronised after each), after ``warmup`` calls."""
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+@dataclass
+class Measurement:
+    """One variant of an :func:`interleaved` run: ``ms`` is the best of its round medians."""
+
+    ms: float
+    round_medians: list[float] = field(default_factory=list)
+    times: list[list[float]] = field(default_factory=list)  # every timed call, per round
+
+
+def interleaved(
+    variants: dict[str, Callable[[], Any]], rounds: int = 2, steps: int = 10, warmup: int = 3
+) -> dict[str, Measurement]:
+    """Time several variants in interleaved rounds, keeping for each the best of its round medians.
+
+    Each round runs every variant in turn: ``warmup`` untimed calls, then
+    ``steps`` calls timed one by one (:func:`time_calls`). The host's speed can
+    drift over seconds; interleaving gives each variant a share of every
+    stretch, and the best median of ``rounds`` leaves out a round that fell in
+    a slow one.
+    """
+    if rounds < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
+    out = {name: Measurement(ms=float("inf")) for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times = time_calls(fn, steps, warmup)
+            m = out[name]
+            m.times.append(times)
+            m.round_medians.append(statistics.median(times))
+            m.ms = min(m.round_medians)
+    return out
+
+
+def copy_gbps(numel: int = 2**28, dtype: torch.dtype = torch.bfloat16, steps: int = 30) -> float:
+    """A device-to-device copy's bandwidth in GB/s (read + write), the median of ``steps`` copies."""
+    a = torch.empty(numel, dtype=dtype, device="cuda")
+    b = torch.empty_like(a)
+    ms = statistics.median(time_calls(lambda: b.copy_(a), steps, warmup=5))
+    return 2 * a.numel() * a.element_size() / ms / 1e6
+
+
+def llama_134m(seq: int = 2048):
+    """The LlamaConfig of the model-step benchmark: hidden 768, 12 layers, 12 heads, intermediate 2048,
+    vocabulary 32000 (~134M parameters), SDPA attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+        intermediate_size=2048, vocab_size=32000, max_position_embeddings=seq, attn_implementation="sdpa",
+    )
+
+
+def llama_model(cfg, n_streams: int | None = None, seed: int = 0, **mhc_options):
+    """``LlamaForCausalLM(cfg)`` in bf16 on CUDA, drawn from ``seed``; with ``n_streams``,
+    ``mhc.convert_to_mhc(model, n_streams, **mhc_options)`` of it (coefficients stay float32)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    if n_streams is not None:
+        import mhc
+
+        model = mhc.convert_to_mhc(model, n_streams=n_streams, **mhc_options)
+    return model.train()
+
+
+def training_step(model, ids: torch.Tensor, lr: float = 1e-4) -> Callable[[], None]:
+    """One training step of ``model`` on ``ids`` (labels = inputs): forward, loss, backward, fused AdamW, zero_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` (dataclasses as dicts) to ``path`` as indented JSON, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=lambda o: asdict(o)) + "\n")

@@ -1,0 +1,64 @@
+"""The benchmark scripts import and explain themselves on a machine without a GPU (``--help``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+PYTHON_SCRIPTS = ["bench_block.py", "profile_step.py", "gpu_block_smoke.py"]
+
+
+def _run(*command: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("script", PYTHON_SCRIPTS)
+def test_script_imports_and_prints_its_help(script):
+    proc = _run(sys.executable, str(BENCHMARKS / script), "--help")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "usage:" in proc.stdout and "python benchmarks/" + script in proc.stdout, proc.stdout
+
+
+def test_bench_block_documents_the_model_step_options():
+    proc = _run(sys.executable, str(BENCHMARKS / "bench_block.py"), "--help")
+    for option in ("--skip-block", "--skip-torch", "--json", "--rounds", "--batch", "--seq"):
+        assert option in proc.stdout, option
+
+
+def test_every_benchmark_script_is_covered():
+    """A script added to benchmarks/ gets its --help checked here too."""
+    scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh") and p.name != "common.py"}
+    assert scripts >= {*PYTHON_SCRIPTS, "gpu_check.sh"}
+    missing = {s for s in scripts - {*PYTHON_SCRIPTS, "gpu_check.sh"} if s.endswith(".py")}
+    for script in sorted(missing):  # scripts other helpers move here later
+        proc = _run(sys.executable, str(BENCHMARKS / script), "--help")
+        assert proc.returncode == 0, f"{script}: {proc.stdout}{proc.stderr}"
+
+
+def test_gpu_check_prints_its_usage_and_refuses_unknown_stages():
+    proc = _run("bash", str(BENCHMARKS / "gpu_check.sh"), "--help")
+    assert proc.returncode == 0 and "Usage: benchmarks/gpu_check.sh" in proc.stdout, proc.stdout + proc.stderr
+    proc = _run("bash", str(BENCHMARKS / "gpu_check.sh"), "benchmark")
+    assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch):
+    """common.interleaved on fake timings: rounds run every variant in turn; the best round median is kept."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    order, fake = [], iter([[5.0, 1.0, 9.0], [4.0, 4.0, 4.0], [2.0, 3.0, 7.0], [6.0, 6.0, 6.0]])
+    monkeypatch.setattr(common, "time_calls", lambda fn, steps, warmup: (fn(), next(fake))[1])
+    result = common.interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=2, steps=3)
+    assert order == ["a", "b", "a", "b"]
+    assert result["a"].round_medians == [5.0, 3.0] and result["a"].ms == 3.0
+    assert result["b"].round_medians == [4.0, 6.0] and result["b"].ms == 4.0
+    with pytest.raises(ValueError, match="rounds"):
+        common.interleaved({"a": lambda: None}, rounds=0)
