@@ -5,10 +5,11 @@ the wheel and the sdist), so an installed ``mhc`` finds them beside its own
 modules, wherever it is installed. The extension is compiled from there on
 first use with ``torch.utils.cpp_extension.load`` (ninja; the build goes to
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, never
-into the package directory, which may be read-only) and registers the
-``torch.ops.mhc.birkhoff_*`` operators; its Python module holds the fused
-site's host side (``mhc/csrc/site.cu``). ``python -m mhc.cuda_build`` builds
-it ahead of time.
+into the package directory, which may be read-only) and loaded as a plain
+shared library, which registers the ``torch.ops.mhc.birkhoff_*`` operators
+(``TORCH_LIBRARY`` in ``birkhoff.cu``; there is no Python module to import).
+This is the one place that builds it: :mod:`mhc.projection_cuda` calls
+:func:`load`, ``python -m mhc.cuda_build`` builds it ahead of time.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 import torch
 
 EXTENSION_NAME = "mhc_birkhoff_cuda"
-SOURCES = ("birkhoff.cu", "site.cu")
-# What the build reads: the two translation units and the headers they include.
+SOURCES = ("birkhoff.cu",)
+# What the build reads: the translation unit and the headers it includes.
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
 SOURCE_DIR_ENV = "MHC_CSRC_DIR"
 
@@ -75,22 +76,24 @@ def sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def load(verbose: bool = False):
+def load(verbose: bool = False) -> None:
     """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible.
 
-    Returns the extension's Python module (the fused site's host side,
-    ``mhc/csrc/site.cu``); loading it also registers the ``torch.ops.mhc`` operators.
+    Loading registers the ``torch.ops.mhc`` operators; loading twice in one
+    process is a no-op (``torch.ops.load_library`` keeps the loaded paths).
     """
     problem = build_problem()
     if problem is not None:
         raise RuntimeError(problem)
     from torch.utils.cpp_extension import load as _load
 
-    return _load(
+    _load(
         name=EXTENSION_NAME,
         sources=[str(csrc_dir() / s) for s in SOURCES],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17", f"-DMHC_SOURCES={sources_digest()}"],
-        is_python_module=True,
+        # birkhoff.cu registers operators only (no PYBIND11_MODULE): load the
+        # library into the process instead of importing it as a module.
+        is_python_module=False,
         verbose=verbose,
     )

@@ -2,7 +2,10 @@
 
 :func:`mhc.birkhoff_project` sends CUDA tensors with ``method="newton"``,
 ``n`` in {4, 8} and dtype float32 / bfloat16 / float16 here; everything else
-stays on the PyTorch path in :mod:`mhc.projection`.
+stays on the PyTorch path (:mod:`mhc.projection_reference`). This module
+imports only that reference module (for the shared reporting pieces and the
+differentiable backward) and :mod:`mhc._build`, which compiles and loads the
+extension.
 
 Operators (registered by the extension, with fake impls and autograd here):
 
@@ -11,12 +14,19 @@ Operators (registered by the extension, with fake impls and autograd here):
 * ``mhc::birkhoff_backward(Tensor T, Tensor grad_T) -> Tensor``
 * ``mhc::birkhoff_unconverged(int device, int mode) -> int``
 
+Double backward: the backward kernel has no derivative of its own, so under
+``create_graph=True`` the op's backward is the reference's differentiable
+:func:`~mhc.projection_reference.birkhoff_backward` on the same ``T``
+(float32), and second derivatives come out right; plain backward runs the
+kernel.
+
 Convergence accounting: the forward kernel adds every finite matrix that
 misses ``tol`` after ``max_iter`` iterations to a per-device counter in
 device memory, with no host sync. :func:`unconverged_count` reads it (and
 syncs); in eager mode the wrapper also polls it without blocking (an
-asynchronous copy every ``_POLL_EVERY`` calls) and raises a
-:class:`~mhc.projection.ConvergenceWarning` when it grows.
+asynchronous copy every ``POLL_EVERY`` calls) and raises a
+:class:`~mhc.projection_reference.ConvergenceWarning` when it grows.
+:func:`reset_convergence_tracking` starts the accounting afresh.
 """
 
 from __future__ import annotations
@@ -27,20 +37,20 @@ import warnings
 import torch
 from torch import Tensor
 
-from .projection import ConvergenceWarning, effective_tol, newton_report
+from . import _build
+from .projection_reference import ConvergenceWarning, birkhoff_backward, effective_tol, newton_report
 
 __all__ = [
-    "available", "supports", "extension", "project", "project_no_autograd", "poll", "unconverged_count",
-    "check_convergence", "set_enabled",
+    "available", "supports", "project", "project_no_autograd", "poll", "unconverged_count",
+    "check_convergence", "reset_convergence_tracking", "set_enabled",
 ]
 
 SUPPORTED_N = (4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_POLL_EVERY = 64
+POLL_EVERY = 64  # eager calls between two non-blocking looks at the counter
 
 _LOADED: bool | None = None  # None: not tried yet
 _ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
-_MODULE = None  # the extension's Python module, once loaded
 _lock = threading.Lock()
 _calls = 0
 _last_warned: dict[int, int] = {}
@@ -83,14 +93,12 @@ def available() -> bool:
 
 @torch.compiler.disable
 def _try_load() -> None:
-    global _LOADED, _MODULE
+    global _LOADED
     with _lock:
         if _LOADED is not None:
             return
-        from . import _build
-
         try:
-            _MODULE = _build.load()
+            _build.load()
             _register()
             _LOADED = True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
@@ -102,11 +110,6 @@ def _try_load() -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-
-def extension():
-    """The loaded extension's Python module (``csrc/site.cu``'s functions), or ``None``."""
-    return _MODULE if available() else None
 
 
 def _register() -> None:
@@ -137,6 +140,12 @@ def _register() -> None:
         (T,) = ctx.saved_tensors
         if grad_T is None:
             return None, None, None
+        if torch.is_grad_enabled():
+            # create_graph=True: the kernel's result would be a leaf of the new
+            # graph (no derivative), and a second derivative silently wrong. The
+            # reference backward records its graph, which reaches R through the
+            # saved output T (this node again, at first order).
+            return birkhoff_backward(T.float(), grad_T.float()).to(T.dtype), None, None
         return torch.ops.mhc.birkhoff_backward(T, grad_T.to(T.dtype).contiguous()), None, None
 
     torch.library.register_autograd("mhc::birkhoff_forward", _backward, setup_context=_setup)
@@ -176,11 +185,28 @@ def _warn_if_grown(dev: int, count: int) -> None:
         _last_warned[dev] = count
 
 
+def reset_convergence_tracking(device=None) -> None:
+    """Start the convergence accounting of ``device`` (default: the current one) afresh.
+
+    Zeroes its unconverged counter (syncs), forgets what has been warned
+    about, so the next growth warns again, and restarts the poll cadence: the
+    next non-blocking look comes after :data:`POLL_EVERY` more eager calls.
+    For a new phase of a run (and for tests that count exactly).
+    """
+    global _calls
+    if not available():
+        return
+    dev = _device_index(device)
+    torch.ops.mhc.birkhoff_unconverged(dev, 1)
+    _last_warned.pop(dev, None)
+    _calls = 0
+
+
 def poll(device: torch.device) -> None:
-    """Non-blocking look at the counter: every ``_POLL_EVERY`` eager calls, never while capturing."""
+    """Non-blocking look at the counter: every :data:`POLL_EVERY` eager calls, never while capturing."""
     global _calls
     _calls += 1
-    if _calls % _POLL_EVERY or torch.cuda.is_current_stream_capturing():
+    if _calls % POLL_EVERY or torch.cuda.is_current_stream_capturing():
         return
     dev = device.index if device.index is not None else torch.cuda.current_device()
     seen = int(torch.ops.mhc.birkhoff_unconverged(dev, 2))
@@ -198,7 +224,7 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
 
     For callers that record no graph for the projection (the fused site
     computes its gradient itself). ``tol_eff`` is already
-    :func:`~mhc.projection.effective_tol`'s. The op's Python autograd
+    :func:`~mhc.projection_reference.effective_tol`'s. The op's Python autograd
     wrapper runs even under no-grad: :func:`project` took 73 µs per call in a
     training step on the H200's host, 24 calls a step. Polls the convergence
     counter like :func:`project`.

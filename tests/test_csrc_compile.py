@@ -1,7 +1,7 @@
 """CPU-runnable checks of the CUDA sources and of the CUDA-availability logic.
 
 * Every ``mhc/csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
-  and so does ``scripts/kernel_bench.cu`` without them (skipped only when
+  and so does ``benchmarks/kernel_bench.cu`` without them (skipped only when
   nvcc is missing), so a syntax error cannot land.
 * The per-matrix solver core compiles with g++ and meets its contract on the host.
 * On a torch without CUDA (or without a working build) importing ``mhc`` and
@@ -45,7 +45,7 @@ def test_there_are_cuda_sources():
 def test_cu_compiles_for_sm90(src, tmp_path):
     from torch.utils.cpp_extension import include_paths
 
-    # site.cu is the extension's pybind module, so it needs Python's headers too.
+    # The include paths torch.utils.cpp_extension.load compiles with: torch's and Python's.
     includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
     # CPU-only torch wheels ship c10/cuda headers but not the generated
     # cuda_cmake_macros.h; provide the one-line header it would contain.
@@ -77,7 +77,7 @@ def test_cu_compiles_for_sm90(src, tmp_path):
 def test_kernel_bench_compiles_for_sm90(tmp_path):
     # The standalone kernel benchmark builds the shipped kernels without torch.
     cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-           f"-I{CSRC}", "-c", str(ROOT / "scripts" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
+           f"-I{CSRC}", "-c", str(ROOT / "benchmarks" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on kernel_bench.cu:\n{proc.stderr[-6000:]}"
 
@@ -141,7 +141,7 @@ def test_cuda_build_lists_the_kernel_sources(monkeypatch, capsys):
     assert cuda_build.source_dir().resolve() == Path(cuda_build.__file__).resolve().parent / "csrc"
     names = [line.strip() for line in lines[1:-1]]
     assert names == [p.name for p in cuda_build.source_files()], lines
-    assert {"birkhoff.cu", "site.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(names), lines
+    assert {"birkhoff.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(names), lines
     assert lines[-1] == "build: " + ("possible" if cuda_build.build_problem() is None
                                      else "not possible: " + cuda_build.build_problem()), lines
 

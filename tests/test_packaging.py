@@ -39,7 +39,7 @@ ARCHIVE_STEM = f"mhc_torch-{mhc.__version__}"
 def _kernel_sources() -> dict[str, bytes]:
     files = {p.name: p.read_bytes() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in KERNEL_SUFFIXES}
     # The two translation units the extension is built from must be among them.
-    assert {"birkhoff.cu", "site.cu"} <= set(files), f"kernel sources missing from {KERNEL_DIR}: {sorted(files)}"
+    assert {"birkhoff.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(files), f"kernel sources missing from {KERNEL_DIR}: {sorted(files)}"
     return files
 
 

@@ -23,12 +23,15 @@ namespace mhc_birkhoff {
 // Host side.
 // ----------------------------------------------------------------------------
 
+// Integers in error messages go through std::to_string: formatting them with the
+// ostream inside TORCH_CHECK crashed the extension on the H200 machine (torch
+// 2.11, host gcc /opt/gcc), while strings and torch's own types did not.
 static void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.is_cuda(), "mhc::birkhoff: ", name, " must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == x.size(2), "mhc::birkhoff: ", name,
               " must have shape [B, n, n], got ", x.sizes());
   TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::birkhoff: CUDA kernels support n = 4 and 8, got n = ",
-              std::to_string(x.size(1)));  // integers via to_string: see site.cu
+              std::to_string(x.size(1)));
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "mhc::birkhoff: ", name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
 }

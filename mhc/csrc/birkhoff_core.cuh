@@ -311,10 +311,13 @@ MHC_HD void implicit_grad(const float (&T)[N][N], float (&G)[N][N]) {
   float H[M][M], w[M];
   dual_hessian<N>(T, H);
   if (!spd_solve<M>(H, rhs, w)) {
-    // T is a permutation to rounding (or non-finite); ∂T/∂R is 0 there, so
-    // any w gives the same result; take w = 0 like the reference.
+    // On finite data T is a permutation to rounding; ∂T/∂R is 0 there, so any
+    // w gives the same result: take w = 0 like the reference. A non-finite
+    // rhs (NaN/Inf in grad_T or T) keeps NaN in w (0·rhs), which spreads to
+    // the whole matrix's gradient, as on the PyTorch path, instead of only
+    // to the rows that held it.
 #pragma unroll
-    for (int j = 0; j < M; ++j) w[j] = isfinite(w[j]) ? w[j] : 0.f;
+    for (int j = 0; j < M; ++j) w[j] = isfinite(w[j]) ? w[j] : 0.f * rhs[j];
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {

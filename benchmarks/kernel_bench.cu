@@ -1,10 +1,10 @@
 // Kernel-only benchmark of the fused Birkhoff forward (no torch, no Python):
-// the shipped kernel (csrc/birkhoff_kernels.cuh) against the robust solver
+// the shipped kernel (mhc/csrc/birkhoff_kernels.cuh) against the robust solver
 // alone and a device copy of the same bytes, on N(0, sigma^2) fp32 logits,
 // CUDA-event medians of 20 launches after warm-up; marginal errors and
 // per-warp iteration counts checked on the host in float64.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Icsrc scripts/kernel_bench.cu -o /tmp/kernel_bench
+//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Imhc/csrc benchmarks/kernel_bench.cu -o /tmp/kernel_bench
 //   /tmp/kernel_bench          # full table
 //   /tmp/kernel_bench profile  # one launch each of n=4 N(0,10^2) and N(0,1) at 1M (for ncu)
 #include <algorithm>
@@ -83,7 +83,7 @@ static void run(float sigma, int64_t B, bool profile) {
   CHECK(cudaMalloc(&iters, B * sizeof(int)));
   CHECK(cudaMalloc(&errs, B * sizeof(double)));
   CHECK(cudaMemcpy(R, h.data(), nel * sizeof(float), cudaMemcpyHostToDevice));
-  // The launch configuration of launch_forward in csrc/birkhoff.cu.
+  // The launch configuration of launch_forward in mhc/csrc/birkhoff.cu.
   const int threads = B >= (int64_t)kThreads * 1024 ? kThreads : 32;
   const unsigned blocks = (unsigned)((B + threads - 1) / threads);
   auto ours = [&] {

@@ -1,0 +1,497 @@
+"""The pure-PyTorch Birkhoff projection ``Π_B(exp(R))``: the reference solver.
+
+``T = Π_B(exp(R))`` is the unique doubly stochastic matrix of the form
+``T_ij = exp(R_ij + a_i + b_j)`` (design.md §2). This module is the CPU
+implementation and the float64 ground truth for the fused CUDA kernels
+(:mod:`mhc.projection_cuda`); :func:`mhc.birkhoff_project`
+(:mod:`mhc.projection`) chooses between the two. It imports no other ``mhc``
+module.
+
+* ``method="newton"`` (default): batched Newton on the (n-1)-dimensional dual
+  ``f(b) = Σ_i logsumexp_j(R_ij + b_j) - Σ_j b_j`` with ``b_n = 0``, an Armijo
+  line search, and a log-domain Sinkhorn sweep wherever the Newton step fails
+  (near-permutation solutions make the Hessian nearly singular). It runs until
+  every matrix meets ``tol``; its backward is the implicit-function gradient,
+  which needs only ``T`` and is written in differentiable torch ops, so it
+  supports double backward.
+* ``method="sinkhorn"``: classic fixed-step Sinkhorn-Knopp, differentiated
+  through its iterations, kept for comparison with the mHC paper.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "birkhoff_project_reference",
+    "check_arguments",
+    "project_unchecked",
+    "newton_report",
+    "effective_tol",
+    "compute_dtype",
+    "NEWTON_MAX_ITER",
+    "birkhoff_backward",
+    "marginal_error",
+    "ProjectionInfo",
+    "ConvergenceWarning",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+METHODS = ("newton", "sinkhorn")
+_ARMIJO_C1 = 1e-4
+_MAX_HALVINGS = 30
+NEWTON_MAX_ITER = 100  # birkhoff_project's default iteration cap (the fused site uses it too)
+_MAX_STEP = 24.0  # trust-region radius of a Newton step in log space (kMaxStep in csrc)
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """Some matrices did not reach the requested tolerance."""
+
+
+@dataclass
+class ProjectionInfo:
+    """Per-matrix solver report, returned by ``birkhoff_project(..., return_info=True)``.
+
+    Attributes:
+        iterations: ``[...]`` int32, solver steps each matrix took.
+        error: ``[...]`` float64, ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` of the compute-precision
+            result (NaN for non-finite input, and for finite logits whose
+            spread overflows the compute dtype, ~3e38 in float32).
+        converged: ``[...]`` bool, whether the matrix met the tolerance.
+        tol: the tolerance actually enforced (``tol`` raised to the rounding
+            floor of the compute dtype, see :func:`birkhoff_project`).
+    """
+
+    iterations: Tensor
+    error: Tensor
+    converged: Tensor
+    tol: float
+
+    @property
+    def num_unconverged(self) -> int:
+        """Matrices with finite input that missed the tolerance."""
+        return int((~self.converged & ~self.error.isnan()).sum())
+
+    @property
+    def num_nonfinite(self) -> int:
+        """Matrices returned as NaN: their input held NaN or Inf (or overflowed, see ``error``)."""
+        return int(self.error.isnan().sum())
+
+
+def marginal_error(T: Tensor) -> Tensor:
+    """``‖T1 - 1‖₁ + ‖Tᵀ1 - 1‖₁`` per matrix, computed in float64.
+
+    Args:
+        T: ``[..., n, n]`` any floating dtype.
+
+    Returns:
+        ``[...]`` float64.
+    """
+    T = T.double()
+    return (T.sum(-1) - 1).abs().sum(-1) + (T.sum(-2) - 1).abs().sum(-1)
+
+
+def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
+    """Check ``birkhoff_project``'s arguments: ``TypeError``/``ValueError`` naming the bad one.
+
+    Rejects option values that would otherwise be coerced or ignored without a word.
+    """
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"birkhoff_project expects a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"birkhoff_project supports float16, bfloat16, float32 and float64 logits, got {logits.dtype}"
+        )
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(
+            f"birkhoff_project expects square matrices of shape [..., n, n], got {tuple(logits.shape)}"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("birkhoff_project needs n >= 1, got 0x0 matrices")
+    if not isinstance(tol, numbers.Real) or isinstance(tol, bool):
+        raise TypeError(f"birkhoff_project: tol must be a real number, got {type(tol).__name__} {tol!r}")
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {tol!r}")
+    if not _is_int(max_iter):
+        raise TypeError(f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}")
+    if max_iter < 0:
+        # 0 is allowed: the initial Sinkhorn sweep only, reported honestly as unconverged.
+        raise ValueError(f"birkhoff_project: max_iter must be >= 0, got {max_iter}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"birkhoff_project: method must be one of {METHODS}, got {method!r}")
+    if not _is_int(iters):
+        raise TypeError(f"birkhoff_project: iters must be an int, got {type(iters).__name__} {iters!r}")
+    if iters < 1:
+        raise ValueError(f"birkhoff_project: iters must be >= 1, got {iters}")
+    if not isinstance(return_info, bool):
+        raise TypeError(f"birkhoff_project: return_info must be a bool, got {type(return_info).__name__}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the solver runs in for ``dtype`` logits: float64 stays, the rest use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
+    """``tol`` raised to what a ``dtype`` matrix can represent.
+
+    Each of the 2n marginals of a rounded matrix carries a few ``eps`` of
+    rounding (its n entries, and the exponent each came from), so no solver
+    can promise less than ``4·n·eps`` in that dtype.
+    """
+    return max(float(tol), 4 * n * torch.finfo(compute_dtype(dtype)).eps)
+
+
+# ----------------------------------------------------------------------------
+# Dual pieces shared by the Newton solver and the implicit backward.
+# ----------------------------------------------------------------------------
+
+
+def _pad_last(b: Tensor) -> Tensor:
+    """``[B, n-1] -> [B, n]`` with ``b_n = 0`` (the dual's gauge)."""
+    return torch.nn.functional.pad(b, (0, 1))
+
+
+def _exclusive_row_sums(T: Tensor) -> Tensor:
+    """``Σ_{k≠j} T_ik`` without the cancellation of ``rowsum - T_ij``.
+
+    When ``T_ij`` is close to 1, ``1 - T_ij`` is below the dtype's resolution,
+    but the sum of the other entries is not: prefix plus suffix sums keep it.
+    """
+    zero = T.new_zeros(T.shape[:-1] + (1,))
+    before = torch.cat([zero, T.cumsum(-1)[..., :-1]], dim=-1)
+    after = torch.cat([T.flip(-1).cumsum(-1)[..., :-1].flip(-1), zero], dim=-1)
+    return before + after
+
+
+def dual_hessian(T: Tensor) -> Tensor:
+    """``diag(c) - TᵀT`` restricted to the first n-1 columns: ``[..., n, n] -> [..., n-1, n-1]``.
+
+    The diagonal ``Σ_i T_ij (1 - T_ij)`` is formed from the other entries of
+    each row, so it stays accurate as ``T`` approaches a permutation.
+    """
+    m = T.shape[-1] - 1
+    Tm = T[..., :m]
+    off = -(Tm.transpose(-1, -2) @ Tm)
+    diag = (T * _exclusive_row_sums(T)).sum(-2)[..., :m]
+    eye = torch.eye(m, dtype=torch.bool, device=T.device)
+    return torch.where(eye, torch.diag_embed(diag), off)
+
+
+def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Solve ``(H + damping·I) x = rhs`` for symmetric PSD ``H [B, m, m]``; returns ``(x, ok)``.
+
+    The Hessian is nearly singular when ``T`` nears a permutation or splits
+    into blocks coupled only by entries far below rounding. A ridge of
+    ``eps·max(diag)`` (eps of ``H``'s dtype) bounds the step along directions
+    that are singular only to rounding, and the factorisation runs in float64
+    so that fp32 rounding cannot make the ridged matrix indefinite. Where the
+    Cholesky factorisation still fails, a pseudo-inverse drops the directions
+    whose eigenvalues are below that rounding level: along them the blocks
+    are decoupled to working precision, and ``T`` does not depend on them.
+    ``ok`` is False only where the result is not finite (always where ``H``
+    or ``rhs`` is not).
+    """
+    eps = torch.finfo(H.dtype).eps
+    H64 = H.double()
+    scale = H64.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(H.dtype).tiny)
+    rhs64 = rhs.double()
+    ridge = eps * scale if damping is None else eps * scale + damping.double()
+    eye = torch.eye(H.shape[-1], dtype=torch.float64, device=H.device)
+    H64 = H64 + ridge[:, None, None] * eye
+    L, info = torch.linalg.cholesky_ex(H64)
+    x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
+    failed = (info != 0).nonzero().squeeze(-1)  # NaN in H makes a pivot NaN, which fails
+    if failed.numel():
+        H_failed = H64[failed]
+        # eigh raises for the whole batch on one non-finite matrix (a NaN/Inf
+        # T): it gets the identity, and its x is NaN.
+        finite = H_failed.isfinite().flatten(1).all(-1)
+        evals, evecs = torch.linalg.eigh(torch.where(finite[:, None, None], H_failed, eye))
+        cutoff = (H.shape[-1] * eps * scale[failed]).unsqueeze(-1)
+        inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
+        coords = (evecs.transpose(-1, -2) @ rhs64[failed].unsqueeze(-1)).squeeze(-1)
+        fallback = torch.where(finite[:, None], (evecs @ (inv * coords).unsqueeze(-1)).squeeze(-1), math.nan)
+        # Out of place: cholesky_solve's backward (double backward) needs x as it was.
+        x = x.index_put((failed,), fallback)
+    x = x.to(H.dtype)
+    return x, x.isfinite().all(-1)
+
+
+# ----------------------------------------------------------------------------
+# Newton solver.
+# ----------------------------------------------------------------------------
+
+
+def _sinkhorn_sweep(L: Tensor) -> Tensor:
+    """One log-domain Sinkhorn step: normalise the columns of ``exp(L)``, then its rows.
+
+    Coordinate descent on the dual: it never stalls, however close ``T`` is
+    to a permutation, and in logs an all-underflowed column still moves.
+    """
+    return torch.log_softmax(L - torch.logsumexp(L, dim=-2, keepdim=True), dim=-1)
+
+
+def _newton_step(L: Tensor, T: Tensor) -> Tensor:
+    """One globalised Newton step for every log-plan ``L`` of the batch.
+
+    The dual variable is folded into ``L`` after every step, so the step
+    starts from ``b = 0``, ``f(0) = 0``, and the logits the solver adds to are
+    ``log T`` itself: small where ``T`` is not, which keeps the fp32 rounding
+    of ``L + b`` near ``eps`` instead of ``eps·|R|``.
+    """
+    n = L.shape[-1]
+    g = T.sum(-2)[:, : n - 1] - 1
+    H = dual_hessian(T)
+    d, ok = _spd_solve(H, -g)
+    # Trust region in log space: near a permutation the Hessian is singular up
+    # to its ridge and the raw step can be ~1e7, all of it along the null
+    # space, where f(L + t·d) is rounding noise. There take the
+    # Levenberg-Marquardt step (H + λI) d = -g with λ = ‖g‖/Δ, so ‖d‖ ≤ Δ.
+    long = (d.abs().amax(-1) > _MAX_STEP).nonzero().squeeze(-1)
+    if long.numel():
+        damping = g[long].norm(dim=-1) / _MAX_STEP
+        d[long], ok[long] = _spd_solve(H[long], -g[long], damping=damping)
+    slope = (g * d).sum(-1)
+    ok &= slope < 0
+    d = _pad_last(d)
+    # f is near 0 here, so its rounding is a few eps per row; without this
+    # slack the quadratic finish would be rejected as "no descent".
+    slack = 8 * n * torch.finfo(L.dtype).eps
+
+    new_L = L.clone()
+    pending = ok.nonzero().squeeze(-1)
+    t = 1.0
+    for _ in range(_MAX_HALVINGS):
+        if pending.numel() == 0:
+            break
+        trial = L[pending] + t * d[pending].unsqueeze(-2)
+        lse = torch.logsumexp(trial, dim=-1, keepdim=True)
+        f1 = lse.squeeze(-1).sum(-1) - t * d[pending].sum(-1)
+        accept = f1 <= _ARMIJO_C1 * t * slope[pending] + slack
+        new_L[pending[accept]] = (trial - lse)[accept]
+        pending = pending[~accept]
+        t *= 0.5
+
+    failed = torch.cat([(~ok).nonzero().squeeze(-1), pending])
+    if failed.numel():
+        new_L[failed] = _sinkhorn_sweep(L[failed])
+    return new_L
+
+
+def _solve_newton(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Project finite ``R [B, n, n]``; returns ``(T, iterations, error)``."""
+    B = R.shape[0]
+    T_out = torch.empty_like(R)
+    iterations = torch.zeros(B, dtype=torch.int32, device=R.device)
+    error = torch.empty(B, dtype=torch.float64, device=R.device)
+
+    active = torch.arange(B, device=R.device)
+    L = _sinkhorn_sweep(torch.log_softmax(R, dim=-1))
+    for step in range(max_iter + 1):
+        T = L.exp()
+        err = marginal_error(T)
+        done = err <= tol
+        if step == max_iter:
+            done = torch.ones_like(done)
+        finished = active[done]
+        T_out[finished] = T[done]
+        error[finished] = err[done]
+        keep = ~done
+        active, L, T = active[keep], L[keep], T[keep]
+        if active.numel() == 0:
+            break
+        iterations[active] += 1
+        L = _newton_step(L, T)
+    return T_out, iterations, error
+
+
+# ----------------------------------------------------------------------------
+# Autograd: the implicit-function backward.
+# ----------------------------------------------------------------------------
+
+
+def _row_centred(T: Tensor, X: Tensor) -> Tensor:
+    """``X_ij - Σ_k T_ik X_ik`` evaluated as ``Σ_{k≠j} T_ik (X_ij - X_ik)``.
+
+    Equal when rows of ``T`` sum to one, but this form never subtracts two
+    large numbers: near a permutation, ``X`` can be huge (``w`` along a nearly
+    singular Hessian direction) while the result is tiny, and the plain form
+    would leave rounding noise of ``eps·|X|`` on entries where ``T ≈ 1``.
+    """
+    return X * _exclusive_row_sums(T) - _exclusive_row_sums(T * X)
+
+
+def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
+    """``∂L/∂R`` from ``T`` and ``G = ∂L/∂T`` alone (design.md §2).
+
+    With ``w`` from ``Δ w = μ_c - Tᵀμ_r`` (``Δ`` the dual Hessian, ``w_n = 0``)
+    the gradient is ``T ∘ (G - v1ᵀ - 1wᵀ)`` with ``v = μ_r - Tw``; both the
+    right-hand side and the gradient are formed by :func:`_row_centred`.
+
+    Written in differentiable torch ops: called with grad mode on (as
+    autograd does under ``create_graph=True``) it records its own graph, which
+    is what double backward of the Newton projection differentiates.
+
+    Args:
+        T: ``[B, n, n]`` the projection's output, in compute precision.
+        grad_T: ``[B, n, n]`` same dtype as ``T``.
+
+    Returns:
+        ``[B, n, n]`` gradient with respect to the logits. A matrix whose
+        ``T`` or ``grad_T`` holds NaN or Inf gets a non-finite gradient (NaN
+        for NaN); the other matrices of the batch are unaffected.
+    """
+    n = T.shape[-1]
+    if n == 1:
+        return torch.zeros_like(T)
+    rhs = (T * _row_centred(T, grad_T)).sum(-2)[:, : n - 1]
+    w, _ = _spd_solve(dual_hessian(T), rhs)
+    # Where even the ridged Hessian fails on finite data, T is a permutation
+    # to rounding and ∂T/∂R is 0 there; any w gives that, so take w = 0. A
+    # non-finite right-hand side (NaN/Inf in T or grad_T) keeps a NaN in w,
+    # which makes the whole matrix's gradient NaN, not a finite wrong value.
+    w = _pad_last(torch.where(w.isfinite(), w, 0 * rhs))  # 0 * rhs: 0, or NaN where rhs is not finite
+    return T * _row_centred(T, grad_T - w.unsqueeze(-2))
+
+
+class _NewtonProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, R: Tensor, tol: float, max_iter: int):
+        T, iterations, error = _solve_finite(R, tol, max_iter)
+        ctx.save_for_backward(T)
+        ctx.mark_non_differentiable(iterations, error)
+        return T, iterations, error
+
+    @staticmethod
+    def backward(ctx, grad_T, _grad_iterations, _grad_error):
+        # T is saved as this node's output, so under create_graph=True the
+        # graph birkhoff_backward records leads back to R through this node.
+        (T,) = ctx.saved_tensors
+        if grad_T is None:
+            return None, None, None
+        return birkhoff_backward(T, grad_T.to(T.dtype)), None, None
+
+
+def _solve_finite(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the solver on the finite matrices of ``R [B, n, n]``; the rest become NaN."""
+    B = R.shape[0]
+    finite = R.isfinite().all(-1).all(-1)
+    if bool(finite.all()):
+        return _solve_newton(R, tol, max_iter)
+    T = torch.full_like(R, math.nan)
+    iterations = torch.zeros(B, dtype=torch.int32, device=R.device)
+    error = torch.full((B,), math.nan, dtype=torch.float64, device=R.device)
+    idx = finite.nonzero().squeeze(-1)
+    if idx.numel():
+        T[idx], iterations[idx], error[idx] = _solve_newton(R[idx], tol, max_iter)
+    return T, iterations, error
+
+
+def _sinkhorn(R: Tensor, iters: int) -> Tensor:
+    """Classic Sinkhorn-Knopp: ``iters`` row-then-column normalisations of ``exp(R)``, in logs."""
+    log_T = R
+    for _ in range(iters):
+        log_T = log_T - torch.logsumexp(log_T, dim=-1, keepdim=True)
+        log_T = log_T - torch.logsumexp(log_T, dim=-2, keepdim=True)
+    return log_T.exp()
+
+
+def newton_report(
+    iterations: Tensor, error: Tensor, tol: float, max_iter: int, batch_shape: torch.Size
+) -> ProjectionInfo:
+    """Build the :class:`ProjectionInfo` of a Newton solve, warning about missed tolerances.
+
+    Shared by the PyTorch and CUDA paths, so both report the same way.
+    ``iterations`` and ``error`` are flat ``[B]``; the info has ``batch_shape``.
+    """
+    converged = error <= tol
+    unconverged = int((~converged & ~error.isnan()).sum())
+    if unconverged:
+        warnings.warn(
+            f"birkhoff_project: {unconverged} of {error.numel()} matrices missed tol={tol:.1e} "
+            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
+            "use return_info=True to find them",
+            ConvergenceWarning,
+            stacklevel=4,  # the caller of birkhoff_project
+        )
+    return ProjectionInfo(
+        iterations=iterations.reshape(batch_shape),
+        error=error.reshape(batch_shape),
+        converged=converged.reshape(batch_shape),
+        tol=tol,
+    )
+
+# ----------------------------------------------------------------------------
+# Public entry point.
+# ----------------------------------------------------------------------------
+
+
+def birkhoff_project_reference(
+    logits: Tensor,
+    *,
+    tol: float = 1e-6,
+    max_iter: int = NEWTON_MAX_ITER,
+    method: str = "newton",
+    iters: int = 20,
+    return_info: bool = False,
+) -> Tensor | tuple[Tensor, ProjectionInfo]:
+    """:func:`mhc.birkhoff_project` on the pure-PyTorch path, whatever the device.
+
+    The reference the CUDA kernels are tested against: same arguments,
+    checks, results and autograd (double backward included) as
+    :func:`mhc.birkhoff_project`, but CUDA tensors never reach the fused kernels.
+    """
+    check_arguments(logits, tol, max_iter, method, iters, return_info)
+    return project_unchecked(
+        logits, tol=tol, max_iter=max_iter, method=method, iters=iters, return_info=return_info
+    )
+
+
+def project_unchecked(
+    logits: Tensor, *, tol: float, max_iter: int, method: str, iters: int, return_info: bool
+) -> Tensor | tuple[Tensor, ProjectionInfo]:
+    """:func:`birkhoff_project_reference` for arguments :func:`check_arguments` has passed.
+
+    For :func:`mhc.birkhoff_project`, which checks once and then picks a path;
+    anyone else: call :func:`birkhoff_project_reference`.
+    """
+    shape, n = logits.shape, logits.shape[-1]
+    R = logits.to(compute_dtype(logits.dtype)).reshape(-1, n, n)
+    tol = effective_tol(tol, n, logits.dtype)
+
+    if method == "sinkhorn":
+        finite = R.isfinite().all(-1, keepdim=True).all(-2, keepdim=True)
+        # A product, not torch.where: a non-finite matrix's gradient is NaN too
+        # (where would hand it zeros), and finite matrices are multiplied by 1.
+        T = _sinkhorn(R, iters) * torch.where(finite, 1.0, math.nan).to(R.dtype)
+        info = None
+        if return_info:
+            error = marginal_error(T).detach()
+            info = ProjectionInfo(
+                iterations=torch.full_like(error, iters, dtype=torch.int32).reshape(shape[:-2]),
+                error=error.reshape(shape[:-2]),
+                converged=(error <= tol).reshape(shape[:-2]),
+                tol=tol,
+            )
+    else:
+        if R.shape[0] == 0:
+            T = R.clone()
+            iterations = torch.zeros(0, dtype=torch.int32, device=R.device)
+            error = torch.zeros(0, dtype=torch.float64, device=R.device)
+        else:
+            T, iterations, error = _NewtonProjection.apply(R, tol, max_iter)
+        info = newton_report(iterations, error, tol, max_iter, shape[:-2])
+
+    T = T.reshape(shape).to(logits.dtype)
+    return (T, info) if return_info else T
