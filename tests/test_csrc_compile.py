@@ -3,7 +3,8 @@
 * Every ``mhc/csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
   and so does ``benchmarks/kernel_bench.cu`` without them (skipped only when
   nvcc is missing), so a syntax error cannot land.
-* The per-matrix solver core compiles with g++ and meets its contract on the host.
+* The per-matrix solver core compiles with g++ and meets its contract on the host,
+  a non-finite grad_T included.
 * On a torch without CUDA (or without a working build) importing ``mhc`` and
   projecting CPU tensors still works, and the fallback warns once.
 """
@@ -242,4 +243,55 @@ def test_solver_core_on_host(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+_NONFINITE_GRAD_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include "birkhoff_core.cuh"
+using namespace mhc_birkhoff;
+
+// One NaN/Inf entry in grad_T: every entry of the gradient must be NaN (as on
+// the PyTorch path), and the same matrix with a finite grad_T stays finite.
+template <int N> int one(unsigned seed, int bad_i, int bad_j, float value) {
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0.f, 1.f);
+  float L[N][N], T[N][N], G[N][N], clean[N][N];
+  for (int i = 0; i < N; ++i) for (int j = 0; j < N; ++j) T[i][j] = L[i][j] = nd(rng);
+  double err;
+  solve_matrix<N>(T, [&](float (&X)[N][N]) { for (int i = 0; i < N; ++i) for (int j = 0; j < N; ++j) X[i][j] = L[i][j]; },
+                  1e-6f, 100, err, false, true);
+  for (int i = 0; i < N; ++i) for (int j = 0; j < N; ++j) clean[i][j] = G[i][j] = nd(rng);
+  G[bad_i][bad_j] = value;
+  implicit_grad<N>(T, G);
+  implicit_grad<N>(T, clean);
+  int nan = 0, finite = 0;
+  for (int i = 0; i < N; ++i) for (int j = 0; j < N; ++j) { nan += std::isnan(G[i][j]); finite += std::isfinite(clean[i][j]); }
+  std::printf("n=%d grad_T[%d][%d]=%g: %d of %d gradient entries NaN; clean gradient finite: %d\n",
+              N, bad_i, bad_j, value, nan, N * N, finite);
+  return nan == N * N && finite == N * N ? 0 : 1;
+}
+
+int main() {
+  return one<4>(1, 1, 2, NAN) + one<4>(2, 3, 0, INFINITY) + one<8>(3, 0, 7, NAN) + one<8>(4, 5, 5, -INFINITY);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")
+def test_nonfinite_grad_poisons_whole_matrix_on_host(tmp_path):
+    """The kernels' backward (``implicit_grad``), compiled for the CPU: a NaN or Inf in ∂L/∂T
+    makes that matrix's whole gradient NaN, like ``mhc.birkhoff_project_reference``.
+
+    (Before ``w`` kept ``0·rhs`` on a failed solve, only the rows holding a NaN
+    became NaN, and an Inf gave ±Inf entries and no NaN at all.)
+    """
+    drv = tmp_path / "nonfinite.cpp"
+    drv.write_text(_NONFINITE_GRAD_DRIVER)
+    exe = tmp_path / "nonfinite"
+    proc = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
