@@ -51,183 +51,20 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 try:
-    from transformers import PreTrainedConfig as _BaseConfig
-except ImportError:  # transformers 4.x
-    from transformers import PretrainedConfig as _BaseConfig
-try:
     from transformers.modeling_layers import GradientCheckpointingLayer
 except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .adapters import Adapter, get_adapter
 from .block import MHCBlock
-from .options import MHCOptions, check_options, close_option, reject_unknown_options
+from .hf_config import MHC_FIELDS, MHCConfig
+from .options import reject_unknown_options
 from .streams import StreamReduce, expand_streams
 
 __all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
-
-# Base-config keys MHCConfig never exposes as its own attributes.
-_NOT_DELEGATED = frozenset(
-    {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype"}
-)
-
-# The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
-_BLOCK_FIELDS = ("n_streams", *MHCOptions.fields())
-MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
-# Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
-_STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
-    {"torch_dtype", "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-     "decoder_start_token_id", "use_cache", "tie_word_embeddings", "rope_parameters", "rope_scaling"}
-)
-
-
-def _reject_misspelled_fields(kwargs: dict[str, Any], base_config: dict[str, Any]) -> None:
-    """``TypeError`` for a keyword that looks like a misspelt mHC field.
-
-    PretrainedConfig keeps any unknown keyword as an attribute, and HF passes
-    many of its own when loading (``torch_dtype``, ``architectures``, token
-    ids, ``_attn_implementation``, ...), so unknown names cannot all be
-    refused. Refused: a name that is not private (``_...``), not a standard
-    PretrainedConfig keyword, not a key of the base config, and within
-    ``difflib``'s 0.8 similarity of an mHC field (``projecton``,
-    ``n_stream``, ``Mode``, ...).
-    """
-    for name in kwargs:
-        if name.startswith("_") or name in _STANDARD_CONFIG_KEYS or name in base_config:
-            continue
-        guess = close_option(name, MHC_FIELDS)
-        if guess is not None:
-            raise TypeError(f"MHCConfig got {name!r}, which is not an mHC option; did you mean {guess!r}?")
-
-
-class MHCConfig(_BaseConfig):
-    """Configuration of an mHC causal LM: a base model's config plus the mHC settings.
-
-    Args:
-        base_config: the wrapped model's config, as a ``PretrainedConfig`` or
-            a dict holding its ``model_type``. Stored as a plain dict, so it
-            serialises inside ``config.json``; :meth:`get_base_config` rebuilds
-            the config object. Its attributes (``hidden_size``, ``vocab_size``,
-            ``num_hidden_layers``, token ids, ...) read through on this config.
-        n_streams: number of residual streams ``n`` (default 4).
-        mode: ``"mhc"`` (doubly stochastic ``H_res``), ``"hc"`` (unconstrained
-            hyper-connections) or ``"residual"`` (no parameters; with
-            ``n_streams=1`` exactly the base model).
-        init: ``"identity"`` (function-preserving: a converted model keeps its
-            outputs) or ``"paper"`` (random ``φ``).
-        projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
-        tol: Newton tolerance on the marginal error.
-        sinkhorn_iters: steps for ``projection="sinkhorn"``.
-        fused: run CUDA streams on the fused Triton kernels (``MHCBlock(fused=...)``).
-        recompute: each site keeps only its inputs for backward and runs its
-            forward again there (``MHCBlock(recompute=...)``).
-        alpha_init: initial dynamic scale ``α``.
-        norm_eps: epsilon of the coefficient RMSNorm.
-        expand: how the embedding enters the streams; ``"copy"`` (the only
-            one) puts the same hidden state in every stream.
-        reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
-            starting at ``1/n``) to merge the streams before the final norm.
-        **kwargs: PretrainedConfig's own settings (token ids, ``dtype``, ...).
-
-    The site settings are stored as plain fields (what ``config.json``
-    holds) and checked as :class:`mhc.MHCOptions` checks them (``n_streams``
-    an int ``>= 1``, not a bool or ``2.7``; ``tol`` finite and ``> 0``; ...);
-    :meth:`options` returns them as one ``MHCOptions``. Unknown keywords go to ``PretrainedConfig``, which keeps
-    them as attributes (HF passes its own when loading), except one that looks
-    like a misspelt mHC field (``projecton=``): that raises ``TypeError``
-    naming the field it resembles.
-    """
-
-    model_type = "mhc"
-
-    def __init__(
-        self,
-        base_config: _BaseConfig | dict | None = None,
-        n_streams: int = 4,
-        mode: str = "mhc",
-        init: str = "identity",
-        projection: str = "newton",
-        tol: float = 1e-6,
-        sinkhorn_iters: int = 20,
-        fused: bool = True,
-        recompute: bool = False,
-        alpha_init: float = 0.01,
-        norm_eps: float = 1e-6,
-        expand: str = "copy",
-        reduce: str = "mean",
-        **kwargs,
-    ):
-        if isinstance(base_config, _BaseConfig):
-            base_config = base_config.to_dict()
-        elif base_config is None:
-            base_config = {}
-        elif isinstance(base_config, dict):
-            base_config = copy.deepcopy(dict(base_config))
-        else:
-            raise TypeError(f"base_config must be a PretrainedConfig or a dict, got {type(base_config).__name__}")
-        base_config.pop("transformers_version", None)
-        if base_config and not base_config.get("model_type"):
-            raise ValueError("base_config needs its 'model_type' (e.g. 'llama')")
-        if base_config.get("model_type") == self.model_type:
-            raise ValueError("base_config is itself an MHCConfig; pass the wrapped model's config")
-        _reject_misspelled_fields(kwargs, base_config)
-        n_streams = check_options(n_streams=n_streams)["n_streams"]
-        opts = MHCOptions(
-            mode=mode, init=init, projection=projection, tol=tol, sinkhorn_iters=sinkhorn_iters, fused=fused,
-            recompute=recompute, alpha_init=alpha_init, norm_eps=norm_eps,
-        )
-        if expand != "copy":
-            raise ValueError(f"expand must be 'copy', got {expand!r}")
-        if reduce not in ("mean", "learned"):
-            raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
-        self.base_config = base_config
-        self.n_streams = n_streams
-        for name, value in opts.to_dict().items():
-            setattr(self, name, value)
-        self.expand = expand
-        self.reduce = reduce
-        super().__init__(**kwargs)
-
-    def options(self) -> MHCOptions:
-        """The site settings as an :class:`mhc.MHCOptions` (checked again: the fields are assignable)."""
-        return MHCOptions.from_dict({name: getattr(self, name) for name in MHCOptions.fields()}, owner="MHCConfig")
-
-    def get_base_config(self) -> _BaseConfig:
-        """A fresh config object of the wrapped architecture, built from ``base_config``."""
-        if not self.base_config:
-            raise ValueError("this MHCConfig has no base_config; pass the wrapped model's config")
-        data = copy.deepcopy(self.base_config)
-        model_type = data.pop("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"unknown base model_type {model_type!r}")
-        return CONFIG_MAPPING[model_type].from_dict(data)
-
-    def get_text_config(self, *args, **kwargs) -> _BaseConfig:
-        """The base config: what generation and caches read (layers, heads, vocabulary)."""
-        if not self.__dict__.get("base_config"):
-            return self
-        cached = self.__dict__.get("_mhc_base_cache")
-        if cached is None or cached[0] != id(self.base_config):
-            cached = (id(self.base_config), self.get_base_config())
-            self.__dict__["_mhc_base_cache"] = cached
-        return cached[1]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out.pop("_mhc_base_cache", None)
-        return out
-
-    def __getattr__(self, name: str):
-        # Only reached when normal lookup fails: read the base model's fields through.
-        if not name.startswith("_") and name not in _NOT_DELEGATED:
-            base = self.__dict__.get("base_config")
-            if base and name in base:
-                return base[name]
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
 def _positional_names(fn) -> tuple[str, ...]:
