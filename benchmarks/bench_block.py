@@ -185,7 +185,8 @@ def main() -> None:
     ap.add_argument("--skip-torch", action="store_true", help="model step: leave out the PyTorch mHC path")
     ap.add_argument("--batch", type=int, default=8, help="model step: sequences per batch (default 8)")
     ap.add_argument("--seq", type=int, default=2048, help="model step: sequence length (default 2048)")
-    ap.add_argument("--rounds", type=int, default=2, help="model step: interleaved rounds, best median kept (default 2)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="model step: interleaved rounds, the best median kept (default 2)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures printed to PATH as JSON")
     args = ap.parse_args()
     common.require_cuda("bench_block.py")

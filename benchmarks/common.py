@@ -42,7 +42,10 @@ def environment() -> dict[str, str]:
 
 
 def time_calls(fn: Callable[[], Any], steps: int, warmup: int = 0) -> list[float]:
-    """Milliseconds of each of ``steps`` calls of ``fn`` (CUDA events, synchronised after each), after ``warmup`` calls."""
+    """Milliseconds of each of ``steps`` calls of ``fn``, after ``warmup`` untimed calls.
+
+    Each call is timed with CUDA events and synchronised before the next.
+    """
     times = []
     for i in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
