@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import inspect
 import weakref
-from typing import Any
 
 import torch
 import transformers
