@@ -108,9 +108,34 @@ def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
     pre = _count_calls(monkeypatch, fused, "site_pre_unchecked")  # what MHCBlock calls for the fused backend
     post = _count_calls(monkeypatch, fused, "post_mix_unchecked")
     x = torch.randn(2, 9, n, C, device=DEVICE).to(dtype)
-    tight = dtype == torch.float32
-    _compare(ref, fast, x, 1e-5 if tight else 1e-2, 1e-4 if tight else 3e-2)
+    if dtype == torch.float32:
+        _compare(ref, fast, x, 1e-5, 1e-4)
+    else:
+        _compare_against_float64(ref, fast, x)
     assert pre == [1] and post == [1], "the fused site did not run (or ran for the reference block)"
+
+
+def _compare_against_float64(ref, fast, x):
+    """bf16: both paths against a float64 copy; the fused path may be 4x as far off as the reference, or 3e-2.
+
+    A direct fused-vs-reference bound would have to cover both paths' bf16
+    rounding at once, and the two round differently: a parameter gradient
+    summed over a few tokens can differ by a few percent on one draw in ~70
+    with neither path wrong (Triton's CPU interpreter also truncates bf16 casts).
+    Judged against float64, a real fused error (a dropped term: O(1)) still
+    shows, while shared rounding does not fail the test.
+    """
+    gold = copy.deepcopy(ref).double()
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)] + [x.detach().double().requires_grad_()]
+    outs = [ref(xs[0]), fast(xs[1]), gold(xs[2])]
+    g = torch.randn(outs[2].shape, dtype=torch.float64, device=x.device)
+    for out in outs:
+        out.backward(g.to(out.dtype))
+    pairs = [("output", [o.detach() for o in outs]), ("dx", [t.grad for t in xs])]
+    pairs += [(name, [m.get_parameter(name).grad for m in (ref, fast, gold)]) for name, _ in gold.named_parameters()]
+    for name, (r, f, g64) in pairs:
+        err_ref, err_fast = _rel(r.double(), g64), _rel(f.double(), g64)
+        assert err_fast <= max(4 * err_ref, 3e-2), f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
 
 
 def test_fused_site_non_contiguous_and_large_values(fresh_seed):
