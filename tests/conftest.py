@@ -2,6 +2,7 @@ import importlib.util
 import os
 import random
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,3 +58,13 @@ def pytest_runtest_makereport(item, call):
         for name, value in item.user_properties:
             if name == "seed":
                 report.sections.append(("seed", f"seed={value} (re-run with {SEED_VARIABLE}={value})"))
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """``scripts/train_lm.py`` loaded as a module: ``cli.main(argv)`` is the command line, run in-process."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_cli", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

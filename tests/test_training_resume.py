@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,21 +9,12 @@ import yaml
 
 from mhc import train as T
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = dict(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
     max_corpus_mb=0.3, max_steps=6, warmup_steps=2, lr=3e-3, min_lr_ratio=0.1, log_interval=1, eval_interval=0,
     eval_batches=1, ckpt_interval=3, progress=False, plots=False, threads=1,
 )
 
-
-@pytest.fixture(scope="module")
-def cli():
-    """scripts/train_lm.py as a module: ``cli.main(argv)`` is the command line."""
-    spec = importlib.util.spec_from_file_location("train_lm_cli_resume", REPO / "scripts" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _stopped_run(tmp_path: Path) -> Path:
