@@ -28,22 +28,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
-# Re-exported: mhc.streams, mhc.hf and the training config import these from here.
-from .options import (
-    INITS,
-    MODES,
-    OPTION_NAMES,
-    PROJECTIONS,
-    MHCOptions,
-    check_options,
-    close_option,
-    reject_unknown_options,
-)
+from .options import MHCOptions, check_options, reject_unknown_options
 
-__all__ = [
-    "MHCBlock", "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option",
-    "reject_unknown_options",
-]
+__all__ = ["MHCBlock"]
 
 # H_res at the default init: this much mass on the diagonal. Any doubly
 # stochastic start preserves the function; a mostly-diagonal one lets streams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .block import check_options
+from .options import check_options
 
 __all__ = ["expand_streams", "reduce_streams", "StreamReduce"]
 

@@ -8,7 +8,7 @@
 Modules, one concern each:
 
 * :mod:`~mhc.train.config`: :class:`TrainConfig`, YAML loading (``base:`` inheritance), ``key=value``
-  overrides, validation (the mHC options through :func:`mhc.block.check_options`);
+  overrides, validation (the mHC options through :func:`mhc.options.check_options`);
 * :mod:`~mhc.train.data`: the corpus (this Python's standard-library sources by default), the
   deterministic train/validation split, packed token windows;
 * :mod:`~mhc.train.tokenizer`: byte-level, corpus BPE (cached) or GPT-2 files;

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ..block import OPTION_NAMES, check_options
+from ..options import OPTION_NAMES, check_options
 from ..hf import MHC_FIELDS
 
 __all__ = [
@@ -202,7 +202,7 @@ def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
     """The mHC settings of ``MHCConfig`` for ``cfg``: ``n_streams`` (:attr:`~TrainConfig.streams`),
     ``mode`` (the variant) and ``cfg.mhc_options``, checked and normalised.
 
-    The site options among them go through :func:`mhc.block.check_options`, the check that
+    The site options among them go through :func:`mhc.options.check_options`, the check that
     :class:`mhc.MHCBlock` and :class:`mhc.MHCConfig` apply; ``expand`` and ``reduce`` (model-level
     settings, not site options) are checked by ``MHCConfig`` itself when the model is built.
 
