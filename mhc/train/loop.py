@@ -45,9 +45,10 @@ from .reporting import (
     MetricsLog,
     SpikeTracker,
     Throughput,
-    composite_gains_of,
     eval_record,
+    measure_stability,
     plot_run,
+    stability_scalars,
     train_record,
 )
 from .resume import load_resume_point
@@ -159,7 +160,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         )
         log(f"unigram entropy of the data: {h_unigram:.4f} nats/token ({h_unigram / math.log(2):.3f} bits)")
         val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
-        diag_ids = val_windows[:2].to(device)  # the composite gains are measured on these (model, not DDP)
+        diag_ids = val_windows[:2].to(device)  # gains and stability are measured on these (model, not DDP)
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
                        max_steps=max_steps, overrides=overrides)  # what every checkpoint holds  # fmt: skip
 
@@ -203,8 +204,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                 # evaluate
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
                     last_val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
-                    gains = composite_gains_of(model, diag_ids)
-                    metrics.write(eval_record(step, tokens, last_val, gains, counters.elapsed_s))
+                    gains, stability = measure_stability(model, diag_ids)
+                    metrics.write(eval_record(step, tokens, last_val, gains, counters.elapsed_s, stability))
                 # checkpoint
                 if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                     save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
@@ -226,8 +227,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
 
         # ---- the end: final evaluation and checkpoint, model/, summary.json, plots ----
         val_loss = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
-        gains = composite_gains_of(model, diag_ids)
-        metrics.write(eval_record(step, tokens, val_loss, gains, counters.elapsed_s))
+        gains, stability = measure_stability(model, diag_ids)
+        metrics.write(eval_record(step, tokens, val_loss, gains, counters.elapsed_s, stability))
         if state is None or step > start_step:  # a finished run resumed again keeps its final checkpoint as it is
             save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
         model_sd = full_state(model.state_dict())
@@ -258,12 +259,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             "bwd_gain_full_depth": gains["backward_gain"][-1] if gains else None,
             "fwd_gain_max": max(gains["forward_gain"]) if gains else None,
             "bwd_gain_max": max(gains["backward_gain"]) if gains else None,
+            "stability": stability,  # per-site lists (reporting.measure_stability)
+            **stability_scalars(stability),
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "data": corpus.source,
         }
         if info.is_main:
-            metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k != "composite_gains"}})
+            metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k not in ("composite_gains", "stability")}})
             replace_model_dir(run_dir, model.config, model_sd, tok)
             atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
             if cfg.plots:
@@ -278,7 +281,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         if gains:
             log(
                 f"composite mapping at full depth ({len(gains['forward_gain'])} sites): "
-                f"forward gain {gains['forward_gain'][-1]:.4g}, backward gain {gains['backward_gain'][-1]:.4g}"
+                f"forward gain {gains['forward_gain'][-1]:.4g}, backward gain {gains['backward_gain'][-1]:.4g}; "
+                f"max H_res marginal error {summary['marginal_error_max']:.2g}, stream spread at the last site "
+                f"{summary['stream_spread']:.3g} (0 = collapsed), max H_res saturation {summary['h_res_saturation']:.3g}"
             )
         log(f"run dir: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
         return summary

@@ -5,8 +5,12 @@
 * ``"train"``: ``step``, ``tokens``, ``loss``, ``lr``, ``grad_norm``, ``spike``, ``skipped``, ``time_s``
   (every ``log_interval`` steps, and at step 1, the last step, spikes and skipped steps);
 * ``"eval"``: ``step``, ``tokens``, ``val_loss``, ``fwd_gain``, ``bwd_gain`` (full-depth composite
-  gains, None without mHC sites), ``time_s``;
-* ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains``.
+  gains, None without mHC sites), the stability scalars of :data:`STABILITY_SCALARS` (None without
+  mHC sites), ``marginal_error`` (``{"mean": [...], "max": [...]}``, per site over the tokens; None
+  without mHC sites), ``time_s``;
+* ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains`` and ``stability``.
+
+Stability is measured on 2 validation sequences (:func:`measure_stability`, :mod:`mhc.diagnostics`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..diagnostics import collect_h_res, composite_gains
+from ..diagnostics import collect_sites, composite_gains, report_from_sites
 from ..projection import ConvergenceWarning
 from .distributed import DistInfo
 
@@ -35,8 +39,21 @@ __all__ = [
     "ConvergenceWarningCounter",
     "MainProcessLog",
     "composite_gains_of",
+    "STABILITY_SCALARS",
+    "measure_stability",
+    "stability_scalars",
     "plot_run",
 ]
+
+#: The stability scalars of an eval record and of ``summary.json`` (:func:`stability_scalars`):
+#: ``stream_spread``: how far the streams entering the last site differ (mean over tokens of
+#: :func:`mhc.diagnostics.stream_spread`; 0 = collapsed into one); ``h_res_saturation``: the largest
+#: fraction, over sites, of ``H_res`` entries within 1e-3 of 0 or 1; ``h_res_one_hot_rows``: the same
+#: for rows within 1e-3 of one-hot; ``pre_post_saturation``: the largest fraction, over sites, of
+#: ``H_pre`` or ``H_post / 2`` within 1e-3 of 0 or 1 (the sigmoid's flat part; None for HC);
+#: ``marginal_error_max``: the largest :func:`mhc.marginal_error` of one site's ``H_res`` at one token.
+STABILITY_SCALARS = ("stream_spread", "h_res_saturation", "h_res_one_hot_rows", "pre_post_saturation",
+                     "marginal_error_max")  # fmt: skip
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -104,17 +121,23 @@ def train_record(step: int, tokens: int, loss: float, lr: float, grad_norm: floa
             "spike": spike, "skipped": skipped, "time_s": round(time_s, 3)}  # fmt: skip
 
 
-def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, time_s: float) -> dict:
-    """An ``"eval"`` record of ``metrics.jsonl``; ``gains`` as :func:`composite_gains_of` returns them."""
-    return {
+def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, time_s: float,
+                stability: dict | None = None) -> dict:  # fmt: skip
+    """An ``"eval"`` record of ``metrics.jsonl``; ``gains`` and ``stability`` as :func:`measure_stability` returns them."""
+    record = {
         "kind": "eval",
         "step": step,
         "tokens": tokens,
         "val_loss": val_loss,
         "fwd_gain": gains["forward_gain"][-1] if gains else None,
         "bwd_gain": gains["backward_gain"][-1] if gains else None,
-        "time_s": round(time_s, 3),
     }
+    record.update(stability_scalars(stability))
+    record["marginal_error"] = (
+        {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]} if stability else None
+    )
+    record["time_s"] = round(time_s, 3)
+    return record
 
 
 class SpikeTracker:
@@ -218,19 +241,62 @@ class MainProcessLog:
             print(msg, flush=True)
 
 
+def _finite_max(values: list) -> float | None:
+    """The max of the non-None values; NaN if one is NaN (a diverged model); None if there are none."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return float("nan") if any(math.isnan(v) for v in present) else max(present)
+
+
+def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None, dict | None]:
+    """The model's composite gains and per-site stability metrics on ``input_ids`` (``[B, S]`` int64).
+
+    Returns:
+        ``(gains, stability)``, both None for a model without mHC sites. ``gains`` has the
+        per-depth lists ``forward_gain``, ``backward_gain`` (worst token) and ``spectral_norm``
+        (:func:`mhc.diagnostics.composite_gains`; NaN everywhere for a diverged model: the run
+        goes on). ``stability`` has per-site lists, in depth order, of
+        :class:`mhc.diagnostics.StabilityReport`'s ``forward_gain_mean``, ``backward_gain_mean``,
+        ``marginal_error_mean``, ``marginal_error_max``, ``spread_mean``, ``spread_min``,
+        ``h_res_saturated_entries``, ``h_res_saturated_rows``, ``pre_saturated``, ``post_saturated``.
+    """
+    try:
+        records = collect_sites(model, input_ids=input_ids, use_cache=False)
+    except ValueError:  # no MHCBlock in the model
+        return None, None
+    report = report_from_sites(records)
+    if all(bool(torch.isfinite(r.h_res).all()) for r in records):
+        gains = composite_gains([r.h_res for r in records]).as_dict()
+    else:  # the SVD of the spectral norm refuses NaN
+        nan = [float("nan")] * len(records)
+        gains = {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
+    keys = ("forward_gain_mean", "backward_gain_mean", "marginal_error_mean", "marginal_error_max", "spread_mean",
+            "spread_min", "h_res_saturated_entries", "h_res_saturated_rows", "pre_saturated", "post_saturated")  # fmt: skip
+    return gains, {k: getattr(report, k) for k in keys}
+
+
+def stability_scalars(stability: dict | None) -> dict[str, float | None]:
+    """The :data:`STABILITY_SCALARS` of a ``stability`` dict (:func:`measure_stability`); all None for None."""
+    if not stability:
+        return dict.fromkeys(STABILITY_SCALARS)
+    pre_post = [max(a, b) if a is not None and b is not None else None
+                for a, b in zip(stability["pre_saturated"], stability["post_saturated"])]  # fmt: skip
+    return {
+        "stream_spread": stability["spread_mean"][-1],
+        "h_res_saturation": _finite_max(stability["h_res_saturated_entries"]),
+        "h_res_one_hot_rows": _finite_max(stability["h_res_saturated_rows"]),
+        "pre_post_saturation": _finite_max(pre_post),
+        "marginal_error_max": _finite_max(stability["marginal_error_max"]),
+    }
+
+
 def composite_gains_of(model: nn.Module, input_ids: Tensor) -> dict[str, list[float]] | None:
     """Per-depth composite forward/backward gains and spectral norms of the model's ``H_res`` on ``input_ids``.
 
     None for a model without mHC sites; NaN everywhere for a diverged model (the run goes on).
     """
-    try:
-        h_res = collect_h_res(model, input_ids=input_ids, use_cache=False)
-    except ValueError:  # no MHCBlock in the model
-        return None
-    if not all(bool(torch.isfinite(h).all()) for h in h_res):
-        nan = [float("nan")] * len(h_res)
-        return {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
-    return composite_gains(h_res).as_dict()
+    return measure_stability(model, input_ids)[0]
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:

@@ -1,0 +1,129 @@
+"""``python -m mhc.diagnostics MODEL_DIR [--text FILE]``: the stability report of a saved mHC model.
+
+Loads the model offline (``AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True)``:
+any folder ``scripts/train_lm.py`` or ``convert_to_mhc(...).save_pretrained`` wrote), tokenizes a
+short built-in text or ``--text FILE`` with the tokenizer saved beside the model (the text's UTF-8
+bytes when there is none), runs one forward and one backward pass of the LM loss, prints the
+per-depth table of :class:`mhc.diagnostics.StabilityReport` and writes its figure
+(:func:`mhc.diagnostics.plot_report`, ``MODEL_DIR/stability.png`` unless ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from ..block import MHCBlock
+from .report import DEFAULT_EPS, plot_report, stability_report
+
+# Built-in text: a little Python and a little prose, like what the README's main job trains on.
+BUILTIN_TEXT = '''def fibonacci(n: int) -> list[int]:
+    """Return the first n Fibonacci numbers."""
+    values = [0, 1]
+    while len(values) < n:
+        values.append(values[-1] + values[-2])
+    return values[:n]
+
+
+class Counter(dict):
+    def add(self, key, amount=1):
+        self[key] = self.get(key, 0) + amount
+        return self[key]
+
+The residual stream carries every layer's output to the next one; hyper-connections widen it
+into several streams and learn how to mix them at every site.
+'''
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mhc.diagnostics",
+        description="Stability report of a saved mHC model: composite gains, marginal error, stream collapse, "
+        "saturation and gradient gain per depth, as a table and a PNG.",
+    )
+    p.add_argument("model_dir", type=Path, help="a from_pretrained folder (e.g. runs/tiny_cpu_mhc/model)")
+    p.add_argument("--text", type=Path, help="a UTF-8 text file to run (default: a short built-in text)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens of the text to use (default 128)")
+    p.add_argument("--out", type=Path, help="where the PNG goes (default MODEL_DIR/stability.png)")
+    p.add_argument("--json", type=Path, help="also write the report's numbers here")
+    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help=f"saturation threshold (default {DEFAULT_EPS:g})")
+    p.add_argument("--no-backward", action="store_true", help="forward only: no gradient ratio column")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    return p
+
+
+def _token_ids(model_dir: Path, text: str) -> tuple[list[int], str]:
+    """The text's token ids and what tokenized it."""
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return list(tok(text)["input_ids"]), f"tokenizer of {model_dir}"
+    return list(text.encode("utf-8")), "UTF-8 bytes (no tokenizer in the model folder)"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, measure, print, plot; the exit status."""
+    model_dir: Path = args.model_dir
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a saved model folder (no config.json)")
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    text = args.text.read_text(encoding="utf-8") if args.text else BUILTIN_TEXT
+    device = torch.device(args.device)
+
+    # (MHCForCausalLM is registered with the Auto classes: importing mhc, this module's package, did it.)
+    hf_logging.disable_progress_bar()  # the table is the output; no "Loading weights" bar above it
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).to(device).eval()
+    blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+    if not blocks:
+        raise ValueError(f"{model_dir} holds no mHC sites ({type(model).__name__}); convert it with mhc.convert_to_mhc")
+    ids, source = _token_ids(model_dir, text)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or args.max_tokens
+    ids = ids[: min(args.max_tokens, limit)]
+    if len(ids) < 2:
+        raise ValueError("the text gives fewer than 2 tokens")
+    vocab = model.get_input_embeddings().num_embeddings
+    if max(ids) >= vocab:
+        raise ValueError(f"token id {max(ids)} is outside the model's vocabulary of {vocab} ({source})")
+    input_ids = torch.tensor([ids], device=device)
+    loss_fn = None if args.no_backward else (lambda out: out.loss)
+    kwargs = {"input_ids": input_ids, "use_cache": False}
+    if loss_fn is not None:
+        kwargs["labels"] = input_ids
+    report = stability_report(model, loss_fn=loss_fn, eps=args.eps, **kwargs)
+
+    b = blocks[0]
+    print(
+        f"{model_dir}: {type(model).__name__}, {len(blocks)} sites, mode={b.mode}, projection={b.projection}, "
+        f"n_streams={b.n_streams}; {len(ids)} tokens ({'--text ' + str(args.text) if args.text else 'built-in text'}, "
+        f"{source})"
+    )
+    print(report.table())
+    out = args.out if args.out is not None else model_dir / "stability.png"
+    plot_report(report, out, title=str(model_dir))
+    print(f"figure: {out}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+        print(f"numbers: {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (2 with a one-line error for bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
