@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
+from .deepseek_v4 import read_hyper_connection
+from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
 
 __all__ = ["MHCBlock"]
@@ -38,7 +40,7 @@ __all__ = ["MHCBlock"]
 _RES_INIT_DIAGONAL = 0.9
 
 # MHCBlock's own keywords besides the option fields (for the did-you-mean of an unknown one).
-_BLOCK_KEYWORDS = ("hidden_size", "n_streams", "layer_index", "options")
+_BLOCK_KEYWORDS = ("hidden_size", "n_streams", "layer_index", "options", "pre_eps", "sinkhorn_eps")
 
 
 def _pre_init_weights(n: int, layer_index: int) -> Tensor:
@@ -85,7 +87,10 @@ class MHCBlock(nn.Module):
 
     * ``mode="mhc"``: flattened RMSNorm over all ``n·C`` values, one
       ``nC × (n² + 2n)`` projection ``φ``, ``H_pre = σ(·)``,
-      ``H_post = 2σ(·)``, ``H_res = birkhoff_project(·)`` (doubly stochastic).
+      ``H_post = 2σ(·)``, ``H_res = birkhoff_project(·)`` (doubly stochastic);
+      ``projection="sinkhorn"`` puts the paper's truncated Sinkhorn in place of
+      ``birkhoff_project``, ``projection="lite"`` mHC-lite's softmax over the
+      ``n!`` permutation matrices (``φ`` then ``nC × (n! + 2n)``, ``n <= 5``).
     * ``mode="hc"``: unconstrained hyper-connections (Zhu et al.): per-stream
       RMSNorm, ``H = α·tanh(x̃ θ) + b`` with a free ``H_res``.
     * ``mode="residual"``: no parameters; ``x'_i = x_i + F(mean_i x_i)``,
@@ -105,6 +110,14 @@ class MHCBlock(nn.Module):
         n_streams: ``n`` (default 4), an int ``>= 1``.
         layer_index: depth of this site (int ``>= 0``); rotates the stream ``H_pre`` favours.
         options: an :class:`mhc.MHCOptions` (default ``MHCOptions()``).
+        pre_eps: added to ``H_pre = σ(·) + pre_eps`` (``mode="mhc"``), finite and
+            ``>= 0``; default 0, which keeps ``Σ H_pre = 1`` at the identity init.
+        sinkhorn_eps: the epsilon of ``projection="sinkhorn"``
+            (:func:`mhc.mixing.sinkhorn_h_res`), finite and ``>= 0``; default
+            ``1e-6``, DeepSeek-V4's ``hc_eps``. These two are settings of the
+            block, not :class:`mhc.MHCOptions` fields: :meth:`from_deepseek_v4`
+            sets both to the hyper-connection's ``hc_eps``; :class:`mhc.MHCConfig`
+            does not store them, so HF models always run with the defaults.
         **option_values: fields of :class:`mhc.MHCOptions` given one by one
             (``mode``, ``init``, ``projection``, ``tol``, ``sinkhorn_iters``,
             ``fused``, ``recompute``, ``alpha_init``, ``norm_eps``); they
@@ -112,7 +125,8 @@ class MHCBlock(nn.Module):
             starts with ``φ = 0``, so that identical streams give ``x + F(x)``
             exactly (conversion keeps a model's outputs); ``fused=True`` runs
             CUDA streams on :mod:`mhc.fused` (``mode="mhc"``, Newton), CPU streams
-            always take the PyTorch path; ``recompute=True`` keeps only the
+            always take the PyTorch path (as do ``projection`` ``"sinkhorn"``
+            and ``"lite"``, and ``pre_eps > 0``); ``recompute=True`` keeps only the
             block's inputs for backward and runs the site again there, ``F``
             included (``torch.utils.checkpoint``, non-reentrant).
 
@@ -135,6 +149,8 @@ class MHCBlock(nn.Module):
         *,
         layer_index: int = 0,
         options: MHCOptions | None = None,
+        pre_eps: float = 0.0,
+        sinkhorn_eps: float = SINKHORN_EPS,
         **option_values: Any,
     ):
         super().__init__()
@@ -144,26 +160,98 @@ class MHCBlock(nn.Module):
         elif not isinstance(options, MHCOptions):
             raise TypeError(f"options must be an MHCOptions, got {type(options).__name__}")
         options = options.replace(**option_values)
-        sizes = check_options(hidden_size=hidden_size, n_streams=n_streams, layer_index=layer_index)
+        sizes = check_options(
+            hidden_size=hidden_size, n_streams=n_streams, layer_index=layer_index, pre_eps=pre_eps,
+            sinkhorn_eps=sinkhorn_eps,
+        )
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
         self.hidden_size = sizes["hidden_size"]
         self.n_streams = sizes["n_streams"]
         self.layer_index = sizes["layer_index"]
+        self._pre_eps, self._sinkhorn_eps = sizes["pre_eps"], sizes["sinkhorn_eps"]
+        if self._lite(options):
+            check_lite_streams(self.n_streams)
         self._use_options(options)
         if options.mode == "residual":
             return
 
         n, C = self.n_streams, self.hidden_size
-        # mhc reads all n·C values of a token at once; hc reads each stream alone.
-        fan_in, fan_out = (n * C, n * n + 2 * n) if options.mode == "mhc" else (C, n + 2)
+        # mhc reads all n·C values of a token at once; hc reads each stream alone. mHC-lite
+        # has one H_res logit per permutation matrix instead of one per entry.
+        res_shape = (lite_logit_count(n),) if self._lite(options) else (n, n)
+        fan_in, fan_out = (n * C, math.prod(res_shape) + 2 * n) if options.mode == "mhc" else (C, n + 2)
         self.phi = nn.Parameter(torch.empty(fan_out, fan_in))
         self.alpha = nn.Parameter(torch.empty(3))
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
-        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.b_res = nn.Parameter(torch.empty(res_shape))
         self.reset_parameters()
+
+    @classmethod
+    def from_deepseek_v4(
+        cls, hc: nn.Module, branch: nn.Module | Callable[..., Any], projection: str = "sinkhorn", **option_values: Any
+    ) -> MHCBlock:
+        """A block with the weights and numerics of a transformers ``DeepseekV4HyperConnection``.
+
+        DeepSeek-V4 computes ``pre = σ(·) + hc_eps``, ``post = 2σ(·)`` and ``comb``
+        by a row softmax plus ``hc_eps`` and a column-first Sinkhorn of
+        ``hc_sinkhorn_iters`` rounds (every sum plus ``hc_eps``), and its decoder
+        layer mixes ``x' = post ⊗ F(collapsed) + combᵀ x``. The block reads ``fn``,
+        ``base`` and ``scale`` (float32 copies; comb moved into ``H_res = combᵀ``'s
+        layout, :mod:`mhc.deepseek_v4`) and sets ``pre_eps = sinkhorn_eps = hc_eps``,
+        ``sinkhorn_iters = hc_sinkhorn_iters`` and ``norm_eps`` to the input norm's.
+
+        Args:
+            hc: the hyper-connection (``layer.attn_hc`` or ``layer.ffn_hc``); not modified.
+            branch: the sublayer ``F`` that takes the collapsed streams, e.g.
+                ``lambda u: layer.self_attn(layer.input_layernorm(u), ...)``.
+            projection: ``"sinkhorn"`` (default: DeepSeek's own truncated
+                recipe, so the block's output is the decoder layer's to float32
+                rounding) or ``"newton"`` (the same weights, with our exact
+                projection of the same logits in place of the truncated one).
+            **option_values: other :class:`mhc.MHCOptions` fields (``recompute``, ``tol``, ...).
+
+        Returns:
+            An ``MHCBlock`` with ``mode="mhc"``, on ``hc.fn``'s device, float32 parameters.
+            Since ``pre_eps > 0`` it always runs on the PyTorch path.
+
+        Raises:
+            TypeError: ``hc`` lacks the attributes of a ``DeepseekV4HyperConnection``.
+            ValueError: ``projection`` is not ``"sinkhorn"`` or ``"newton"``
+                (mHC-lite has ``n!`` logits, DeepSeek ``n²``), an option sets what
+                the hyper-connection fixes, or its weights are malformed.
+        """
+        if projection not in ("sinkhorn", "newton"):
+            raise ValueError(f"from_deepseek_v4: projection must be 'sinkhorn' or 'newton', got {projection!r}")
+        fixed = ("mode", "sinkhorn_iters", "norm_eps", "pre_eps", "sinkhorn_eps", "hidden_size", "n_streams")
+        clash = sorted(set(option_values) & set(fixed))
+        if clash:
+            raise ValueError(f"from_deepseek_v4 takes {', '.join(clash)} from the hyper-connection; do not pass them")
+        ds = read_hyper_connection(hc)
+        block = cls(
+            branch, ds.hidden_size, ds.n_streams, mode="mhc", projection=projection, sinkhorn_iters=ds.sinkhorn_iters,
+            norm_eps=ds.norm_eps, pre_eps=ds.hc_eps, sinkhorn_eps=ds.hc_eps, **option_values,
+        ).to(ds.phi.device)
+        with torch.no_grad():
+            for name in ("phi", "alpha", "b_pre", "b_post", "b_res"):
+                getattr(block, name).copy_(getattr(ds, name))
+        return block
+
+    @staticmethod
+    def _lite(options: MHCOptions) -> bool:
+        return options.mode == "mhc" and options.projection == "lite"
+
+    @property
+    def pre_eps(self) -> float:
+        """Added to ``H_pre`` in ``mode="mhc"`` (read-only; set when the block is built)."""
+        return self._pre_eps
+
+    @property
+    def sinkhorn_eps(self) -> float:
+        """The epsilon of ``projection="sinkhorn"`` (read-only; set when the block is built)."""
+        return self._sinkhorn_eps
 
     @property
     def options(self) -> MHCOptions:
@@ -179,14 +267,21 @@ class MHCBlock(nn.Module):
                 f"an MHCBlock's mode is fixed when it is built (its parameters depend on it): "
                 f"it is {self._options.mode!r}, not {value.mode!r}"
             )
+        if self._lite(value) != self._lite(self._options):
+            raise ValueError(
+                "an MHCBlock's projection cannot change to or from 'lite' once it is built (phi and b_res "
+                f"have n! rows for it, n² otherwise): it is {self._options.projection!r}, not {value.projection!r}"
+            )
         self._use_options(value)
 
     def _use_options(self, options: MHCOptions) -> None:
         self._options = options
         # Worked out here, not per call: forward's host time matters (notes/block_benchmarks.md).
         newton_mhc = options.mode == "mhc" and options.projection == "newton"
-        self._fusable = options.fused and newton_mhc
-        self._exact_rows = newton_mhc  # Newton's H_res has rows summing to one by construction
+        # The fused kernels compute H_pre = σ(·): a nonzero pre_eps keeps the PyTorch path.
+        self._fusable = options.fused and newton_mhc and self._pre_eps == 0
+        # Newton's and mHC-lite's H_res have rows summing to one by construction.
+        self._exact_rows = newton_mhc or self._lite(options)
 
     def reset_parameters(self, names: Iterable[str] | None = None) -> None:
         """Initialise the coefficient parameters (float32) as ``init`` says.
@@ -213,12 +308,14 @@ class MHCBlock(nn.Module):
             if "alpha" in wanted:
                 self.alpha.fill_(self.alpha_init)
             if self.mode == "mhc":
-                # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal.
+                # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal
+                # (mHC-lite: the identity permutation weighted so that its H_res has the same diagonal).
                 diag = math.log(_RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - _RES_INIT_DIAGONAL))
+                res = lite_identity_logits(n, _RES_INIT_DIAGONAL) if self._lite(self._options) else torch.eye(n) * diag
                 values = {
                     "b_pre": _exact_sum_logits(pre, self.layer_index % n),
                     "b_post": torch.zeros(n),
-                    "b_res": torch.eye(n) * diag,
+                    "b_res": res,
                 }
             else:
                 values = {"b_pre": pre, "b_post": torch.ones(n), "b_res": torch.eye(n)}
@@ -246,14 +343,17 @@ class MHCBlock(nn.Module):
         """
         if self._options.mode == "residual":
             return site.residual_coefficients(x)
-        return site.coefficients(x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self._options)
+        return site.coefficients(
+            x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self._options,
+            pre_eps=self._pre_eps, sinkhorn_eps=self._sinkhorn_eps,
+        )
 
     def uses_fused(self, x: Tensor) -> bool:
         """Whether :meth:`forward` runs streams ``x`` on the fused backend (:mod:`mhc.fused`).
 
         True for non-empty CUDA streams of a dtype in
         :data:`mhc.fused.SUPPORTED_DTYPES` when ``fused=True``, ``mode="mhc"``,
-        ``projection="newton"`` and Triton is importable; the PyTorch
+        ``projection="newton"``, ``pre_eps=0`` and Triton is importable; the PyTorch
         reference (:mod:`mhc.site`) runs otherwise. A subclass may override
         this to choose the backend, for instance to run the fused kernels on
         CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``), as the
@@ -309,6 +409,10 @@ class MHCBlock(nn.Module):
             s += f", init={opts.init!r}, layer_index={self.layer_index}, projection={opts.projection!r}"
         if opts.mode == "mhc" and not opts.fused:
             s += ", fused=False"
+        if opts.mode == "mhc" and self._pre_eps:
+            s += f", pre_eps={self._pre_eps:g}"
+        if opts.mode == "mhc" and opts.projection == "sinkhorn":
+            s += f", sinkhorn_iters={opts.sinkhorn_iters}, sinkhorn_eps={self._sinkhorn_eps:g}"
         if opts.recompute:
             s += ", recompute=True"
         return s

@@ -23,7 +23,7 @@ __all__ = [
 
 MODES = ("mhc", "hc", "residual")
 INITS = ("identity", "paper")
-PROJECTIONS = ("newton", "sinkhorn")
+PROJECTIONS = ("newton", "sinkhorn", "lite")
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:
@@ -41,6 +41,13 @@ def _real(name: str, value: Any, positive: bool) -> float:
     value = float(value)
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be {'finite and > 0' if positive else 'finite'}, got {value}")
+    return value
+
+
+def _non_negative(name: str, value: Any) -> float:
+    value = _real(name, value, positive=False)
+    if value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return value
 
 
@@ -70,6 +77,9 @@ _OPTION_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sinkhorn_iters": lambda k, v: _integer(k, v, 1),
     "fused": _flag,
     "recompute": _flag,
+    # A block's own epsilons (MHCBlock keywords, not MHCOptions fields): the DeepSeek-V4 form sets them.
+    "pre_eps": _non_negative,
+    "sinkhorn_eps": _non_negative,
 }
 OPTION_NAMES = tuple(_OPTION_CHECKS)
 
@@ -94,11 +104,13 @@ def reject_unknown_options(names: Iterable[str], known: Iterable[str], owner: st
 def check_options(**options: Any) -> dict[str, Any]:
     """Check mHC site options by name; return them normalised (ints as ``int``, reals as ``float``).
 
-    Any subset of ``hidden_size``, ``n_streams``, ``layer_index`` and the
+    Any subset of ``hidden_size``, ``n_streams``, ``layer_index``,
+    ``pre_eps``, ``sinkhorn_eps`` (a block's, see :class:`mhc.MHCBlock`) and the
     fields of :class:`MHCOptions`. Integers must be ints (not floats, not
     bools): ``hidden_size``, ``n_streams`` and ``sinkhorn_iters`` ``>= 1``,
     ``layer_index >= 0``. ``tol`` and ``norm_eps`` are finite and ``> 0``,
-    ``alpha_init`` finite; ``fused`` and ``recompute`` are bools.
+    ``pre_eps`` and ``sinkhorn_eps`` finite and ``>= 0``, ``alpha_init``
+    finite; ``fused`` and ``recompute`` are bools.
 
     Raises:
         TypeError: an unknown option (naming the closest known one) or a value of the wrong type.
@@ -122,10 +134,20 @@ class MHCOptions:
         init: ``"identity"`` (default: ``φ = 0``, so identical streams give
             ``x + F(x)`` exactly and a converted model keeps its outputs) or
             ``"paper"`` (random ``φ``, as the mHC paper).
-        projection: ``"newton"`` (exact doubly stochastic ``H_res``, default)
-            or ``"sinkhorn"``.
+        projection: how ``mode="mhc"`` makes ``H_res`` doubly stochastic
+            (design.md, "Three ways to a doubly stochastic H_res"):
+            ``"newton"`` (the exact Birkhoff projection, default);
+            ``"sinkhorn"`` (the mHC paper's and DeepSeek-V4's truncated
+            recipe, :func:`mhc.mixing.sinkhorn_h_res`: row softmax ``+ eps``,
+            then ``sinkhorn_iters`` rounds of column and row normalisation,
+            every sum plus ``1e-6``, applied transposed as DeepSeek does; not
+            exact); or ``"lite"`` (mHC-lite, :func:`mhc.mixing.lite_h_res`:
+            a softmax over the ``n!`` permutation matrices, exact by
+            construction, ``n_streams <= 5``; ``φ`` then has ``2n + n!``
+            rows and ``b_res`` is ``[n!]``, so a block cannot switch to or
+            from ``"lite"`` after it is built).
         tol: tolerance of the Newton projection, finite and ``> 0`` (default ``1e-6``).
-        sinkhorn_iters: steps for ``projection="sinkhorn"``, an int ``>= 1`` (default 20).
+        sinkhorn_iters: rounds for ``projection="sinkhorn"``, an int ``>= 1`` (default 20).
         fused: with ``mode="mhc"`` and ``projection="newton"``, CUDA streams run
             on the fused Triton kernels of :mod:`mhc.fused` (default ``True``);
             ``False`` keeps the PyTorch path everywhere.

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from .mixing import SINKHORN_EPS, lite_h_res, lite_logit_count, sinkhorn_h_res
 from .options import MHCOptions
 from .projection import birkhoff_project
 
@@ -32,20 +33,36 @@ __all__ = ["coefficients", "residual_coefficients", "pre_mix", "post_mix"]
 
 
 def coefficients(
-    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, options: MHCOptions
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    options: MHCOptions,
+    *,
+    pre_eps: float = 0.0,
+    sinkhorn_eps: float = SINKHORN_EPS,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The mixing coefficients of streams ``x: [..., n, C]`` (``options.mode`` ``"mhc"`` or ``"hc"``).
 
     * ``"mhc"``: flattened RMSNorm over all ``n·C`` values, ``z = x̃ φᵀ`` with
-      ``phi [n² + 2n, n·C]``, ``H_pre = σ(α_pre z_pre + b_pre)``,
-      ``H_post = 2σ(α_post z_post + b_post)``, ``H_res = birkhoff_project(α_res z_res + b_res)``
-      (doubly stochastic, by ``options.projection``).
+      ``phi [2n + r, n·C]``, ``H_pre = σ(α_pre z_pre + b_pre) + pre_eps``,
+      ``H_post = 2σ(α_post z_post + b_post)`` and ``H_res`` from the ``r``
+      logits ``α_res z_res + b_res`` by ``options.projection``: ``"newton"``
+      (:func:`mhc.birkhoff_project`, ``r = n²``), ``"sinkhorn"``
+      (:func:`mhc.mixing.sinkhorn_h_res` with ``sinkhorn_iters`` and
+      ``sinkhorn_eps``, ``r = n²``) or ``"lite"`` (:func:`mhc.mixing.lite_h_res`,
+      ``r = n!``).
     * ``"hc"``: per-stream RMSNorm, ``phi [n + 2, C]``, ``H = α·tanh(x̃ φᵀ) + b``, a free ``H_res``.
 
     Args:
         x: streams ``[..., n, C]``, any float dtype.
-        phi, alpha ``[3]``, b_pre ``[n]``, b_post ``[n]``, b_res ``[n, n]``: the parameters.
+        phi, alpha ``[3]``, b_pre ``[n]``, b_post ``[n]``, b_res ``[n, n]`` (``[n!]`` for
+            ``"lite"``): the parameters.
         options: ``mode``, ``norm_eps``, ``projection``, ``tol``, ``sinkhorn_iters`` are read.
+        pre_eps: added to ``H_pre`` (mode ``"mhc"``; DeepSeek-V4 adds its ``hc_eps``).
+        sinkhorn_eps: the epsilon of :func:`mhc.mixing.sinkhorn_h_res`.
 
     Returns:
         ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, float32
@@ -59,15 +76,19 @@ def coefficients(
     if options.mode == "mhc":
         x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
         x_norm = F.rms_norm(x_flat, (n * C,), eps=options.norm_eps)
-        pre, post, res = (x_norm @ phi.t()).split([n, n, n * n], dim=-1)
+        lite = options.projection == "lite"
+        pre, post, res = (x_norm @ phi.t()).split([n, n, lite_logit_count(n) if lite else n * n], dim=-1)
         H_pre = torch.sigmoid(a_pre * pre + b_pre)
+        if pre_eps:
+            H_pre = H_pre + pre_eps
         H_post = 2 * torch.sigmoid(a_post * post + b_post)
-        H_res = birkhoff_project(
-            a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res,
-            tol=options.tol,
-            method=options.projection,
-            iters=options.sinkhorn_iters,
-        )
+        if lite:
+            return H_pre, H_post, lite_h_res(a_res * res + b_res)
+        logits = a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res
+        if options.projection == "sinkhorn":
+            H_res = sinkhorn_h_res(logits, options.sinkhorn_iters, sinkhorn_eps)
+        else:
+            H_res = birkhoff_project(logits, tol=options.tol)
         return H_pre, H_post, H_res
 
     x_norm = F.rms_norm(x.to(acc), (C,), eps=options.norm_eps)

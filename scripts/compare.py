@@ -2,6 +2,7 @@
 """Train residual, HC and mHC on the same data, seed and token budget; write one table and one plot.
 
     python scripts/compare.py                                   # tiny CPU configs
+    python scripts/compare.py --variants residual,hc,mhc,mhc-sk20,mhc-lite  # all five variants
     python scripts/compare.py --preset small_gpu --tokens 300000000 --devices 0,1
     python scripts/compare.py --preset small_gpu --target-s 200 # pick the token budget by a short calibration
     python scripts/compare.py --out runs/compare_small_gpu --report-only
@@ -29,6 +30,7 @@ except ImportError:
     sys.path.insert(0, str(REPO))
 
 from mhc.train import load_config, prepare_data, write_comparison  # noqa: E402
+from mhc.train.config import VARIANTS  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 
@@ -71,9 +73,10 @@ def run_all(jobs: list[tuple[str, Path, Path, list[str]]], devices: list[str | N
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny_cpu", help="configs/<preset>_{residual,hc,mhc}.yaml (default: %(default)s)")
+    p.add_argument("--preset", default="tiny_cpu", help="configs/<preset>_<variant>.yaml (default: %(default)s)")
     p.add_argument("--configs", nargs="*", default=None, help="explicit config files instead of a preset")
-    p.add_argument("--variants", default="residual,hc,mhc", help="which of the preset's variants to run")
+    p.add_argument("--variants", default="residual,hc,mhc",
+                   help=f"which of the preset's variants to run, comma-separated, of {','.join(VARIANTS)} (default: %(default)s)")
     p.add_argument("--out", default=None, help="output folder (default: runs/compare_<preset>)")
     p.add_argument("--tokens", type=int, default=0, help="token budget for every variant (default: the configs')")
     p.add_argument("--target-s", type=float, default=0.0, help="calibrate: pick the token budget so the slowest variant trains ~this long")
@@ -88,7 +91,14 @@ def main(argv=None) -> int:
     if args.configs:
         cfgs = [Path(c) for c in args.configs]
     else:
-        cfgs = [REPO / "configs" / f"{args.preset}_{v}.yaml" for v in args.variants.split(",") if v]
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            p.error(f"unknown variant(s) {', '.join(map(repr, unknown))} in --variants; known: {', '.join(VARIANTS)}")
+        cfgs = [REPO / "configs" / f"{args.preset}_{v}.yaml" for v in names]
+        missing = [str(c) for c in cfgs if not c.is_file()]
+        if missing:
+            p.error(f"no config for preset {args.preset!r}: {', '.join(missing)}")
     out = Path(args.out or f"runs/compare_{args.preset}")
     labels = [c.stem.split("_")[-1] if not args.configs else c.stem for c in cfgs]
     run_dirs = {lab: out / lab for lab in labels}
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
             print(f"failed runs: {failed} (see their .log files)", file=sys.stderr)
     # merge every variant found in OUT (also those of earlier invocations with other --variants)
     found = {d.name: d for d in sorted(out.iterdir()) if (d / "summary.json").is_file() and d.name != "calibration"} if out.is_dir() else {}
-    order = [v for v in ("residual", "hc", "mhc") if v in found] + [k for k in found if k not in ("residual", "hc", "mhc")]
+    order = [v for v in VARIANTS if v in found] + [k for k in found if k not in VARIANTS]
     merged = {k: found[k] for k in order} or run_dirs
     cmd = "python scripts/compare.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = write_comparison(merged, out, note=f"Command: `{cmd}`")

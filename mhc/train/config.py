@@ -20,11 +20,13 @@ from typing import Any
 
 import yaml
 
-from ..options import OPTION_NAMES, check_options
 from ..hf import MHC_FIELDS
+from ..mixing import check_lite_streams
+from ..options import OPTION_NAMES, check_options
 
 __all__ = [
     "VARIANTS",
+    "VARIANT_SETTINGS",
     "TOKENIZERS",
     "TrainConfig",
     "ConfigKeyError",
@@ -37,7 +39,16 @@ __all__ = [
     "cache_root",
 ]
 
-VARIANTS = ("residual", "hc", "mhc")
+VARIANTS = ("residual", "hc", "mhc", "mhc-sk20", "mhc-lite")
+#: The MHCConfig settings each variant stands for (design.md, "Three ways to a doubly stochastic H_res").
+#: ``mhc_options`` may repeat them but not contradict them: ``mhc-sk20`` with 5 Sinkhorn rounds is refused.
+VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
+    "residual": {"mode": "residual"},
+    "hc": {"mode": "hc"},
+    "mhc": {"mode": "mhc"},  # exact Newton projection by default; mhc_options may choose another
+    "mhc-sk20": {"mode": "mhc", "projection": "sinkhorn", "sinkhorn_iters": 20},  # the paper's / DeepSeek's recipe
+    "mhc-lite": {"mode": "mhc", "projection": "lite"},  # convex combination of the n! permutations
+}
 TOKENIZERS = ("byte", "bpe", "gpt2")
 
 
@@ -49,7 +60,7 @@ class TrainConfig:
     run_dir: str = ""  # default: runs/<config name>
     seed: int = 0
     # model (Llama-style base config, wrapped by MHCForCausalLM)
-    variant: str = "mhc"  # residual | hc | mhc
+    variant: str = "mhc"  # residual | hc | mhc | mhc-sk20 | mhc-lite (VARIANT_SETTINGS)
     n_streams: int = 4  # forced to 1 for residual
     hidden_size: int = 128
     num_layers: int = 4
@@ -200,7 +211,8 @@ MHC_OPTION_KEYS = tuple(k for k in MHC_FIELDS if k not in _SET_BY_TRAINER)
 
 def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
     """The mHC settings of ``MHCConfig`` for ``cfg``: ``n_streams`` (:attr:`~TrainConfig.streams`),
-    ``mode`` (the variant) and ``cfg.mhc_options``, checked and normalised.
+    the variant's :data:`VARIANT_SETTINGS` (``mode``, and the projection of ``mhc-sk20`` and
+    ``mhc-lite``) and ``cfg.mhc_options``, checked and normalised.
 
     The site options among them go through :func:`mhc.options.check_options`, the check that
     :class:`mhc.MHCBlock` and :class:`mhc.MHCConfig` apply; ``expand`` and ``reduce`` (model-level
@@ -208,9 +220,14 @@ def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
 
     Raises:
         TypeError: ``mhc_options`` is not a mapping, or a value of the wrong type.
-        ValueError: a value out of range; a key the trainer sets itself (``mode``, ``n_streams``).
+        ValueError: a value out of range; a key the trainer sets itself (``mode``, ``n_streams``); a key
+            that contradicts the variant (``projection`` of ``mhc-lite``); ``mhc-lite`` with ``n_streams > 5``;
+            an unknown variant.
         ConfigKeyError: an unknown ``mhc_options`` key (a ``ValueError`` too), with the closest keys.
     """
+    if cfg.variant not in VARIANT_SETTINGS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {cfg.variant!r}")
+    fixed = VARIANT_SETTINGS[cfg.variant]
     options = cfg.mhc_options
     if not isinstance(options, dict):
         raise TypeError(f"mhc_options must be a mapping, got {options!r}")
@@ -219,9 +236,17 @@ def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
             raise ValueError(f"mhc_options.{key} is set by the trainer; use the top-level key instead")
         if key not in MHC_OPTION_KEYS:
             raise unknown_key_error(str(key), MHC_OPTION_KEYS, "mhc_options key")
-    settings = {"n_streams": cfg.streams, "mode": cfg.variant, **options}
+        if key in fixed and options[key] != fixed[key]:
+            raise ValueError(
+                f"mhc_options.{key}={options[key]!r} contradicts variant {cfg.variant!r}, which sets "
+                f"{key}={fixed[key]!r}; use variant 'mhc' with mhc_options to try other settings"
+            )
+    settings = {"n_streams": cfg.streams, **fixed, **options}
     site_options = {k: v for k, v in settings.items() if k in OPTION_NAMES}
-    return {**settings, **check_options(**site_options)}
+    settings = {**settings, **check_options(**site_options)}
+    if settings["mode"] == "mhc" and settings.get("projection") == "lite":
+        check_lite_streams(settings["n_streams"])
+    return settings
 
 
 def parse_device(device: str) -> tuple[str, int | None]:

@@ -33,7 +33,11 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None = None) -> MHCForCausalLM:
-    """``MHCForCausalLM(MHCConfig(base_config=LlamaConfig(...), n_streams, mode=variant, **mhc_options))``.
+    """``MHCForCausalLM(MHCConfig(base_config=LlamaConfig(...), **mhc_config_options(cfg)))``.
+
+    :func:`~mhc.train.config.mhc_config_options` maps the variant onto ``MHCConfig``'s settings
+    (``mhc-sk20``: ``mode="mhc", projection="sinkhorn", sinkhorn_iters=20``; ``mhc-lite``:
+    ``mode="mhc", projection="lite"``) and adds ``n_streams`` and ``mhc_options``.
 
     The vocabulary is padded (:func:`padded_vocab`); ``eos_id`` is the BOS/EOS token id. Parameters
     are float32 on the CPU, initialised from torch's current RNG.

@@ -1,0 +1,138 @@
+"""DeepSeek-V4's hyper-connection, read into the parameters of an :class:`mhc.MHCBlock` (design.md, "The DeepSeek-V4 form").
+
+transformers' ``DeepseekV4HyperConnection`` holds one site's coefficient map:
+``fn [(2 + n)·n, n·C]``, ``base [(2 + n)·n]`` and ``scale [3]``, with
+``hc_mult = n``, ``hc_sinkhorn_iters``, ``hc_eps`` and the epsilon of its
+unweighted input RMSNorm. Per token it computes
+
+    pre  = σ(scale₀·z_pre + base_pre) + hc_eps
+    post = 2σ(scale₁·z_post + base_post)
+    comb = Sinkhorn(softmax(scale₂·z_comb + base_comb) + hc_eps)     (column first, every sum + hc_eps)
+
+from ``z = RMSNorm(flatten(x)) fnᵀ``, and its decoder layer mixes
+``x' = post ⊗ F(Σ_i pre_i x_i) + combᵀ x``. That is an mHC site whose
+``H_res`` is ``combᵀ``: entry ``(i, j)`` of ``H_res`` is entry ``(j, i)`` of
+``comb``, so the comb rows of ``fn`` and the comb block of ``base`` are
+transposed into ``H_res``'s layout here; pre and post map one to one.
+
+This module imports neither transformers' DeepSeek-V4 code (older
+transformers lack it) nor :mod:`mhc.block`; it reads any object with those
+attributes and returns plain tensors and settings, which
+:meth:`mhc.MHCBlock.from_deepseek_v4` turns into a block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DeepseekV4Site", "read_hyper_connection"]
+
+
+@dataclass(frozen=True)
+class DeepseekV4Site:
+    """One DeepSeek-V4 hyper-connection in :class:`mhc.MHCBlock`'s terms (float32 copies, on ``fn``'s device).
+
+    Attributes:
+        n_streams: ``hc_mult``.
+        hidden_size: ``C`` (``fn``'s width over ``n``).
+        phi: ``[n² + 2n, n·C]``: ``fn`` with its comb rows in ``H_res`` order.
+        alpha: ``[3]``, ``scale``.
+        b_pre, b_post: ``[n]``, from ``base``.
+        b_res: ``[n, n]``, ``base``'s comb block transposed.
+        hc_eps: added to ``H_pre`` and to every Sinkhorn sum.
+        sinkhorn_iters: ``hc_sinkhorn_iters``.
+        norm_eps: the epsilon of the input RMSNorm.
+    """
+
+    n_streams: int
+    hidden_size: int
+    phi: Tensor
+    alpha: Tensor
+    b_pre: Tensor
+    b_post: Tensor
+    b_res: Tensor
+    hc_eps: float
+    sinkhorn_iters: int
+    norm_eps: float
+
+
+def _attribute(hc: object, name: str):
+    if not hasattr(hc, name):
+        raise TypeError(
+            f"from_deepseek_v4 needs a transformers DeepseekV4HyperConnection (with fn, base, scale, hc_mult, "
+            f"hc_sinkhorn_iters, hc_eps, input_norm); {type(hc).__name__} has no {name!r}"
+        )
+    return getattr(hc, name)
+
+
+def _finite_float(name: str, value) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"DeepseekV4HyperConnection.{name} must be finite and >= 0, got {value}")
+    return value
+
+
+def read_hyper_connection(hc: object) -> DeepseekV4Site:
+    """The parameters and settings of a ``DeepseekV4HyperConnection``, in ``H_res`` layout.
+
+    Args:
+        hc: transformers' ``DeepseekV4HyperConnection`` (or any object with its
+            ``fn``, ``base``, ``scale``, ``hc_mult``, ``hc_sinkhorn_iters``,
+            ``hc_eps`` and ``input_norm.eps``).
+
+    Returns:
+        A :class:`DeepseekV4Site`; its tensors are detached float32 copies.
+
+    Raises:
+        TypeError: an attribute is missing, or a parameter is not a floating tensor.
+        ValueError: the shapes do not fit ``hc_mult``, a value is non-finite,
+            or ``hc_sinkhorn_iters < 1``.
+    """
+    n = _attribute(hc, "hc_mult")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"DeepseekV4HyperConnection.hc_mult must be an int >= 1, got {n!r}")
+    fn, base, scale = (_attribute(hc, name) for name in ("fn", "base", "scale"))
+    for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"DeepseekV4HyperConnection.{name} must be a floating tensor, got {type(t).__name__}")
+    rows = (2 + n) * n
+    if fn.dim() != 2 or fn.shape[0] != rows or fn.shape[1] % n or fn.shape[1] == 0:
+        raise ValueError(f"DeepseekV4HyperConnection.fn must be [(2 + n)·n, n·C] = [{rows}, {n}·C], got {tuple(fn.shape)}")
+    if tuple(base.shape) != (rows,) or tuple(scale.shape) != (3,):
+        raise ValueError(
+            f"DeepseekV4HyperConnection.base must be [{rows}] and scale [3], got {tuple(base.shape)} and {tuple(scale.shape)}"
+        )
+    iters = _attribute(hc, "hc_sinkhorn_iters")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"DeepseekV4HyperConnection.hc_sinkhorn_iters must be an int >= 1, got {iters!r}")
+    hc_eps = _finite_float("hc_eps", _attribute(hc, "hc_eps"))
+    norm_eps = _finite_float("input_norm.eps", getattr(_attribute(hc, "input_norm"), "eps", math.nan))
+    if norm_eps == 0:
+        raise ValueError("DeepseekV4HyperConnection.input_norm.eps must be > 0")
+
+    with torch.no_grad():
+        fn, base, scale = (t.detach().to(torch.float32).clone() for t in (fn, base, scale))
+        for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+            if not t.isfinite().all():
+                raise ValueError(f"DeepseekV4HyperConnection.{name} holds NaN or Inf")
+        width = fn.shape[1]
+        # comb[j, k] sits at row 2n + j·n + k; H_res[i, j] = comb[j, i] must sit at 2n + i·n + j.
+        res_rows = fn[2 * n :].reshape(n, n, width).transpose(0, 1).reshape(n * n, width)
+        phi = torch.cat([fn[: 2 * n], res_rows]).contiguous()
+        b_res = base[2 * n :].reshape(n, n).t().contiguous()
+    return DeepseekV4Site(
+        n_streams=n,
+        hidden_size=width // n,
+        phi=phi,
+        alpha=scale,
+        b_pre=base[:n].clone(),
+        b_post=base[n : 2 * n].clone(),
+        b_res=b_res,
+        hc_eps=hc_eps,
+        sinkhorn_iters=iters,
+        norm_eps=norm_eps,
+    )
