@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import weakref
 
 import torch
 import transformers
@@ -55,15 +54,19 @@ except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .adapters import Adapter, get_adapter
+from .adapters import Adapter
+from .adapters_generic import adapter_for_model
 from .block import MHCBlock
 from .hf_config import MHC_FIELDS, MHCConfig
+from .hf_branch import SiteBranch
+from .hf_verify import check_logits, identity_coefficients, reference_logits, verify_by_default
 from .options import reject_unknown_options
 from .streams import StreamReduce, expand_streams
 
 __all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+_SAVE_HAS_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
 
 
 def _positional_names(fn) -> tuple[str, ...]:
@@ -71,55 +74,16 @@ def _positional_names(fn) -> tuple[str, ...]:
     return tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)
 
 
-class _LayerBranch:
-    """``layer.<method>`` as an :class:`~mhc.MHCBlock` branch, without a bound method.
-
-    A bound method in a block makes ``copy.deepcopy(block)`` deep-copy the
-    whole decoder layer with it, so the copy would run a private copy of the
-    attention or MLP (PEFT's ``modules_to_save`` copies the blocks this way,
-    and LoRA on the live layer then has no effect). This holds the layer
-    weakly (no reference cycle through the block) and, when deep-copied,
-    follows the layer into the copy only if the layer itself is being copied;
-    a block copied alone keeps calling the live layer.
-    """
-
-    __slots__ = ("_layer", "method")
-
-    def __init__(self, layer: nn.Module, method: str):
-        self._layer = weakref.ref(layer)
-        self.method = method
-
-    @property
-    def layer(self) -> nn.Module:
-        """The decoder layer whose ``method`` this calls."""
-        layer = self._layer()
-        if layer is None:
-            raise RuntimeError(f"the decoder layer of this mHC branch ({self.method}) no longer exists")
-        return layer
-
-    def __call__(self, u: Tensor, *args, **kwargs):
-        return getattr(self.layer, self.method)(u, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _LayerBranch:
-        layer = self.layer
-        return type(self)(memo.get(id(layer), layer), self.method)
-
-    def __reduce__(self):  # pickling (e.g. torch.save of a whole model) keeps the layer by reference
-        return type(self), (self.layer, self.method)
-
-    def __repr__(self) -> str:
-        layer = self._layer()
-        return f"{type(self).__name__}({type(layer).__name__ if layer is not None else 'dead'}.{self.method})"
-
-
 class MHCDecoderLayer(GradientCheckpointingLayer):
-    """A base decoder layer with its two residual sites replaced by mHC sites.
+    """A base decoder layer with its residual sites replaced by mHC sites.
 
     Holds the original layer's submodules under their original names (so
-    ``self_attn.q_proj.weight`` etc. keep their keys), plus ``attn_mhc`` and
-    ``mlp_mhc`` (:class:`~mhc.MHCBlock`). Takes exactly the arguments the base
-    model's layer loop gives the original layer; all of them except the hidden
-    state go to the attention sublayer, as the original layer does.
+    ``self_attn.q_proj.weight`` etc. keep their keys), plus one
+    :class:`~mhc.MHCBlock` per site of the adapter (``attn_mhc`` and
+    ``mlp_mhc`` for a sequential layer, ``parallel_mhc`` for a parallel-residual
+    one; :attr:`site_names`). Takes exactly the arguments the base model's layer
+    loop gives the original layer; all of them except the hidden state go to
+    the attention, as the original layer does.
 
     Shapes: ``hidden_states`` is ``[B, S, C]`` for the first layer
     (``expand_input``), which copies it into ``n`` streams, and ``[B, S, n, C]``
@@ -128,9 +92,12 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool):
         super().__init__()
-        for name in (*adapter.attn, *adapter.mlp):
-            if not isinstance(getattr(layer, name, None), nn.Module):
-                raise ValueError(f"{type(layer).__name__} has no submodule {name!r}; the mHC adapter does not fit it")
+        for site in adapter.sites:
+            for name in (n for b in site.branches for n in b.module_names()):
+                if not isinstance(getattr(layer, name, None), nn.Module):
+                    raise ValueError(f"{type(layer).__name__} has no submodule {name!r}; the mHC adapter does not fit it")
+            if hasattr(layer, site.module_name):
+                raise ValueError(f"{type(layer).__name__} already has an attribute {site.module_name!r}")
         for name, child in layer.named_children():
             self.add_module(name, child)
         for name, p in layer.named_parameters(recurse=False):
@@ -146,8 +113,9 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         names = _positional_names(type(layer).forward)[1:]  # drop self
         self._input_names = names[1:]  # after hidden_states
         self._unsupported = adapter.unsupported_inputs
-        self._attn_norm, self._attn = adapter.attn
-        self._mlp_norm, self._mlp = adapter.mlp
+        self._sites = adapter.sites
+        self._site_takes_inputs = tuple(any(b.layer_inputs for b in s.branches) for s in adapter.sites)
+        self.site_names = tuple(s.module_name for s in adapter.sites)
         self._tuple_output = adapter.layers == "transformer.h" and _TRANSFORMERS_MAJOR < 5  # GPT-2 in 4.x
         self.wrapped_class = type(layer).__name__
         self.layer_idx = layer_idx
@@ -155,15 +123,32 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.expand_input = expand_input
         hidden = config.get_text_config().hidden_size
         opts = config.options()
-        attn, mlp = _LayerBranch(self, "_attn_branch"), _LayerBranch(self, "_mlp_branch")
-        self.attn_mhc = MHCBlock(attn, hidden, config.n_streams, layer_index=2 * layer_idx, options=opts)
-        self.mlp_mhc = MHCBlock(mlp, hidden, config.n_streams, layer_index=2 * layer_idx + 1, options=opts)
+        k = len(adapter.sites)
+        for j, site in enumerate(adapter.sites):
+            block = MHCBlock(SiteBranch(self, j), hidden, config.n_streams, layer_index=k * layer_idx + j, options=opts)
+            self.add_module(site.module_name, block)
 
-    def _attn_branch(self, u: Tensor, **kwargs):
-        return getattr(self, self._attn)(getattr(self, self._attn_norm)(u), **kwargs)
+    def site_branch(self, index: int, u: Tensor, **layer_inputs) -> Tensor:
+        """The residual update of site ``index`` from its pre-mixed input ``u: [B, S, C]`` (the block's branch).
 
-    def _mlp_branch(self, u: Tensor) -> Tensor:
-        return getattr(self, self._mlp)(getattr(self, self._mlp_norm)(u))
+        The sum over the site's branches of ``scale * dropout(post_norm(sublayer(norm(u))))``; branches
+        naming the same norm share its output.
+        """
+        normed: dict[str | None, Tensor] = {}
+        total = None
+        for b in self._sites[index].branches:
+            if b.norm not in normed:
+                normed[b.norm] = u if b.norm is None else getattr(self, b.norm)(u)
+            out = getattr(self, b.sublayer)(normed[b.norm], **(layer_inputs if b.layer_inputs else {}))
+            y = out[0] if isinstance(out, tuple) else out  # attention's (output, weights)
+            if b.post_norm is not None:
+                y = getattr(self, b.post_norm)(y)
+            if b.dropout is not None:
+                y = getattr(self, b.dropout)(y)
+            if b.scale != 1.0:
+                y = y * b.scale
+            total = y if total is None else total + y
+        return total
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if len(args) > len(self._input_names):
@@ -174,9 +159,8 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
             if inputs.pop(name, None) is not None:
                 raise NotImplementedError(f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}")
         x = expand_streams(hidden_states, self.n_streams) if self.expand_input else hidden_states
-        out = self.attn_mhc(x, **inputs)
-        x = out[0] if isinstance(out, tuple) else out
-        x = self.mlp_mhc(x)
+        for name, takes_inputs in zip(self.site_names, self._site_takes_inputs):
+            x = getattr(self, name)(x, **inputs) if takes_inputs else getattr(self, name)(x)
         return (x,) if self._tuple_output else x
 
     def extra_repr(self) -> str:
@@ -208,23 +192,28 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_attention_backend = True
     _no_split_modules = ["MHCDecoderLayer"]
     # The coefficient parameters (φ, α, biases) and the learned stream weights
-    # stay float32 when the model is loaded in bf16/fp16.
-    _keep_in_fp32_modules = ["attn_mhc", "mlp_mhc", "stream_reduce"]
-    _keep_in_fp32_modules_strict = ["attn_mhc", "mlp_mhc", "stream_reduce"]
+    # stay float32 when the model is loaded in bf16/fp16 (per instance: the adapter's site names).
+    _keep_in_fp32_modules = ["attn_mhc", "mlp_mhc", "parallel_mhc", "stream_reduce"]
+    _keep_in_fp32_modules_strict = ["attn_mhc", "mlp_mhc", "parallel_mhc", "stream_reduce"]
 
     def __init__(self, config: MHCConfig, *inputs, base_model: PreTrainedModel | None = None, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         if base_model is None:
             base_cfg = config.get_base_config()
-            adapter = get_adapter(base_cfg.model_type)
-            impl = getattr(config, "_attn_implementation_internal", None)
-            if impl is not None:
-                base_cfg._attn_implementation = impl
+            adapter = config.get_adapter()
             if type(base_cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
                 raise ValueError(f"no causal-LM class for base model_type {base_cfg.model_type!r}")
-            base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_cfg)](base_cfg)
+            base_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_cfg)]
+            impl = getattr(config, "_attn_implementation_internal", None)
+            # This class accepts sdpa for every base, so HF picks it by default; a base without it
+            # (Gemma2) then picks its own default instead.
+            if impl is not None and not (impl == "sdpa" and not base_class._supports_sdpa):
+                base_cfg._attn_implementation = impl
+            base_model = base_class(base_cfg)
+            config._attn_implementation_internal = base_model.config._attn_implementation
         else:
-            adapter = get_adapter(base_model.config.model_type)
+            adapter = config.get_adapter()
+        self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
 
@@ -233,14 +222,36 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(layers[i], MHCDecoderLayer):
                 raise ValueError("the model already holds mHC layers")
             layers[i] = MHCDecoderLayer(layers[i], adapter, config, i, expand_input=i == 0)
-        self.model.get_submodule(adapter.final_norm).register_forward_pre_hook(self._reduce_before_final_norm)
+        final_norm = self.model.get_submodule(adapter.final_norm)
+        self._final_norm_hook = final_norm.register_forward_pre_hook(self._reduce_before_final_norm)
         # Only names that hold parameters here (none in residual mode; no stream_reduce for reduce="mean"):
         # transformers 4.x rejects keep-in-fp32 names that match no parameter.
         present = {part for name, _ in self.named_parameters() for part in name.split(".")}
-        keep = [name for name in type(self)._keep_in_fp32_modules_strict if name in present]
+        keep = [name for name in (*self.mhc_module_names(), "stream_reduce") if name in present]
         self._keep_in_fp32_modules = list(keep)
         self._keep_in_fp32_modules_strict = list(keep)
         self.post_init()
+
+    def mhc_module_names(self) -> list[str]:
+        """The attribute names of the mHC blocks in a decoder layer (``["attn_mhc", "mlp_mhc"]``,
+        ``["parallel_mhc"]``, ...): what PEFT's ``modules_to_save`` takes to train and save them."""
+        return [site.module_name for site in self.adapter.sites]
+
+    def decoder_layers(self) -> list[MHCDecoderLayer]:
+        """The wrapped decoder layers, in order."""
+        return list(self.model.get_submodule(self.adapter.layers))
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, with ``save_original_format=False`` by default (transformers 5).
+
+        The base model's key conversions are regexes written for its own keys
+        (Mixtral's ``.mlp.`` matches ``.mlp_`` of ``mlp_mhc``), so reverting them
+        on save would rename the mHC blocks' keys too and the model would not
+        reload; an mHC checkpoint is read by this class only, in its own layout.
+        """
+        if _SAVE_HAS_ORIGINAL_FORMAT:
+            kwargs.setdefault("save_original_format", False)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
         return (self.stream_reduce(args[0]), *args[1:])
@@ -334,8 +345,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _record_hidden_states(self, sink: list) -> list:
         """Hooks that append ``[B, S, C]`` hidden states to ``sink`` in the usual HF order."""
-        adapter = get_adapter(self.model.config.model_type)
-        layers = list(self.model.get_submodule(adapter.layers))
+        layers = self.decoder_layers()
 
         def first_input(module, args, kwargs):
             sink.append(kwargs["hidden_states"] if not args else args[0])
@@ -349,7 +359,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
 
         handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
         handles += [layer.register_forward_hook(layer_output) for layer in layers]
-        handles.append(self.model.get_submodule(adapter.final_norm).register_forward_hook(final_output))
+        handles.append(self.model.get_submodule(self.adapter.final_norm).register_forward_hook(final_output))
         return handles
 
     def _apply(self, fn, recurse=True):
@@ -380,7 +390,8 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
 def added_parameter_count(config: MHCConfig) -> int:
     """Parameters mHC adds to the base model (what ``num_parameters()`` grows by).
 
-    Per site (two per decoder layer), with ``n`` streams and hidden size ``C``:
+    Per site (two per sequential decoder layer, one per parallel-residual
+    layer: ``len(config.get_adapter().sites)``), with ``n`` streams and hidden size ``C``:
     ``mhc``: ``nC·(n² + 2n) + n² + 2n + 3``; ``hc``: ``C·(n + 2) + n² + 2n + 3``;
     ``residual``: 0. Plus ``n`` for ``reduce="learned"``.
     """
@@ -392,32 +403,63 @@ def added_parameter_count(config: MHCConfig) -> int:
         site = C * (n + 2) + n * n + 2 * n + 3
     else:
         site = 0
-    return 2 * L * site + (n if config.reduce == "learned" else 0)
+    return len(config.get_adapter().sites) * L * site + (n if config.reduce == "learned" else 0)
 
 
-def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) -> MHCForCausalLM:
+def _undo_conversion(mhc_model: MHCForCausalLM, originals: list[nn.Module]) -> None:
+    """Put the original decoder layers back and drop the final-norm hook: ``model`` is as before."""
+    layers = mhc_model.model.get_submodule(mhc_model.adapter.layers)
+    for i, layer in enumerate(originals):
+        layers[i] = layer
+    mhc_model._final_norm_hook.remove()
+
+
+def convert_to_mhc(
+    model: PreTrainedModel, n_streams: int = 4, *, adapter: Adapter | None = None, verify: bool | None = None,
+    **mhc_options,
+) -> MHCForCausalLM:
     """Put mHC into an existing HF causal LM, keeping every one of its weights.
 
     The returned model owns the *same* modules as ``model`` (no copy; ``model``
     itself should not be used afterwards). With the default
     ``init="identity"`` its outputs equal the original's up to float rounding.
-    The new coefficient parameters are float32 on the model's device.
+    The new coefficient parameters are float32 on the model's device. The
+    adapter used is recorded in ``config.adapter`` (a saved model reloads with it).
 
     Args:
-        model: a ``*ForCausalLM`` of a supported architecture (see
-            :mod:`mhc.adapters`), random or pretrained.
+        model: a ``*ForCausalLM``, random or pretrained: of a registered
+            architecture (:mod:`mhc.adapters`), or one the generic adapter
+            recognises (:mod:`mhc.adapters_generic`), which is refused with a
+            ``ValueError`` saying what does not fit otherwise.
         n_streams: number of streams.
+        adapter: an :class:`mhc.adapters.Adapter` to use instead of the
+            registered or generic one.
+        verify: the self-check. ``True``: run the original and the converted
+            model on a random ``[2, 8]`` input (``φ`` at the identity init's
+            zero during the check, whatever ``init``) and raise
+            :class:`mhc.hf_verify.ConversionMismatchError` (a ``ValueError``
+            with the measured max |logit difference|) beyond
+            :func:`mhc.hf_verify.logit_tolerance` (``1e-4·max(1, max|logit|)``
+            in fp32); the model is then left unconverted. ``False``: no
+            check. ``None`` (default): check models of at most
+            :data:`mhc.hf_verify.VERIFY_AUTO_MAX_PARAMETERS` (4e9)
+            parameters with no weights on the meta device.
         **mhc_options: any other mHC setting of :class:`MHCConfig` (``mode``,
             ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
             raises ``TypeError`` naming the closest setting.
     """
     reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f != "base_config"], "convert_to_mhc")
+    if verify is not None and not isinstance(verify, bool):
+        raise TypeError(f"verify must be True, False or None, got {verify!r}")
     if isinstance(model, MHCForCausalLM):
         raise ValueError("model is already an MHCForCausalLM")
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
-    get_adapter(getattr(model.config, "model_type", None))
-    config = MHCConfig(base_config=model.config, n_streams=n_streams, **mhc_options)
+    if adapter is None:
+        adapter = adapter_for_model(model)
+    elif not isinstance(adapter, Adapter):
+        raise TypeError(f"adapter must be an mhc.adapters.Adapter, got {type(adapter).__name__}")
+    config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
     quant = config.base_config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
         # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left.
@@ -425,14 +467,26 @@ def convert_to_mhc(model: PreTrainedModel, n_streams: int = 4, **mhc_options) ->
     impl = getattr(model.config, "_attn_implementation_internal", None)
     if impl is not None:
         config._attn_implementation_internal = impl
+    check = verify_by_default(model) if verify is None else verify
+    if check:
+        probe_ids, reference = reference_logits(model)
     # Mark the existing modules initialised so post_init() leaves their weights alone.
     for module in model.modules():
         module._is_hf_initialized = True
     ref = next(model.parameters())
+    originals = list(model.get_submodule(adapter.layers))
     mhc_model = MHCForCausalLM(config, base_model=model)
     for module in mhc_model.modules():
         if isinstance(module, (MHCBlock, StreamReduce)):
             module.to(device=ref.device)  # stays float32
+    if check:
+        try:
+            with identity_coefficients(mhc_model):
+                _, converted = reference_logits(mhc_model, probe_ids)
+            check_logits(reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})")
+        except Exception:
+            _undo_conversion(mhc_model, originals)
+            raise
     if getattr(model, "generation_config", None) is not None:
         mhc_model.generation_config = copy.deepcopy(model.generation_config)
     mhc_model.train(model.training)

@@ -18,6 +18,7 @@ except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as _BaseConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .adapters import Adapter, registered_adapter, supported_model_types
 from .options import MHCOptions, check_options, close_option, reject_unknown_options
 
 __all__ = ["MHCConfig", "MHC_FIELDS"]
@@ -83,6 +84,11 @@ class MHCConfig(_BaseConfig):
             one) puts the same hidden state in every stream.
         reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
             starting at ``1/n``) to merge the streams before the final norm.
+        adapter: how the base model's decoder layers are wrapped, an
+            :class:`mhc.adapters.Adapter` or its ``to_dict()`` (stored as the
+            dict). :func:`mhc.convert_to_mhc` records the adapter it used, so a
+            saved model reloads with it; ``None`` takes the registered adapter
+            of the base ``model_type`` (:meth:`get_adapter`).
         **kwargs: PretrainedConfig's own settings (token ids, ``dtype``, ...).
 
     The site settings are stored as plain fields (what ``config.json``
@@ -111,6 +117,7 @@ class MHCConfig(_BaseConfig):
         norm_eps: float = 1e-6,
         expand: str = "copy",
         reduce: str = "mean",
+        adapter: Adapter | dict | None = None,
         **kwargs,
     ):
         if isinstance(base_config, _BaseConfig):
@@ -142,7 +149,30 @@ class MHCConfig(_BaseConfig):
             setattr(self, name, value)
         self.expand = expand
         self.reduce = reduce
+        if isinstance(adapter, dict):
+            adapter = Adapter.from_dict(adapter)
+        elif adapter is not None and not isinstance(adapter, Adapter):
+            raise TypeError(f"adapter must be an mhc.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}")
+        self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
+
+    def get_adapter(self) -> Adapter:
+        """The :class:`~mhc.adapters.Adapter` the model is built with: the recorded one, else the registered one.
+
+        Raises:
+            ValueError: none is recorded and the base ``model_type`` has no registered adapter.
+        """
+        if self.adapter is not None:
+            return Adapter.from_dict(self.adapter)
+        base = self.get_base_config()
+        adapter = registered_adapter(base)
+        if adapter is None:
+            raise ValueError(
+                f"mHC has no adapter for architecture {base.model_type!r}; supported model types: "
+                f"{', '.join(supported_model_types())}. mhc.convert_to_mhc(model) tries the generic adapter on "
+                "other architectures (and records it in the config); mhc.adapters.register_adapter adds one."
+            )
+        return adapter
 
     def options(self) -> MHCOptions:
         """The site settings as an :class:`mhc.MHCOptions` (checked again: the fields are assignable)."""

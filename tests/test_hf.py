@@ -21,7 +21,6 @@ from transformers import (
 
 import mhc
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, StreamReduce, convert_to_mhc
-from mhc.adapters import get_adapter
 from mhc.hf import MHCDecoderLayer, added_parameter_count
 
 VOCAB = 96
@@ -81,9 +80,10 @@ def ids(batch: int = 2, seq: int = 9, seed: int = 1) -> torch.Tensor:
 def count_sublayer_calls(model: MHCForCausalLM) -> collections.Counter:
     """A counter of the attention and MLP sublayers' calls (keys "attn", "mlp"), kept up to date by hooks."""
     calls: collections.Counter = collections.Counter()
-    adapter = get_adapter(model.config.base_config["model_type"])
-    for layer in model.model.get_submodule(adapter.layers):
-        for key, name in (("attn", adapter.attn[1]), ("mlp", adapter.mlp[1])):
+    adapter = model.config.get_adapter()
+    for layer in model.decoder_layers():
+        for key, site in zip(("attn", "mlp"), adapter.sites):
+            name = site.branches[0].sublayer
             layer.get_submodule(name).register_forward_pre_hook(lambda *_, key=key: calls.update([key]))
     return calls
 

@@ -1,0 +1,264 @@
+"""Every supported HF decoder family (and a few outside the list, via the generic adapter), on tiny random models.
+
+Nothing is downloaded: each config builds a 2-layer model with hidden size 32
+and a 96-token vocabulary in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from mhc import MHCBlock, MHCForCausalLM, convert_to_mhc
+from mhc.hf import MHCDecoderLayer, added_parameter_count
+
+VOCAB = 96
+_TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_DECODER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, **_TOKENS,
+)
+_GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4)
+
+# family id -> (config class name, keyword arguments); ids with a suffix are a second layout of one model_type.
+SUPPORTED = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),
+    "gemma": ("GemmaConfig", dict(head_dim=8)),
+    "phi3": ("Phi3Config", {}),
+    "stablelm": ("StableLmConfig", {}),
+    "stablelm_parallel": ("StableLmConfig", dict(use_parallel_residual=True)),
+    "cohere": ("CohereConfig", dict(logit_scale=1.0)),
+    "olmo2": ("Olmo2Config", {}),
+    "gemma2": ("Gemma2Config", _GEMMA),
+    "gemma3_text": ("Gemma3TextConfig", dict(**_GEMMA, layer_types=["sliding_attention", "full_attention"])),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         mlp_only_layers=[1])),
+    "granite": ("GraniteConfig", dict(residual_multiplier=0.22, embedding_multiplier=6.0, logits_scaling=4.0,
+                                      attention_multiplier=0.125)),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5)),
+    "gpt_neox_sequential": ("GPTNeoXConfig", dict(rotary_pct=0.5, use_parallel_residual=False)),
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5)),
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, **_TOKENS)),
+}
+
+# Families without a registered adapter that the generic one converts.
+GENERIC = {
+    "olmo": ("OlmoConfig", {}),
+    "starcoder2": ("Starcoder2Config", {}),
+    "helium": ("HeliumConfig", dict(head_dim=8)),
+    "olmo3": ("Olmo3Config", {}),
+    "gptj": ("GPTJConfig", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, **_TOKENS)),
+}
+
+
+def family_config(family: str):
+    name, extra = {**SUPPORTED, **GENERIC}[family]
+    cls = getattr(transformers, name)
+    if name in ("GPT2Config", "GPTJConfig"):
+        return cls(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **extra)
+    return cls(**{**_DECODER, **extra})
+
+
+def family_model(family: str, seed: int = 0):
+    """A tiny random model of ``family`` in eval mode, with its matrices scaled up (x5).
+
+    HF's 0.02-std init keeps every residual branch tiny; scaled weights make
+    each sublayer's contribution to the logits large, so a wrongly wrapped
+    site cannot hide under rounding.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in ("embed", "wte", "wpe")):
+                p.mul_(5.0)
+    return model.eval()
+
+
+def token_ids(batch: int = 2, seq: int = 9, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+
+FAMILIES = list(SUPPORTED)
+LOGIT_TOLERANCE = 1e-4  # fp32, default init (issue #21)
+
+
+def perturb(model, seed: int = 0, scale: float = 0.5) -> None:
+    """Move the coefficient parameters off their identity init, so the mHC paths matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MHCBlock) and m.mode != "residual":
+                for p in (m.phi, m.b_pre, m.b_post, m.b_res):
+                    p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def max_logit_diff(family: str) -> tuple[float, float, MHCForCausalLM]:
+    base = family_model(family)
+    x = token_ids()
+    with torch.no_grad():
+        ref = base(x).logits
+    model = convert_to_mhc(base, n_streams=4)
+    with torch.no_grad():
+        out = model(x).logits
+    return (out - ref).abs().max().item(), ref.abs().max().item(), model
+
+
+@pytest.mark.parametrize("family", FAMILIES + list(GENERIC))
+def test_converts_exactly(family):
+    """fp32 logits within 1e-4 of the original's at the default init; only coefficients are added."""
+    keys = set(family_model(family).state_dict())
+    diff, biggest, model = max_logit_diff(family)
+    print(f"{family}: max |logit diff| {diff:.3g} (max |logit| {biggest:.3g})")
+    assert biggest > 0.3, "the tiny model's logits are too small to judge the conversion"
+    assert diff <= LOGIT_TOLERANCE, f"{family}: {diff}"
+    assert keys <= {k.removeprefix("model.") for k in model.state_dict()}
+    added = {k.removeprefix("model.") for k in model.state_dict()} - keys
+    assert added and all("_mhc." in k for k in added)
+    sites = model.config.get_adapter().sites
+    layers = model.decoder_layers()
+    assert len(layers) == 2 and all(isinstance(layer, MHCDecoderLayer) for layer in layers)
+    assert sum(isinstance(m, MHCBlock) for m in model.modules()) == 2 * len(sites)
+    assert model.num_parameters() == sum(p.numel() for p in family_model(family).parameters()) + added_parameter_count(
+        model.config
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES + list(GENERIC))
+def test_save_reload_identical(family, tmp_path):
+    model = convert_to_mhc(family_model(family), n_streams=4)
+    perturb(model)
+    x = token_ids()
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is MHCForCausalLM and loaded.config.get_adapter() == model.config.get_adapter()
+    with torch.no_grad():
+        again = loaded.eval()(x).logits
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("family", FAMILIES + list(GENERIC))
+def test_generate_cache_matches_no_cache(family):
+    model = convert_to_mhc(family_model(family), n_streams=4)
+    perturb(model)
+    x = token_ids(batch=2, seq=5)
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    with_cache = model.generate(x, use_cache=True, **kw)
+    without = model.generate(x, use_cache=False, **kw)
+    assert with_cache.sequences.shape == (2, 11)
+    assert torch.equal(with_cache.sequences, without.sequences)
+    for step, (a, b) in enumerate(zip(with_cache.scores, without.scores)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padding(family):
+    """A left-padded row gives the same logits on its real tokens and the same greedy tokens as alone."""
+    model = convert_to_mhc(family_model(family), n_streams=4)
+    perturb(model)
+    long, short = token_ids(1, 7, seed=3), token_ids(1, 4, seed=4)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        both = model(batch, attention_mask=mask, position_ids=position_ids).logits
+        alone = model(short).logits
+    assert (both[1, 3:] - alone[0]).abs().max().item() <= 1e-4
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(batch, attention_mask=mask, **kw)[1, 3:],
+                       model.generate(short, attention_mask=torch.ones_like(short), **kw)[0])
+
+
+def enable_checkpointing(model) -> None:
+    """The non-deprecated entry point of transformers 5 (activation_*), else 4.x's, non-reentrant."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_same_gradients(family):
+    model = convert_to_mhc(family_model(family), n_streams=4)
+    perturb(model)
+    model.train()
+    for m in model.modules():  # dropout would draw different masks in the two runs' forward
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    x = token_ids(batch=2, seq=8)
+    sublayer_calls = []
+    for layer in model.decoder_layers():
+        for site in model.config.get_adapter().sites:
+            layer.get_submodule(site.branches[0].sublayer).register_forward_pre_hook(
+                lambda *_: sublayer_calls.append(1))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(x, labels=x).loss
+        sublayer_calls.clear()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(sublayer_calls)
+
+    plain, recomputed = grads()
+    assert recomputed == 0
+    enable_checkpointing(model)
+    ckpt, recomputed = grads()
+    assert recomputed == 2 * len(model.config.get_adapter().sites)  # every site's sublayer ran again in backward
+    assert plain.keys() == ckpt.keys() and any("_mhc.phi" in n for n in plain)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_with_fp32_coefficients(family, tmp_path):
+    model = convert_to_mhc(family_model(family), n_streams=4)
+    perturb(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    coefficients = {n for n, _ in loaded.named_parameters() if "_mhc." in n}
+    assert coefficients and all(p.dtype == torch.float32 for n, p in loaded.named_parameters() if n in coefficients)
+    assert all(p.dtype == torch.bfloat16 for n, p in loaded.named_parameters() if n not in coefficients)
+    x = token_ids()
+    with torch.no_grad():
+        out, ref = loaded(x).logits, model(x).logits
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+    # a bf16 model converts exactly too (the self-check runs in bf16) and keeps fp32 coefficients
+    base = family_model(family).to(torch.bfloat16)
+    with torch.no_grad():
+        ref16 = base(x).logits
+    converted = convert_to_mhc(base, n_streams=4)
+    assert all(p.dtype == torch.float32 for n, p in converted.named_parameters() if "_mhc." in n)
+    with torch.no_grad():
+        assert (converted(x).logits.float() - ref16.float()).abs().max() <= 3e-2 * max(1, ref16.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_router_aux_loss_kept(family):
+    base = family_model(family)
+    x = token_ids()
+    with torch.no_grad():
+        ref = base(x, labels=x, output_router_logits=True)
+    model = convert_to_mhc(base, n_streams=4)
+    with torch.no_grad():
+        out = model(x, labels=x, output_router_logits=True)
+    assert ref.aux_loss is not None and ref.aux_loss > 0
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert len(out.router_logits) == len(ref.router_logits)
+    for a, b in zip(out.router_logits, ref.router_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
