@@ -47,14 +47,18 @@ def _site(report: StabilityReport, d: int) -> str:
     return f"depth {d} (site {report.sites[d]!r})"
 
 
+def _token(token: tuple[int, ...]) -> str:
+    return f"token {token}" if token else "the only token"  # () for unbatched [n, n] H_res
+
+
 def _gain_problem(report: StabilityReport, what: str, maxima: list[float], tokens: list, limit: float) -> str | None:
     over = [d for d, v in enumerate(maxima) if not v <= limit]  # NaN is over
     if not over:
         return None
     worst = max(over, key=lambda d: math.inf if math.isnan(maxima[d]) else maxima[d])
     return (
-        f"{what} gain {maxima[worst]:.6g} > max_gain {limit:.6g}: worst at {_site(report, worst)}, token "
-        f"{tokens[worst]}; over the limit from {_site(report, over[0])} on, at {len(over)} of {report.depth} depths"
+        f"{what} gain {maxima[worst]:.6g} > max_gain {limit:.6g}: worst at {_site(report, worst)}, "
+        f"{_token(tokens[worst])}; over the limit from {_site(report, over[0])} on, at {len(over)} of {report.depth} depths"
     )
 
 
@@ -143,7 +147,7 @@ def assert_composite_stable(
             worst = max(over, key=lambda d: math.inf if math.isnan(errors[d]) else errors[d])
             problems.append(
                 f"marginal error {errors[worst]:.3e} > max_marginal_error {max_marginal_error:.3g}: worst at "
-                f"{_site(report, worst)}, token {report.marginal_error_token[worst]}; {len(over)} of "
+                f"{_site(report, worst)}, {_token(report.marginal_error_token[worst])}; {len(over)} of "
                 f"{report.depth} sites over the limit (first: {_site(report, over[0])})"
             )
             depths.update((over[0], worst))

@@ -1,11 +1,29 @@
 """Composite mapping across many layers: mHC stays doubly stochastic, HC drifts."""
 
+import itertools
+import json
+import math
+import runpy
+import sys
+
+import matplotlib.image
 import pytest
 import torch
 from torch import nn
 
 from mhc import MHCBlock, expand_streams, marginal_error
-from mhc.diagnostics import collect_h_res, composite_gains, composite_mapping
+from mhc.diagnostics import (
+    collect_h_res,
+    collect_sites,
+    composite_gains,
+    composite_mapping,
+    plot_report,
+    report_from_h_res,
+    stability_report,
+    stream_spread,
+    suffix_backward_gain,
+    token_gains,
+)
 
 C, N, LAYERS = 16, 4, 160
 
@@ -69,3 +87,230 @@ def test_bad_input_raises():
         composite_mapping(torch.randn(3, 2, 4))
     with pytest.raises(ValueError, match="no MHCBlock"):
         collect_h_res(nn.Linear(2, 2), torch.randn(1, 2))
+
+
+# ----------------------------------------------------------------------------- orientation
+
+
+def static_hc_stack(h_res: list[torch.Tensor], branch=None) -> nn.Sequential:
+    """HC blocks with alpha = 0 (static coefficients): H_res = the given matrix, H_post = 0 (branch ignored),
+    so the stack is exactly x -> H_res^{L-1} ... H_res^0 x."""
+    n = h_res[0].shape[0]
+    blocks = []
+    for i, h in enumerate(h_res):
+        block = MHCBlock(branch or nn.Linear(1, 1), 1, n, mode="hc", layer_index=i)
+        with torch.no_grad():
+            block.alpha.zero_()
+            block.b_post.zero_()
+            block.b_res.copy_(h)
+        blocks.append(block)
+    return nn.Sequential(*blocks).double()
+
+
+def sign_vectors(n: int) -> torch.Tensor:
+    """All 2^n vectors of +-1, [2^n, n] float64."""
+    return torch.tensor(list(itertools.product((-1.0, 1.0), repeat=n)), dtype=torch.float64)
+
+
+def test_orientation_forward_is_row_sums_backward_is_column_sums_later_sites_on_the_left():
+    """Pinned against what the streams do: a non-symmetric, non-commuting pair of H_res.
+
+    The forward gain must be the most the stack can grow an input of max-norm 1 (sup over sign
+    vectors, the max row sum of the composite), the backward gain the most it can grow a gradient
+    of max-norm 1 (autograd, the max column sum). Swapping rows and columns, or multiplying the
+    sites in the other order, gives other numbers for these matrices.
+    """
+    A = torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    B = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 3.0, 1.0]])  # BA: rows 3, cols 4; AB: 4, 5.5
+    stack = static_hc_stack([A, B])
+    s = sign_vectors(3).unsqueeze(-1)  # [8, n, C=1]: every corner of the max-norm ball
+    out = stack(s)
+    torch.testing.assert_close(out, (B @ A).double() @ s)  # x_2 = H^1 H^0 x_0
+    sup_forward = out.abs().amax((-2, -1)).max().item()
+    x = torch.zeros(8, 3, 1, dtype=torch.float64, requires_grad=True)
+    (stack(x) * s).sum().backward()  # the gradient of <g, x_2> for every sign vector g at once
+    sup_backward = x.grad.abs().amax((-2, -1)).max().item()
+
+    gains = composite_gains(collect_h_res(stack, torch.zeros(1, 3, 1, dtype=torch.float64)))
+    forward, backward = gains.forward_gain[-1].item(), gains.backward_gain[-1].item()
+    assert forward == pytest.approx(sup_forward) and backward == pytest.approx(sup_backward)
+    assert (forward, backward) == (3.0, 4.0)
+    # The example tells the conventions apart: fwd != bwd, and the other order gives other gains.
+    other_order = composite_gains([B, A])
+    assert abs(forward - backward) > 0.5, (forward, backward)
+    assert abs(other_order.forward_gain[-1].item() - forward) > 0.5, (other_order.forward_gain, forward)
+    report = report_from_h_res([A, B])
+    assert report.forward_gain_max[-1] == pytest.approx(forward) and report.backward_gain_max[-1] == pytest.approx(backward)
+
+
+def test_suffix_backward_gain_is_the_gradient_path_back_to_each_depth():
+    g = torch.Generator().manual_seed(0)
+    H = [torch.randn(4, 4, generator=g) for _ in range(5)]
+    got = suffix_backward_gain(H)
+    for d in range(5):
+        S = torch.eye(4, dtype=torch.float64)
+        for h in H[d:]:
+            S = h.double() @ S  # H^{L-1} ... H^d
+        assert got[d].item() == pytest.approx(S.abs().sum(0).max().item()), d
+
+
+# ----------------------------------------------------------------------------- per-token summaries, collapse, saturation
+
+
+def test_token_gains_mean_max_and_worst_token():
+    """Three tokens, one of them with a gain of 3: its position is reported, the mean is (1 + 1 + 3) / 3."""
+    eye = torch.eye(2).expand(1, 3, 2, 2).clone()
+    big = eye.clone()
+    big[0, 2] = torch.tensor([[1.0, 2.0], [0.0, 1.0]])  # row sums 3, 1; column sums 1, 3
+    report = report_from_h_res([eye, big])
+    assert report.batch_shape == (1, 3)
+    assert report.forward_gain_max == [1.0, 3.0] and report.forward_gain_token[1] == (0, 2)
+    assert report.forward_gain_mean[1] == pytest.approx(5 / 3)
+    assert report.backward_gain_max[1] == 3.0 and report.backward_gain_token[1] == (0, 2)
+    tg = token_gains([eye, big])
+    assert tg.forward.shape == (2, 1, 3) and tg.forward[1, 0].tolist() == [1.0, 1.0, 3.0]
+    assert report.marginal_error_max[1] == pytest.approx(4.0) and report.marginal_error_token[1] == (0, 2)
+
+
+def test_stream_spread_and_saturation_values():
+    x = torch.randn(5, 1, 8).expand(5, 4, 8)
+    assert stream_spread(x).abs().max().item() < 1e-12  # four copies: collapsed
+    one = torch.zeros(4, 8)
+    one[2] = torch.randn(8)
+    assert stream_spread(one).item() == pytest.approx(math.sqrt(1 - 1 / 4))
+    report = report_from_h_res([torch.eye(4), torch.full((4, 4), 0.25), torch.tensor([[0.9995, 0.0005], [0.0005, 0.9995]])
+                                .repeat(2, 2) / 2])  # fmt: skip
+    assert report.h_res_saturated_entries[:2] == [1.0, 0.0] and report.h_res_saturated_rows[:2] == [1.0, 0.0]
+    assert report.h_res_saturated_rows[2] == 0.0  # 0.49975 is far from 1
+    assert report.spread_mean == [None] * 3 and report.pre_saturated == [None] * 3
+
+
+def test_collect_sites_reads_collapse_and_sigmoid_saturation_of_a_model():
+    """Identical streams into site 0 have spread 0; b_pre = +-30 puts every H_pre in the sigmoid's flat part."""
+    seed = torch.seed()
+    stack = random_stack("mhc", seed)[:3]
+    with torch.no_grad():
+        stack[1].b_pre.copy_(torch.tensor([30.0, -30.0, 30.0, -30.0]))
+        stack[1].alpha.zero_()
+    x = expand_streams(torch.randn(2, 5, C), N)
+    report = stability_report(stack, x)
+    assert report.spread_mean[0] == 0.0 and report.spread_mean[1] > 1e-3, (seed, report.spread_mean)
+    assert report.pre_saturated[1] == 1.0 and report.pre_saturated[0] == 0.0, (seed, report.pre_saturated)
+    assert report.post_saturated[1] == 0.0, seed
+    assert report.grad_ratio == [None] * 3  # no backward pass asked for
+    records = collect_sites(stack, x)
+    assert [r.name for r in records] == ["0", "1", "2"] and records[0].h_pre.shape == (2, 5, N)
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_grad_ratio_is_the_measured_gradient_norm_back_to_each_depth(mode):
+    """With static coefficients (alpha = 0) and a zero branch, the gradient reaching depth d is
+    exactly S_d^T g for S_d = H^{L-1} ... H^d, so the measured ratio is ||S_d^T g|| / ||g||."""
+    seed = torch.seed()
+    stack = random_stack(mode, seed)[:6]
+    with torch.no_grad():
+        for block in stack:  # a zero Linear: y = 0 and no gradient into u
+            block.branch.weight.zero_()
+            block.branch.bias.zero_()
+            block.alpha.zero_()
+    x = expand_streams(torch.randn(3, C), N).requires_grad_()
+    w = torch.randn(3, N, C)
+    report = stability_report(stack, x, loss_fn=lambda y: (y * w).sum())
+    H = [h.double() for h in collect_h_res(stack, x)]
+    for d in range(6):
+        S = torch.eye(N, dtype=torch.float64)
+        for h in H[d:]:
+            S = h @ S
+        expected = (S.transpose(-1, -2) @ w.double()).norm() / w.double().norm()
+        assert report.grad_ratio[d] == pytest.approx(expected.item(), rel=1e-5), (seed, d)
+    if mode == "mhc":  # doubly stochastic: the residual path cannot grow the gradient
+        assert max(report.grad_ratio) <= 1 + 1e-5 and max(report.predicted_backward_gain) <= 1 + 1e-5, seed
+
+
+def test_report_table_and_figure(tmp_path):
+    seed = torch.seed()
+    x = expand_streams(torch.randn(2, 3, C), N).requires_grad_()
+    report = stability_report(random_stack("hc", seed)[:8], x, loss_fn=lambda y: y.square().sum())
+    table = report.table()
+    lines = table.splitlines()
+    assert lines[0].startswith("8 sites, 6 tokens") and "fwd max" in lines[1] and "grad ratio" in lines[1]
+    assert len([ln for ln in lines if ln.lstrip()[:1].isdigit() and " hc " in ln]) == 8, table
+    path = plot_report(report, tmp_path / "fig" / "s.png", title="hc")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(path).shape[:2] == (800, 1100)
+    d = report.as_dict()
+    assert json.loads(json.dumps(d))["forward_gain_max"] == report.forward_gain_max
+    with pytest.raises(ValueError, match="png"):
+        plot_report(report, tmp_path / "s.svg")
+    with pytest.raises(ValueError, match="eps"):
+        report_from_h_res([torch.eye(2)], eps=0.7)
+    with pytest.raises(ValueError, match="one shape"):
+        report_from_h_res([torch.eye(2), torch.eye(3)])
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _diagnostics_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``python -m mhc.diagnostics ARGV`` run in this process (runpy, as ``-m`` does)."""
+    old = sys.argv
+    sys.argv = ["mhc.diagnostics", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module("mhc.diagnostics", run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+TINY_RUN = dict(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
+    max_corpus_mb=0.3, max_steps=3, warmup_steps=1, eval_interval=0, eval_batches=1, ckpt_interval=0,
+    progress=False, plots=False, threads=1,
+)  # fmt: skip
+
+
+def test_cli_on_a_train_lm_run_dir(tmp_path, cli, capsys):
+    """What the README's main job writes (a run's model/ with its tokenizer), at a tiny size: table and PNG."""
+    sets = sum((["--set", f"{k}={v}"] for k, v in {**TINY_RUN, "cache_dir": tmp_path / "cache"}.items()), [])
+    assert cli.main(["--run-dir", str(tmp_path / "run"), *sets]) == 0
+    capsys.readouterr()
+    model_dir = tmp_path / "run" / "model"
+    code, out, err = _diagnostics_cli([str(model_dir), "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, err
+    assert "MHCForCausalLM, 4 sites, mode=mhc" in out and "tokenizer of" in out, out
+    rows = [ln for ln in out.splitlines() if ln.lstrip()[:1].isdigit() and "_mhc" in ln]
+    assert [ln.split()[1] for ln in rows] == [f"model.model.layers.{i}.{s}_mhc" for i in (0, 1) for s in ("attn", "mlp")]
+    assert (model_dir / "stability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figure: {model_dir}" in out
+    numbers = json.loads((tmp_path / "r.json").read_text())
+    assert max(numbers["marginal_error_max"]) < 1e-4 and all(r is not None for r in numbers["grad_ratio"])
+    assert max(abs(g - 1) for g in numbers["forward_gain_max"] + numbers["backward_gain_max"]) < 1e-4
+    text = tmp_path / "t.txt"
+    text.write_text("print('hello')\n" * 20)
+    code, out, err = _diagnostics_cli([str(model_dir), "--text", str(text), "--out", str(tmp_path / "o.png")], capsys)
+    assert code == 0 and "32 tokens (--text" in out and (tmp_path / "o.png").is_file(), out + err
+
+
+def test_cli_on_a_converted_model_without_tokenizer_and_bad_input(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mhc import convert_to_mhc
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=64))  # fmt: skip
+    convert_to_mhc(base, n_streams=2).save_pretrained(tmp_path / "conv")
+    code, out, err = _diagnostics_cli([str(tmp_path / "conv"), "--no-backward", "--max-tokens", "20"], capsys)
+    assert code == 0, err
+    assert "20 tokens" in out and "UTF-8 bytes" in out and "n_streams=2" in out, out
+    code, _, err = _diagnostics_cli([str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "no config.json" in err
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2))  # fmt: skip
+    convert_to_mhc(small, n_streams=2).save_pretrained(tmp_path / "small")
+    code, _, err = _diagnostics_cli([str(tmp_path / "small")], capsys)
+    assert code == 2 and "outside the model's vocabulary of 50" in err
+    small.save_pretrained(tmp_path / "plain")
+    code, _, err = _diagnostics_cli([str(tmp_path / "plain")], capsys)
+    assert code == 2 and "no mHC sites" in err

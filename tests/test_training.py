@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import socket
@@ -541,6 +542,36 @@ def test_write_comparison(tmp_path, full_run):
     assert "| mhc | mhc | 4 |" in md and "no summary" in md
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert res["rows"][0]["final_val_loss"] > 0
+
+
+def test_eval_records_and_summary_log_stability(full_run):
+    """Every eval record has the stability scalars and the per-site H_res marginal error; summary.json the per-site lists."""
+    cfg, summary = full_run
+    sites = 2 * cfg.num_layers
+    evals = [r for r in T.read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8]
+    for r in evals:
+        assert 0 < r["marginal_error_max"] < 1e-4, r  # exact mHC (Newton)
+        assert len(r["marginal_error"]["mean"]) == len(r["marginal_error"]["max"]) == sites, r
+        assert max(r["marginal_error"]["max"]) == r["marginal_error_max"], r
+        assert all(m <= x for m, x in zip(r["marginal_error"]["mean"], r["marginal_error"]["max"])), r
+        assert 0 < r["stream_spread"] < math.sqrt(1 - 1 / cfg.streams), r  # copies at the start, then they differ
+        for key in ("h_res_saturation", "h_res_one_hot_rows", "pre_post_saturation"):
+            assert 0 <= r[key] <= 1, (key, r)
+    stability = summary["stability"]
+    assert stability["spread_mean"][0] == 0.0 and len(stability["spread_mean"]) == sites  # site 0 gets n copies
+    assert summary["marginal_error_max"] == max(stability["marginal_error_max"]) == evals[-1]["marginal_error_max"]
+    assert summary["stream_spread"] == stability["spread_mean"][-1] == evals[-1]["stream_spread"]
+    final = next(r for r in T.read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["kind"] == "final")
+    assert "stability" not in final and final["h_res_saturation"] == summary["h_res_saturation"]
+    md = T.write_comparison({"mhc": cfg.run_dir}, Path(cfg.run_dir).parent / "cmp_stability")["markdown"]
+    head, _, row = md.splitlines()[:3]
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")]))
+    assert cells["max H_res marginal error"] == format(summary["marginal_error_max"], ".2g"), cells
+    assert cells["stream spread @ last site"] == format(summary["stream_spread"], ".3g"), cells
+    assert cells["max H_res / H_pre,post saturation"] == (
+        f"{summary['h_res_saturation']:.3g} / {summary['pre_post_saturation']:.3g}"
+    ), cells
 
 
 def test_compare_script_smoke(tmp_path):

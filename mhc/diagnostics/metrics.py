@@ -185,7 +185,7 @@ def suffix_backward_gain(h_res: Sequence[Tensor] | Tensor) -> Tensor:
     for layer in H[:-1].flip(0):
         suffix.append(suffix[-1] @ layer)
     S = torch.stack(suffix[::-1])
-    return backward_gain(S).flatten(1).amax(-1)
+    return backward_gain(S).reshape(S.shape[0], -1).amax(-1)
 
 
 def stream_spread(x: Tensor) -> Tensor:
