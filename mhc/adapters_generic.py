@@ -212,7 +212,8 @@ class _Layout:
         sublayers = [c for c in self.calls if c.kind == "sublayer"]
         if len(sublayers) != 2 or sublayers[0].name == sublayers[1].name:
             raise self.fail(f"it calls the sublayers {[c.name for c in sublayers]}; the generic adapter knows "
-                            "one attention followed by one MLP (no norm in their class name: a norm?)")
+                            "one attention followed by one MLP (a submodule counts as a norm if its class name "
+                            "contains 'Norm', as a dropout if it is an nn.Dropout, else as a sublayer)")
         attn_call, mlp_call = sublayers
         attn, attn_start, a = self.branch(attn_call, layer_inputs=True)
         if not _same(attn_start, self.x):

@@ -6,13 +6,19 @@ and a 96-token vocabulary in a few milliseconds.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+import mhc.hf_verify
 from mhc import MHCBlock, MHCForCausalLM, convert_to_mhc
+from mhc.adapters import Adapter, register_adapter, registered_adapter, unregister_adapter
+from mhc.adapters_generic import infer_adapter
 from mhc.hf import MHCDecoderLayer, added_parameter_count
+from mhc.hf_verify import ConversionMismatchError, verify_by_default
 
 VOCAB = 96
 _TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -262,3 +268,112 @@ def test_moe_router_aux_loss_kept(family):
     assert len(out.router_logits) == len(ref.router_logits)
     for a, b in zip(out.router_logits, ref.router_logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ the self-check and the generic adapter
+
+LLAMA_NAMES = Adapter.pre_norm()
+# What a user following the old error message's register_adapter hint wrote: each is silently wrong without the check.
+WRONG_ADAPTERS = {
+    "gemma2": LLAMA_NAMES,  # drops the sandwich norms (post_attention_layernorm taken for the MLP's pre-norm)
+    "gpt_neox": Adapter.pre_norm("gpt_neox.layers", "gpt_neox.final_layer_norm", attn=("input_layernorm", "attention")),
+    "granite": LLAMA_NAMES,  # drops residual_multiplier
+}
+
+
+@contextlib.contextmanager
+def registered(model_type: str, adapter):
+    previous = register_adapter(model_type, adapter)
+    try:
+        yield
+    finally:
+        if previous is None:
+            unregister_adapter(model_type)
+        else:
+            register_adapter(model_type, previous)
+
+
+@pytest.mark.parametrize("family", sorted(WRONG_ADAPTERS))
+def test_self_check_catches_a_wrong_adapter(family):
+    base = family_model(family)
+    x = token_ids()
+    with torch.no_grad():
+        ref = base(x).logits
+    original_layers = [type(m) for m in base.modules()]
+    with registered(family, WRONG_ADAPTERS[family]):
+        with pytest.raises(ConversionMismatchError, match=r"differ from the original's by up to (\d|\.)+") as info:
+            convert_to_mhc(base, n_streams=4)
+        print(f"{family}: {info.value}")
+        # the model is left as it was: its own layers, its own logits
+        assert [type(m) for m in base.modules()] == original_layers
+        with torch.no_grad():
+            assert torch.equal(base(x).logits, ref)
+        # verify=False is the way to skip the check: the wrong adapter then converts, and the logits change
+        converted = convert_to_mhc(base, n_streams=4, verify=False)
+        with torch.no_grad():
+            assert (converted(x).logits - ref).abs().max() > 1e-2
+    # the registered adapter is back and converts exactly
+    assert max_logit_diff(family)[0] <= LOGIT_TOLERANCE
+
+
+def test_self_check_default_follows_the_size_threshold(monkeypatch):
+    base = family_model("granite")
+    assert verify_by_default(base)
+    with registered("granite", WRONG_ADAPTERS["granite"]):
+        monkeypatch.setattr(mhc.hf_verify, "VERIFY_AUTO_MAX_PARAMETERS", base.num_parameters() - 1)
+        assert not verify_by_default(base)
+        convert_to_mhc(base, n_streams=4)  # too big for the default check: converted unchecked
+        with pytest.raises(ConversionMismatchError):
+            convert_to_mhc(family_model("granite"), n_streams=4, verify=True)  # asked for explicitly: checked
+    for bad in (1, "yes", 0.5):
+        with pytest.raises(TypeError, match="verify"):
+            convert_to_mhc(family_model("llama"), verify=bad)
+
+
+def test_self_check_also_runs_with_the_paper_init():
+    """init="paper" changes the function on purpose; the check still tests the adapter (with φ at zero)."""
+    base = family_model("gpt_neox")
+    with registered("gpt_neox", WRONG_ADAPTERS["gpt_neox"]), pytest.raises(ConversionMismatchError):
+        convert_to_mhc(base, n_streams=4, init="paper")
+    torch.manual_seed(0)
+    model = convert_to_mhc(family_model("gpt_neox"), n_streams=4, init="paper")
+    phi = model.decoder_layers()[0].parallel_mhc.phi
+    assert 0.5 < phi.std().item() * phi.shape[1] ** 0.5 < 2  # the paper's draw, put back after the check
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "granite"])
+def test_generic_adapter_reads_the_registered_layouts(family):
+    """Families that share a layout need no adapter code: the generic reading equals the registered adapter."""
+    base = family_model(family)
+    inferred = infer_adapter(base)
+    registered_one = registered_adapter(base.config)
+    assert (inferred.layers, inferred.final_norm, inferred.sites) == (
+        registered_one.layers, registered_one.final_norm, registered_one.sites)
+
+
+@pytest.mark.parametrize("family", sorted(GENERIC))
+def test_family_outside_the_list_converts_by_the_generic_adapter(family):
+    base = family_model(family)
+    assert registered_adapter(base.config) is None
+    diff, _, model = max_logit_diff(family)
+    assert diff <= LOGIT_TOLERANCE
+    assert model.config.adapter == infer_adapter(family_model(family)).to_dict()  # recorded for reloading
+
+
+def test_granite_without_its_adapter_is_refused_naming_the_scaled_residual():
+    previous = unregister_adapter("granite")
+    try:
+        with pytest.raises(ValueError, match=r"'granite'.*x \+ attn.*max \|difference\|.*residual_multiplier"):
+            convert_to_mhc(family_model("granite"))
+    finally:
+        register_adapter("granite", previous)
+
+
+def test_unfitting_layout_is_refused_saying_what_does_not_fit():
+    from transformers import OPTConfig
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2)
+    base = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=r"'opt'.*OPTDecoderLayer.*sublayers \['self_attn', 'fc1', 'activation_fn', 'fc2'\]"):
+        convert_to_mhc(base)
+    assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())

@@ -238,7 +238,11 @@ def test_gradient_checkpointing_same_gradients(arch):
     plain, forward_calls, backward_calls = grads()
     layers = tiny_config(arch).num_hidden_layers
     assert forward_calls == {"attn": layers, "mlp": layers} and backward_calls == {}
-    model.gradient_checkpointing_enable()
+    # transformers 5's non-deprecated entry point (4.x: gradient_checkpointing_enable), non-reentrant
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert all(m.gradient_checkpointing for m in model.modules() if isinstance(m, MHCDecoderLayer))
     ckpt, forward_calls, backward_calls = grads()
     # Checkpointing runs each layer's attention and MLP once more, during backward.
