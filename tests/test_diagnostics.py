@@ -314,3 +314,22 @@ def test_cli_on_a_converted_model_without_tokenizer_and_bad_input(tmp_path, caps
     small.save_pretrained(tmp_path / "plain")
     code, _, err = _diagnostics_cli([str(tmp_path / "plain")], capsys)
     assert code == 2 and "no mHC sites" in err
+
+
+def test_cli_tokenizes_with_the_tokenizer_saved_beside_the_model(tmp_path, capsys):
+    """A word-level tokenizer in the folder: 2 ids per "hello world", not 12 bytes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from mhc import convert_to_mhc
+
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=64))  # fmt: skip
+    convert_to_mhc(base, n_streams=2).save_pretrained(tmp_path / "m")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello world " * 5)
+    code, out, err = _diagnostics_cli([str(tmp_path / "m"), "--text", str(tmp_path / "t.txt")], capsys)
+    assert code == 0, err
+    assert "; 10 tokens (--text" in out and "tokenizer of" in out, out

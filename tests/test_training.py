@@ -574,6 +574,32 @@ def test_eval_records_and_summary_log_stability(full_run):
     ), cells
 
 
+def test_measure_stability_per_site_marginal_error_of_a_sinkhorn_model():
+    """The per-site marginal error (mean and max over the tokens) that eval records log: against mhc.marginal_error
+    of every token's H_res, on a 2-step Sinkhorn model, where tokens differ."""
+    from transformers import LlamaConfig
+
+    from mhc import MHCConfig, MHCForCausalLM, marginal_error
+    from mhc.diagnostics import collect_h_res
+    from mhc.train.reporting import STABILITY_SCALARS, eval_record, measure_stability
+
+    torch.manual_seed(0)
+    base = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper", projection="sinkhorn", sinkhorn_iters=2))
+    ids = torch.randint(0, 64, (2, 16))
+    gains, stability = measure_stability(model, ids)
+    errors = [marginal_error(h) for h in collect_h_res(model, input_ids=ids, use_cache=False)]
+    assert stability["marginal_error_mean"] == pytest.approx([e.mean().item() for e in errors], rel=1e-12)
+    assert stability["marginal_error_max"] == pytest.approx([e.max().item() for e in errors], rel=1e-12)
+    assert all(e.max() > e.mean() for e in errors)  # the tokens differ: mean and max are two numbers
+    record = eval_record(7, 100, 2.5, gains, 1.0, stability)
+    assert record["marginal_error"] == {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]}
+    assert record["marginal_error_max"] == max(stability["marginal_error_max"]) > 1e-3
+    assert set(STABILITY_SCALARS) <= set(record) and record["fwd_gain"] == gains["forward_gain"][-1]
+    none = eval_record(7, 100, 2.5, None, 1.0, None)
+    assert none["marginal_error"] is None and all(none[k] is None for k in STABILITY_SCALARS)
+
+
 def test_compare_script_smoke(tmp_path):
     """scripts/compare.py: three variants, same token budget, one table and one plot."""
     sets = _sets(**{**TINY, "max_steps": 2, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"})
