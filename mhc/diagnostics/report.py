@@ -44,11 +44,13 @@ class StabilityReport:
         spread_mean, spread_min: :func:`~mhc.diagnostics.stream_spread` of the streams entering
             the site, mean and min over the tokens (0: collapsed into one stream); None when
             built from bare ``H_res`` tensors.
-        h_res_saturated_entries: fraction of the site's ``H_res`` entries within ``eps`` of 0 or 1.
+        h_res_saturated_entries: fraction of the site's ``H_res`` entries within ``eps`` of 0 or 1
+            (where the projection's gradient ``T(1-T)`` vanishes).
         h_res_saturated_rows: fraction of its rows within ``eps`` of one-hot.
         pre_saturated, post_saturated: fraction of ``H_pre = σ(·)`` and ``H_post / 2 = σ(·)``
-            within ``eps`` of 0 or 1 (the sigmoid's flat part); None for sites without sigmoids
-            (``hc``, ``residual``) or bare ``H_res``.
+            within ``eps`` of 0 or 1 (the sigmoid's flat part); None for bare ``H_res``.
+            All four are None for ``hc`` and ``residual`` sites: their coefficients pass through
+            no projection or sigmoid (HC's ``H_res`` starts at the identity, all 0 and 1, unsaturated).
         grad_ratio: ``‖∂loss/∂x_d‖ / ‖∂loss/∂x_L‖`` (Frobenius norms over all tokens) of the
             streams entering site ``d`` against those leaving the last site, from one backward
             pass; None without one.
@@ -73,8 +75,8 @@ class StabilityReport:
     marginal_error_token: list[tuple[int, ...]]
     spread_mean: list[float | None]
     spread_min: list[float | None]
-    h_res_saturated_entries: list[float]
-    h_res_saturated_rows: list[float]
+    h_res_saturated_entries: list[float | None]
+    h_res_saturated_rows: list[float | None]
     pre_saturated: list[float | None]
     post_saturated: list[float | None]
     grad_ratio: list[float | None]
@@ -152,8 +154,10 @@ def _build(
         marginal_error_token=err_tok,
         spread_mean=spread_mean,
         spread_min=spread_min,
-        h_res_saturated_entries=[_fraction(near_zero_or_one(h, eps)) for h in h_res],
-        h_res_saturated_rows=[_fraction(one_hot_rows(h, eps)) for h in h_res],
+        h_res_saturated_entries=[_fraction(near_zero_or_one(h, eps)) if m in ("mhc", "?") else None
+                                 for h, m in zip(h_res, modes)],
+        h_res_saturated_rows=[_fraction(one_hot_rows(h, eps)) if m in ("mhc", "?") else None
+                              for h, m in zip(h_res, modes)],
         pre_saturated=pre_sat,
         post_saturated=post_sat,
         grad_ratio=grad_ratio,

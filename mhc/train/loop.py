@@ -282,8 +282,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             log(
                 f"composite mapping at full depth ({len(gains['forward_gain'])} sites): "
                 f"forward gain {gains['forward_gain'][-1]:.4g}, backward gain {gains['backward_gain'][-1]:.4g}; "
-                f"max H_res marginal error {summary['marginal_error_max']:.2g}, stream spread at the last site "
-                f"{summary['stream_spread']:.3g} (0 = collapsed), max H_res saturation {summary['h_res_saturation']:.3g}"
+                f"max H_res marginal error {_or_na(summary['marginal_error_max'], '.2g')}, stream spread at the "
+                f"last site {_or_na(summary['stream_spread'], '.3g')} (0 = collapsed), max H_res saturation "
+                f"{_or_na(summary['h_res_saturation'], '.3g')}"
             )
         log(f"run dir: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
         return summary
@@ -293,6 +294,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         if lock is not None:
             lock.release()
         shutdown_distributed(info)
+
+
+def _or_na(value: float | None, spec: str) -> str:
+    """``value`` formatted, or ``n/a`` for None (a metric the model's sites do not have)."""
+    return "n/a" if value is None else format(value, spec)
 
 
 # --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..block import MHCBlock
 from ..diagnostics import collect_sites, composite_gains, report_from_sites
 from ..projection import ConvergenceWarning
 from .distributed import DistInfo
@@ -50,7 +51,8 @@ __all__ = [
 #: :func:`mhc.diagnostics.stream_spread`; 0 = collapsed into one); ``h_res_saturation``: the largest
 #: fraction, over sites, of ``H_res`` entries within 1e-3 of 0 or 1; ``h_res_one_hot_rows``: the same
 #: for rows within 1e-3 of one-hot; ``pre_post_saturation``: the largest fraction, over sites, of
-#: ``H_pre`` or ``H_post / 2`` within 1e-3 of 0 or 1 (the sigmoid's flat part; None for HC);
+#: ``H_pre`` or ``H_post / 2`` within 1e-3 of 0 or 1 (the sigmoid's flat part). The three saturations
+#: are None for HC and residual models (no projection, no sigmoid: :class:`mhc.diagnostics.StabilityReport`);
 #: ``marginal_error_max``: the largest :func:`mhc.marginal_error` of one site's ``H_res`` at one token.
 STABILITY_SCALARS = ("stream_spread", "h_res_saturation", "h_res_one_hot_rows", "pre_post_saturation",
                      "marginal_error_max")  # fmt: skip
@@ -261,10 +263,9 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
         ``marginal_error_mean``, ``marginal_error_max``, ``spread_mean``, ``spread_min``,
         ``h_res_saturated_entries``, ``h_res_saturated_rows``, ``pre_saturated``, ``post_saturated``.
     """
-    try:
-        records = collect_sites(model, input_ids=input_ids, use_cache=False)
-    except ValueError:  # no MHCBlock in the model
+    if not any(isinstance(m, MHCBlock) for m in model.modules()):
         return None, None
+    records = collect_sites(model, input_ids=input_ids, use_cache=False)
     report = report_from_sites(records)
     if all(bool(torch.isfinite(r.h_res).all()) for r in records):
         gains = composite_gains([r.h_res for r in records]).as_dict()
