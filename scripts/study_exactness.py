@@ -1,0 +1,513 @@
+#!/usr/bin/env python
+"""Does an exact H_res matter? Train five variants x several seeds at one token budget; table and plots.
+
+    # the study (one GPU; all runs at once, the token budget picked so the slowest run trains ~300 s)
+    python scripts/study_exactness.py --out docs/studies/exactness --runs runs/study_exactness --target-s 300
+    # a fixed budget instead, or fewer runs at a time
+    python scripts/study_exactness.py --tokens 3000000 --jobs 8
+    # a CPU smoke test of the whole pipeline (seconds)
+    python scripts/study_exactness.py --smoke --out /tmp/study --runs /tmp/study_runs
+    # rebuild README.md and the plots from OUT/results.json and OUT/curves.json
+    python scripts/study_exactness.py --report-only --out docs/studies/exactness
+    # how far DeepSeek-V4's truncated H_res moves a site's output from the exact one (CPU)
+    python scripts/study_exactness.py --deepseek-gap
+
+Variants: residual, hc, mhc (exact Newton), mhc-sk20 (the paper's / DeepSeek's 20-round Sinkhorn),
+mhc-lite (a softmax over the n! permutation matrices). Each run is scripts/train_lm.py in its own
+process with configs/study_exactness.yaml and --set variant/seed (n_streams=1 for residual); up to
+--jobs of them run at once on the same device. Run folders (checkpoints included) go to --runs;
+OUT gets results.json (one record per run), curves.json (the series the plots need), each run's
+metrics.jsonl / summary.json / config.yaml / log under OUT/runs/, README.md and the PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    import mhc  # noqa: F401
+except ImportError:  # a source checkout without installing
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from mhc.train import load_config, prepare_data  # noqa: E402
+from mhc.train.config import VARIANTS  # noqa: E402
+
+TRAIN = REPO / "scripts" / "train_lm.py"
+CONFIG = REPO / "configs" / "study_exactness.yaml"
+# Slowest first (most kernels per site on the PyTorch path), so the longest runs start at once.
+LAUNCH_ORDER = ("mhc-sk20", "mhc-lite", "hc", "mhc", "residual")
+RECORD_KEYS = ("variant", "seed", "params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain",
+               "bwd_gain", "hres_marginal_err_max")  # fmt: skip
+TABLE_KEYS = ("final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain", "bwd_gain", "hres_marginal_err_max")
+SMOKE_SETS = ["hidden_size=32", "num_layers=2", "num_heads=2", "intermediate_size=64", "seq_len=32", "batch_size=4",
+              "max_corpus_mb=0.3", "warmup_steps=1", "eval_interval=2", "eval_batches=1", "log_interval=1",
+              "device=cpu"]  # fmt: skip
+
+
+def _jobs(variants: list[str], seeds: list[int], runs: Path) -> list[tuple[str, int, Path]]:
+    order = [v for v in LAUNCH_ORDER if v in variants] + [v for v in variants if v not in LAUNCH_ORDER]
+    return [(v, s, runs / v / f"seed{s}") for v in order for s in seeds]
+
+
+def _run_sets(variant: str, seed: int, common: list[str]) -> list[str]:
+    return [f"variant={variant}", f"seed={seed}", *(["n_streams=1"] if variant == "residual" else []), *common]
+
+
+def run_parallel(jobs: list[tuple[str, int, Path]], config: Path, common: list[str], parallel: int) -> dict[str, int]:
+    """Run every (variant, seed, run_dir) as scripts/train_lm.py, ``parallel`` processes at a time; exit codes by run."""
+    pending, running, codes = list(jobs), {}, {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            variant, seed, run_dir = pending.pop(0)
+            cmd = [sys.executable, str(TRAIN), "--config", str(config), "--run-dir", str(run_dir), "--overwrite"]
+            for s in _run_sets(variant, seed, common):
+                cmd += ["--set", s]
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+            log.write("$ " + shlex.join(cmd) + "\n")
+            log.flush()
+            label = f"{variant}/seed{seed}"
+            running[label] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+            print(f"[{time.strftime('%H:%M:%S')}] start {label}", flush=True)
+        time.sleep(0.5)
+        for label, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                codes[label] = proc.returncode
+                del running[label]
+                print(f"[{time.strftime('%H:%M:%S')}] done {label}: exit {proc.returncode}", flush=True)
+    return codes
+
+
+# ----------------------------------------------------------------------------- collecting a run
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+    return out
+
+
+def _finite_max(values) -> float | None:
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return max(finite) if finite else None
+
+
+def _marginal_from_model(run_dir: Path, device: str) -> dict | None:
+    """Per-site marginal error of H_res (mean / max over tokens) of the saved model on two validation windows.
+
+    Only used when metrics.jsonl carries no ``marginal_error`` (an older trainer).
+    """
+    from mhc import MHCForCausalLM, marginal_error
+    from mhc.diagnostics import collect_h_res
+
+    cfg = load_config(run_dir / "config.yaml", ["progress=false"])
+    data, _, _ = prepare_data(cfg, log=lambda *a, **k: None)
+    ids = data.val_windows(cfg.eval_batches * cfg.batch_size)[:2].to(device)
+    model = MHCForCausalLM.from_pretrained(run_dir / "model").to(device).eval()
+    errors = [marginal_error(h.float()) for h in collect_h_res(model, input_ids=ids, use_cache=False)]
+    return {"mean": [float(e.mean()) for e in errors], "max": [float(e.max()) for e in errors]}
+
+
+def collect_run(variant: str, seed: int, run_dir: Path, device: str) -> tuple[dict, dict]:
+    """``(record, curves)`` of a finished run; raises ``FileNotFoundError`` if it did not finish."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in metrics if r.get("kind") == "train"]
+    evals = [r for r in metrics if r.get("kind") == "eval"]
+    gains = summary.get("composite_gains") or {}
+    marginal = [(r["step"], r["marginal_error"]) for r in evals if r.get("marginal_error")]
+    if marginal:
+        final_marginal, source = marginal[-1][1], "metrics.jsonl (final evaluation)"
+    else:
+        final_marginal, source = _marginal_from_model(run_dir, device), "saved model (2 validation windows)"
+    record = {
+        "variant": variant,
+        "seed": seed,
+        "params": summary["params"],
+        "tokens": summary["tokens"],
+        "final_val_loss": summary["final_val_loss"],
+        "max_grad_norm": summary["max_grad_norm"],
+        "loss_spikes": summary["loss_spikes"],
+        # the composite over every prefix depth of the final model, its worst depth (the paper's Amax gain)
+        "fwd_gain": summary.get("fwd_gain_max"),
+        "bwd_gain": summary.get("bwd_gain_max"),
+        "hres_marginal_err_max": _finite_max(final_marginal["max"]) if final_marginal else None,
+        # context
+        "fwd_gain_full_depth": summary.get("fwd_gain_full_depth"),
+        "bwd_gain_full_depth": summary.get("bwd_gain_full_depth"),
+        "fwd_gain_peak_during_training": _finite_max(r.get("fwd_gain") for r in evals),
+        "bwd_gain_peak_during_training": _finite_max(r.get("bwd_gain") for r in evals),
+        "hres_marginal_err_source": source,
+        "steps": summary["steps"],
+        "skipped_steps": summary.get("skipped_steps"),
+        "stopped_early": summary.get("stopped_early"),
+        "train_time_s": summary.get("train_time_s"),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "device": summary.get("device"),
+        "precision": summary.get("precision"),
+    }
+    curves = {
+        "variant": variant,
+        "seed": seed,
+        "train": [[r["step"], r["tokens"], r["loss"], r.get("grad_norm")] for r in train],
+        "eval": [[r["step"], r["tokens"], r["val_loss"]] for r in evals],
+        "gains": {k: gains.get(k) for k in ("forward_gain", "backward_gain")},
+        "marginal_final": final_marginal,
+        "marginal_over_training": [[step, _finite_max(m["max"]), statistics.fmean(m["mean"]) if m["mean"] else None]
+                                   for step, m in marginal],  # fmt: skip
+    }
+    return record, curves
+
+
+def collect_all(jobs, out: Path, device: str) -> tuple[list[dict], list[dict]]:
+    records, curves = [], []
+    for variant, seed, run_dir in jobs:
+        try:
+            rec, cur = collect_run(variant, seed, run_dir, device)
+        except FileNotFoundError as e:
+            print(f"skipped {variant}/seed{seed}: the run did not finish ({e.filename})", file=sys.stderr)
+            continue
+        records.append(rec)
+        curves.append(cur)
+        keep = out / "runs" / variant / f"seed{seed}"
+        keep.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "metrics.jsonl", "config.yaml"):
+            shutil.copy2(run_dir / name, keep / name)
+        log = run_dir.parent / f"{run_dir.name}.log"
+        if log.is_file():
+            shutil.copy2(log, keep / "train.log")
+    return records, curves
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _mean_std(values: list) -> tuple[float | None, float | None]:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def _fmt(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "–"
+    digits = 4 if abs(mean) < 100 else 1
+    return f"{mean:.{digits}g} ± {std:.2g}" if std else f"{mean:.{digits}g}"
+
+
+def summary_table(records: list[dict]) -> str:
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in records)]
+    head = "| variant | seeds | params | tokens | " + " | ".join(TABLE_KEYS) + " |"
+    rows = [head, "|" + "---|" * (4 + len(TABLE_KEYS))]
+    for v in variants:
+        rs = [r for r in records if r["variant"] == v]
+        tokens = sorted({r["tokens"] for r in rs})
+        capped = " (capped)" if any(r.get("stopped_early") for r in rs) else ""
+        cells = [v, str(len(rs)), f"{rs[0]['params'] / 1e6:.2f}M", "/".join(f"{t:,}" for t in tokens) + capped]
+        cells += [_fmt(*_mean_std([r[k] for r in rs])) for k in TABLE_KEYS]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def comparisons(records: list[dict]) -> list[str]:
+    """Plain sentences from the numbers: each variant's mean final loss against exact mHC's, in pooled stds."""
+    def losses(v):
+        return [r["final_val_loss"] for r in records if r["variant"] == v and math.isfinite(r["final_val_loss"])]
+
+    base = losses("mhc")
+    lines = []
+    for v in VARIANTS:
+        other = losses(v)
+        if v == "mhc" or len(other) < 2 or len(base) < 2:
+            continue
+        diff = statistics.fmean(other) - statistics.fmean(base)
+        pooled = math.sqrt((statistics.variance(other) + statistics.variance(base)) / 2) or float("nan")
+        lines.append(f"- `{v}` − `mhc` final validation loss: {diff:+.4f} nats/token "
+                     f"({diff / pooled:+.1f} pooled seed std; {len(other)} vs {len(base)} seeds)")  # fmt: skip
+    return lines
+
+
+def plot_all(curves: list[dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from mhc.train.plots import variant_colors
+
+    variants = [v for v in VARIANTS if any(c["variant"] == v for c in curves)]
+    colors = variant_colors(variants)
+    written = []
+
+    def band(ax, series: list[tuple[list, list]], color: str, label: str) -> None:
+        if not series:
+            return
+        length = min(len(x) for x, _ in series)
+        x = np.asarray(series[0][0][:length], dtype=float)
+        ys = np.asarray([y[:length] for _, y in series], dtype=float)
+        ax.plot(x, np.nanmean(ys, 0), color=color, label=f"{label} ({len(series)} seeds)")
+        if len(series) > 1:
+            ax.fill_between(x, np.nanmin(ys, 0), np.nanmax(ys, 0), color=color, alpha=0.2, linewidth=0)
+
+    fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for v in variants:
+        cs = [c for c in curves if c["variant"] == v]
+        band(ax_val, [([e[1] for e in c["eval"]], [e[2] for e in c["eval"]]) for c in cs], colors[v], v)
+        band(ax_train, [([t[1] for t in c["train"]], [t[2] for t in c["train"]]) for c in cs], colors[v], v)
+    for ax, what in ((ax_val, "validation loss"), (ax_train, "training loss")):
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(f"{what} (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_val.set_title("validation loss: mean over seeds, band = min..max")
+    ax_train.set_title("training loss (logged steps)")
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+    written.append("loss_curves.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key in zip(axes, ("forward_gain", "backward_gain")):
+        for v in variants:
+            cs = [c for c in curves if c["variant"] == v and c["gains"].get(key)]
+            band(ax, [(list(range(1, len(c["gains"][key]) + 1)), c["gains"][key]) for c in cs], colors[v], v)
+        ax.set_yscale("log")
+        ax.set_xlabel("depth (sites)")
+        ax.set_ylabel(f"composite {key.replace('_', ' ')} (worst token)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle("composite gain of H_res over depth, final models")
+    fig.tight_layout()
+    fig.savefig(out / "gain_vs_depth.png", dpi=120)
+    plt.close(fig)
+    written.append("gain_vs_depth.png")
+
+    sk = [c for c in curves if c["variant"] == "mhc-sk20"]
+    if any(c["marginal_over_training"] for c in sk) or any(c["marginal_final"] for c in sk):
+        fig, (ax_t, ax_d) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for i, c in enumerate(sk):
+            color = f"C{i}"
+            pts = [(s, m, a) for s, m, a in c["marginal_over_training"] if m is not None]
+            if pts:
+                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=".", label=f"seed {c['seed']}: max")
+                ax_t.plot([p[0] for p in pts], [p[2] for p in pts], color=color, linestyle="--",
+                          label=f"seed {c['seed']}: mean")  # fmt: skip
+            if c["marginal_final"]:
+                ax_d.plot(range(1, len(c["marginal_final"]["max"]) + 1), c["marginal_final"]["max"], color=color,
+                          marker=".", label=f"seed {c['seed']}")  # fmt: skip
+        for ax in (ax_t, ax_d):
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
+            ax.set_ylabel("‖H1−1‖₁+‖Hᵀ1−1‖₁ of H_res")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        ax_t.set_xlabel("step")
+        ax_t.set_title("mhc-sk20: marginal error over training (max / mean over sites and tokens)")
+        ax_d.set_xlabel("depth (sites)")
+        ax_d.set_title("mhc-sk20: worst token per site, final model")
+        fig.tight_layout()
+        fig.savefig(out / "sk20_marginal_error.png", dpi=120)
+        plt.close(fig)
+        written.append("sk20_marginal_error.png")
+    return written
+
+
+def write_report(out: Path) -> str:
+    """README.md and the plots from OUT/results.json and OUT/curves.json; returns the README text."""
+    records = json.loads((out / "results.json").read_text())
+    curves = json.loads((out / "curves.json").read_text()) if (out / "curves.json").is_file() else []
+    meta = json.loads((out / "study.json").read_text()) if (out / "study.json").is_file() else {}
+    plots = plot_all(curves, out) if curves else []
+    devices = sorted({str(r.get("device")) for r in records})
+    lines = [
+        "# Does an exact H_res matter? (issue 24)",
+        "",
+        "Five ways to connect the residual streams, trained at one token budget with several seeds: "
+        "`residual`, `hc` (unconstrained), `mhc` (exact Newton projection), `mhc-sk20` (the mHC paper's and "
+        "DeepSeek-V4's 20-round Sinkhorn, not exactly doubly stochastic) and `mhc-lite` (a softmax over the n! "
+        "permutation matrices, exact by construction). See docs/design.md for the variants.",
+        "",
+        f"Runs: {len(records)} on {', '.join(devices)}; config `{meta.get('config', 'configs/study_exactness.yaml')}`.",
+        "",
+        "## Results (mean ± std over seeds)",
+        "",
+        summary_table(records),
+        "",
+        "Columns: `final_val_loss` in nats/token (byte tokens); `max_grad_norm` the largest gradient norm "
+        "before clipping; `loss_spikes` steps whose loss exceeded 1.25 x the running EMA after warmup; "
+        "`fwd_gain` / `bwd_gain` the composite H_res gain (max row / column abs sum) at its worst depth, "
+        "final model, worst token; `hres_marginal_err_max` ‖H1−1‖₁+‖Hᵀ1−1‖₁ of H_res, worst site and token "
+        "of the final evaluation. Per-run values: `results.json`; series: `curves.json`; each run's "
+        "metrics, summary and config: `runs/`.",
+        "",
+        *comparisons(records),
+        "",
+        "## Plots",
+        "",
+        *[f"![{p}]({p})" for p in plots],
+        "",
+        "## Commands",
+        "",
+        "```",
+        meta.get("command", "python scripts/study_exactness.py ..."),
+        "python scripts/study_exactness.py --report-only --out docs/studies/exactness",
+        "```",
+        "",
+    ]
+    if meta.get("wall_s"):
+        lines.insert(lines.index("## Commands") + 2,
+                     f"Wall time of the runs: {meta['wall_s']:.0f} s, {meta.get('parallel')} at a time "
+                     f"({meta.get('total_s', 0):.0f} s with data preparation and calibration); token budget "
+                     f"{meta.get('tokens') or 'from the config'}.\n")  # fmt: skip
+    text = "\n".join(lines)
+    (out / "README.md").write_text(text)
+    return text
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4 gap
+
+
+def deepseek_gap(scales=(0.1, 1.0, 3.0, 10.0), seeds: int = 5) -> str:
+    """Markdown table: relative change of a DeepSeek-V4 site's output, exact H_res against the truncated one."""
+    from torch import nn
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    from mhc import MHCBlock, marginal_error
+
+    n, C = 4, 64
+    rows = ["| comb logit std | marginal error, 20 rounds (max) | ‖out_exact − out_sk20‖ / ‖out‖ (max) |", "|---|---|---|"]
+    for scale in scales:
+        errs, gaps = [], []
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            hc = DeepseekV4HyperConnection(DeepseekV4Config(hidden_size=C, hc_mult=n))
+            with torch.no_grad():
+                hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * (n * C) ** -0.5)
+                hc.base.zero_()
+                hc.scale.fill_(1.0)
+                hc.fn[2 * n :] *= scale  # z_comb has std ~ scale on unit-RMS streams
+            branch = nn.Linear(C, C)
+            x = torch.randn(64, 16, n, C, generator=g)
+            trunc, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
+            with torch.no_grad():
+                errs.append(float(marginal_error(trunc.coefficients(x)[2]).max()))
+                a, b = trunc(x), exact(x)
+                gaps.append(float(((a - b).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max()))
+        rows.append(f"| {scale:g} | {max(errs):.3g} | {max(gaps):.3g} |")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(CONFIG), help="base config (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
+    p.add_argument("--out", default=str(REPO / "docs" / "studies" / "exactness"), help="results folder (default: %(default)s)")
+    p.add_argument("--runs", default="runs/study_exactness", help="run folders, checkpoints included (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=0, help="runs at once (default: all)")
+    p.add_argument("--tokens", type=int, default=0, help="token budget of every run (default: the config's)")
+    p.add_argument("--target-s", type=float, default=0.0,
+                   help="calibrate: run every job --calib-steps steps at once, then pick the budget so the slowest trains ~this long")  # fmt: skip
+    p.add_argument("--calib-steps", type=int, default=30)
+    p.add_argument("--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU models and a few steps: tests the pipeline")
+    p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
+    p.add_argument("--deepseek-gap", action="store_true", help="print the DeepSeek-V4 exact-vs-truncated table and exit")
+    args = p.parse_args(argv)
+
+    if args.deepseek_gap:
+        print(deepseek_gap())
+        return 0
+    out = Path(args.out)
+    if args.report_only:
+        if not (out / "results.json").is_file():
+            p.error(f"{out / 'results.json'} does not exist: run the study first")
+        print(write_report(out))
+        return 0
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; known: {', '.join(VARIANTS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    config, runs = Path(args.config), Path(args.runs)
+    common = [*(SMOKE_SETS if args.smoke else []), *args.set, "progress=false", "plots=false"]
+    if args.max_time_s:
+        common.append(f"max_time_s={args.max_time_s}")
+    try:  # every run's settings are checked before anything starts
+        cfgs = [load_config(config, _run_sets(v, s, common)) for v in variants for s in seeds]
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    jobs = _jobs(variants, seeds, runs)
+    parallel = args.jobs or len(jobs)
+    t0 = time.time()
+    prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
+    tokens = args.tokens or (2_000 if args.smoke else 0)
+    if args.target_s > 0:
+        cal_sets = common + [f"max_steps={args.calib_steps}", "tokens=0", "eval_interval=0", "max_time_s=0"]
+        cal_jobs = [(v, s, runs / "calibration" / v / f"seed{s}") for v, s, _ in jobs]
+        run_parallel(cal_jobs, config, cal_sets, parallel)
+        rates = {}
+        for v, s, rd in cal_jobs:
+            summary = rd / "summary.json"
+            if summary.is_file() and json.loads(summary.read_text()).get("tokens_per_s"):
+                rates[f"{v}/seed{s}"] = json.loads(summary.read_text())["tokens_per_s"]
+        if not rates:
+            print("calibration failed: no run reported its speed (see the logs under --runs/calibration)", file=sys.stderr)
+            return 1
+        per_step = cfgs[0].batch_size * cfgs[0].grad_accum * cfgs[0].seq_len
+        tokens = max(per_step, int(min(rates.values()) * args.target_s) // per_step * per_step)
+        print(f"calibration tokens/s: {json.dumps({k: round(v) for k, v in rates.items()})} -> budget {tokens:,}", flush=True)
+    sets = common + ([f"tokens={tokens}", "max_steps=0"] if tokens else [])
+    t_runs = time.time()
+    codes = run_parallel(jobs, config, sets, parallel)
+    wall = time.time() - t_runs
+    failed = {k: v for k, v in codes.items() if v}
+    if failed:
+        print(f"failed runs: {failed} (their logs: {runs}/<variant>/<seed>.log)", file=sys.stderr)
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    records, curves = collect_all(jobs, out, device)
+    (out / "results.json").write_text(json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n")
+    (out / "curves.json").write_text(json.dumps(curves) + "\n")
+    command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    meta = {"command": command, "config": os.path.relpath(config, REPO) if config.is_absolute() else str(config),
+            "tokens": tokens, "parallel": parallel, "wall_s": wall, "total_s": time.time() - t0,
+            "failed": failed}  # fmt: skip
+    (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(write_report(out))
+    print(f"wrote {out} ({len(records)} runs, {wall:.0f} s of training wall time, {time.time() - t0:.0f} s in all)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
