@@ -5,7 +5,7 @@ This module only chooses the path: the fused CUDA kernels
 (:mod:`mhc.projection_cuda`) for CUDA tensors with ``n`` in {4, 8} and
 float32 / bfloat16 / float16 logits, the pure-PyTorch reference solver
 (:mod:`mhc.projection_reference`) for everything else. It re-exports the
-reference module's public names (``birkhoff_project_reference``,
+public names of both and of :mod:`mhc.projection_common` (``birkhoff_project_reference``,
 ``birkhoff_backward``, ``ProjectionInfo``, ``ConvergenceWarning``, ...), so
 ``from mhc.projection import ...`` finds them all.
 """
@@ -15,21 +15,18 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import projection_cuda
-from .projection_reference import (
+from .projection_common import (
     METHODS,
     NEWTON_MAX_ITER,
     ConvergenceWarning,
     ProjectionInfo,
-    birkhoff_backward,
-    birkhoff_project_reference,
     check_arguments,
     compute_dtype,
-    dual_hessian,
     effective_tol,
     marginal_error,
     newton_report,
-    project_unchecked,
 )
+from .projection_reference import birkhoff_backward, birkhoff_project_reference, dual_hessian, project_unchecked
 
 __all__ = [
     "birkhoff_project",

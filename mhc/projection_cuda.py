@@ -25,7 +25,7 @@ misses ``tol`` after ``max_iter`` iterations to a per-device counter in
 device memory, with no host sync. :func:`unconverged_count` reads it (and
 syncs); in eager mode the wrapper also polls it without blocking (an
 asynchronous copy every ``POLL_EVERY`` calls) and raises a
-:class:`~mhc.projection_reference.ConvergenceWarning` when it grows.
+:class:`~mhc.projection_common.ConvergenceWarning` when it grows.
 :func:`reset_convergence_tracking` starts the accounting afresh.
 """
 
@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from . import _build
-from .projection_reference import ConvergenceWarning, birkhoff_backward, effective_tol, newton_report
+from .projection_common import ConvergenceWarning, effective_tol, newton_report
+from .projection_reference import birkhoff_backward
 
 __all__ = [
     "available", "supports", "project", "project_no_autograd", "poll", "unconverged_count",
@@ -224,7 +225,7 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
 
     For callers that record no graph for the projection (the fused site
     computes its gradient itself). ``tol_eff`` is already
-    :func:`~mhc.projection_reference.effective_tol`'s. The op's Python autograd
+    :func:`~mhc.projection_common.effective_tol`'s. The op's Python autograd
     wrapper runs even under no-grad: :func:`project` took 73 µs per call in a
     training step on the H200's host, 24 calls a step. Polls the convergence
     counter like :func:`project`.

@@ -4,8 +4,8 @@
 ``T_ij = exp(R_ij + a_i + b_j)`` (design.md §2). This module is the CPU
 implementation and the float64 ground truth for the fused CUDA kernels
 (:mod:`mhc.projection_cuda`); :func:`mhc.birkhoff_project`
-(:mod:`mhc.projection`) chooses between the two. It imports no other ``mhc``
-module.
+(:mod:`mhc.projection`) chooses between the two. It imports only
+:mod:`mhc.projection_common` (checks and reports shared with the CUDA path).
 
 * ``method="newton"`` (default): batched Newton on the (n-1)-dimensional dual
   ``f(b) = Σ_i logsumexp_j(R_ij + b_j) - Σ_j b_j`` with ``b_n = 0``, an Armijo
@@ -21,135 +21,31 @@ module.
 from __future__ import annotations
 
 import math
-import numbers
-import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .projection_common import (
+    NEWTON_MAX_ITER,
+    ProjectionInfo,
+    check_arguments,
+    compute_dtype,
+    effective_tol,
+    marginal_error,
+    newton_report,
+    warn_unconverged,
+)
+
 __all__ = [
     "birkhoff_project_reference",
-    "check_arguments",
     "project_unchecked",
-    "newton_report",
-    "effective_tol",
-    "compute_dtype",
-    "NEWTON_MAX_ITER",
     "birkhoff_backward",
-    "marginal_error",
-    "ProjectionInfo",
-    "ConvergenceWarning",
+    "dual_hessian",
 ]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-METHODS = ("newton", "sinkhorn")
 _ARMIJO_C1 = 1e-4
 _MAX_HALVINGS = 30
-NEWTON_MAX_ITER = 100  # birkhoff_project's default iteration cap (the fused site uses it too)
 _MAX_STEP = 24.0  # trust-region radius of a Newton step in log space (kMaxStep in csrc)
-
-
-class ConvergenceWarning(RuntimeWarning):
-    """Some matrices did not reach the requested tolerance."""
-
-
-@dataclass
-class ProjectionInfo:
-    """Per-matrix solver report, returned by ``birkhoff_project(..., return_info=True)``.
-
-    Attributes:
-        iterations: ``[...]`` int32, solver steps each matrix took.
-        error: ``[...]`` float64, ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` of the compute-precision
-            result (NaN for non-finite input, and for finite logits whose
-            spread overflows the compute dtype, ~3e38 in float32).
-        converged: ``[...]`` bool, whether the matrix met the tolerance.
-        tol: the tolerance actually enforced (``tol`` raised to the rounding
-            floor of the compute dtype, see :func:`birkhoff_project`).
-    """
-
-    iterations: Tensor
-    error: Tensor
-    converged: Tensor
-    tol: float
-
-    @property
-    def num_unconverged(self) -> int:
-        """Matrices with finite input that missed the tolerance."""
-        return int((~self.converged & ~self.error.isnan()).sum())
-
-    @property
-    def num_nonfinite(self) -> int:
-        """Matrices returned as NaN: their input held NaN or Inf (or overflowed, see ``error``)."""
-        return int(self.error.isnan().sum())
-
-
-def marginal_error(T: Tensor) -> Tensor:
-    """``‖T1 - 1‖₁ + ‖Tᵀ1 - 1‖₁`` per matrix, computed in float64.
-
-    Args:
-        T: ``[..., n, n]`` any floating dtype.
-
-    Returns:
-        ``[...]`` float64.
-    """
-    T = T.double()
-    return (T.sum(-1) - 1).abs().sum(-1) + (T.sum(-2) - 1).abs().sum(-1)
-
-
-def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
-    """Check ``birkhoff_project``'s arguments: ``TypeError``/``ValueError`` naming the bad one.
-
-    Rejects option values that would otherwise be coerced or ignored without a word.
-    """
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"birkhoff_project expects a torch.Tensor, got {type(logits).__name__}")
-    if logits.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"birkhoff_project supports float16, bfloat16, float32 and float64 logits, got {logits.dtype}"
-        )
-    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(
-            f"birkhoff_project expects square matrices of shape [..., n, n], got {tuple(logits.shape)}"
-        )
-    if logits.shape[-1] < 1:
-        raise ValueError("birkhoff_project needs n >= 1, got 0x0 matrices")
-    if not isinstance(tol, numbers.Real) or isinstance(tol, bool):
-        raise TypeError(f"birkhoff_project: tol must be a real number, got {type(tol).__name__} {tol!r}")
-    if not (math.isfinite(tol) and tol > 0):
-        raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {tol!r}")
-    if not _is_int(max_iter):
-        raise TypeError(f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}")
-    if max_iter < 0:
-        # 0 is allowed: the initial Sinkhorn sweep only, reported honestly as unconverged.
-        raise ValueError(f"birkhoff_project: max_iter must be >= 0, got {max_iter}")
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"birkhoff_project: method must be one of {METHODS}, got {method!r}")
-    if not _is_int(iters):
-        raise TypeError(f"birkhoff_project: iters must be an int, got {type(iters).__name__} {iters!r}")
-    if iters < 1:
-        raise ValueError(f"birkhoff_project: iters must be >= 1, got {iters}")
-    if not isinstance(return_info, bool):
-        raise TypeError(f"birkhoff_project: return_info must be a bool, got {type(return_info).__name__}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the solver runs in for ``dtype`` logits: float64 stays, the rest use float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
-    """``tol`` raised to what a ``dtype`` matrix can represent.
-
-    Each of the 2n marginals of a rounded matrix carries a few ``eps`` of
-    rounding (its n entries, and the exponent each came from), so no solver
-    can promise less than ``4·n·eps`` in that dtype.
-    """
-    return max(float(tol), 4 * n * torch.finfo(compute_dtype(dtype)).eps)
 
 
 # ----------------------------------------------------------------------------
@@ -365,22 +261,37 @@ def birkhoff_backward(T: Tensor, grad_T: Tensor) -> Tensor:
     return T * _row_centred(T, grad_T - w.unsqueeze(-2))
 
 
-class _NewtonProjection(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, R: Tensor, tol: float, max_iter: int):
-        T, iterations, error = _solve_finite(R, tol, max_iter)
-        ctx.save_for_backward(T)
-        ctx.mark_non_differentiable(iterations, error)
-        return T, iterations, error
+# The Newton solve is one opaque custom op, so torch.compile (fullgraph too)
+# traces around it: its loop, the per-matrix bookkeeping and the convergence
+# warning all depend on the data and run eagerly inside the op.
+@torch.library.custom_op("mhc::birkhoff_reference", mutates_args=())
+def _newton_op(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(T, iterations, error)`` for ``R [B, n, n]``, B >= 1, float32 or float64."""
+    T, iterations, error = _solve_finite(R, tol, max_iter)
+    warn_unconverged(error, tol, max_iter)
+    return T, iterations, error
 
-    @staticmethod
-    def backward(ctx, grad_T, _grad_iterations, _grad_error):
-        # T is saved as this node's output, so under create_graph=True the
-        # graph birkhoff_backward records leads back to R through this node.
-        (T,) = ctx.saved_tensors
-        if grad_T is None:
-            return None, None, None
-        return birkhoff_backward(T, grad_T.to(T.dtype)), None, None
+
+@_newton_op.register_fake
+def _newton_op_fake(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    B = R.shape[0]
+    return torch.empty_like(R), R.new_empty(B, dtype=torch.int32), R.new_empty(B, dtype=torch.float64)
+
+
+def _newton_op_setup(ctx, inputs, output) -> None:
+    # T is saved as this node's output, so under create_graph=True the graph
+    # birkhoff_backward records leads back to R through this node.
+    ctx.save_for_backward(output[0])
+
+
+def _newton_op_backward(ctx, grad_T, _grad_iterations, _grad_error):
+    (T,) = ctx.saved_tensors
+    if grad_T is None:
+        return None, None, None
+    return birkhoff_backward(T, grad_T.to(T.dtype)), None, None
+
+
+_newton_op.register_autograd(_newton_op_backward, setup_context=_newton_op_setup)
 
 
 def _solve_finite(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -406,31 +317,6 @@ def _sinkhorn(R: Tensor, iters: int) -> Tensor:
         log_T = log_T - torch.logsumexp(log_T, dim=-2, keepdim=True)
     return log_T.exp()
 
-
-def newton_report(
-    iterations: Tensor, error: Tensor, tol: float, max_iter: int, batch_shape: torch.Size
-) -> ProjectionInfo:
-    """Build the :class:`ProjectionInfo` of a Newton solve, warning about missed tolerances.
-
-    Shared by the PyTorch and CUDA paths, so both report the same way.
-    ``iterations`` and ``error`` are flat ``[B]``; the info has ``batch_shape``.
-    """
-    converged = error <= tol
-    unconverged = int((~converged & ~error.isnan()).sum())
-    if unconverged:
-        warnings.warn(
-            f"birkhoff_project: {unconverged} of {error.numel()} matrices missed tol={tol:.1e} "
-            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
-            "use return_info=True to find them",
-            ConvergenceWarning,
-            stacklevel=4,  # the caller of birkhoff_project
-        )
-    return ProjectionInfo(
-        iterations=iterations.reshape(batch_shape),
-        error=error.reshape(batch_shape),
-        converged=converged.reshape(batch_shape),
-        tol=tol,
-    )
 
 # ----------------------------------------------------------------------------
 # Public entry point.
@@ -490,8 +376,9 @@ def project_unchecked(
             iterations = torch.zeros(0, dtype=torch.int32, device=R.device)
             error = torch.zeros(0, dtype=torch.float64, device=R.device)
         else:
-            T, iterations, error = _NewtonProjection.apply(R, tol, max_iter)
-        info = newton_report(iterations, error, tol, max_iter, shape[:-2])
+            T, iterations, error = _newton_op(R, tol, max_iter)
+        # the op itself warned about missed tolerances, at run time also under torch.compile
+        info = newton_report(iterations, error, tol, max_iter, shape[:-2], warn=False) if return_info else None
 
     T = T.reshape(shape).to(logits.dtype)
     return (T, info) if return_info else T
