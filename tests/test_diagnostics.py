@@ -290,6 +290,8 @@ def test_cli_on_a_train_lm_run_dir(tmp_path, cli, capsys):
     text.write_text("print('hello')\n" * 20)
     code, out, err = _diagnostics_cli([str(model_dir), "--text", str(text), "--out", str(tmp_path / "o.png")], capsys)
     assert code == 0 and "32 tokens (--text" in out and (tmp_path / "o.png").is_file(), out + err
+    code, out, err = _diagnostics_cli([str(tmp_path / "run"), "--no-backward"], capsys)  # the run dir: its model/
+    assert code == 0 and out.startswith(f"{model_dir}: MHCForCausalLM"), out + err
 
 
 def test_cli_on_a_converted_model_without_tokenizer_and_bad_input(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """``python -m mhc.diagnostics MODEL_DIR [--text FILE]``: the stability report of a saved mHC model.
 
 Loads the model offline (``AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True)``:
-any folder ``scripts/train_lm.py`` or ``convert_to_mhc(...).save_pretrained`` wrote), tokenizes a
+any folder ``scripts/train_lm.py`` or ``convert_to_mhc(...).save_pretrained`` wrote; a run dir means its
+``model/``), tokenizes a
 short built-in text or ``--text FILE`` with the tokenizer saved beside the model (the text's UTF-8
 bytes when there is none), runs one forward and one backward pass of the LM loss, prints the
 per-depth table of :class:`mhc.diagnostics.StabilityReport` and writes its figure
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Stability report of a saved mHC model: composite gains, marginal error, stream collapse, "
         "saturation and gradient gain per depth, as a table and a PNG.",
     )
-    p.add_argument("model_dir", type=Path, help="a from_pretrained folder (e.g. runs/tiny_cpu_mhc/model)")
+    p.add_argument("model_dir", type=Path, help="a from_pretrained folder (e.g. runs/tiny_cpu_mhc/model; a run dir means its model/)")
     p.add_argument("--text", type=Path, help="a UTF-8 text file to run (default: a short built-in text)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens of the text to use (default 128)")
     p.add_argument("--out", type=Path, help="where the PNG goes (default MODEL_DIR/stability.png)")
@@ -69,6 +70,8 @@ def _token_ids(model_dir: Path, text: str) -> tuple[list[int], str]:
 def run(args: argparse.Namespace) -> int:
     """Load, measure, print, plot; the exit status."""
     model_dir: Path = args.model_dir
+    if not (model_dir / "config.json").is_file() and (model_dir / "model" / "config.json").is_file():
+        model_dir = model_dir / "model"  # a train_lm.py run dir: its model/ folder
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a saved model folder (no config.json)")
     if args.max_tokens < 2:
