@@ -5,7 +5,8 @@ any folder ``scripts/train_lm.py`` or ``convert_to_mhc(...).save_pretrained`` wr
 means its ``model/``), tokenizes a short built-in text or ``--text FILE`` with the tokenizer saved
 beside the model (the text's UTF-8 bytes when there is none), runs one forward and one backward
 pass of the LM loss, prints the per-depth table of :class:`mhc.diagnostics.StabilityReport` and
-writes its figure (:func:`mhc.diagnostics.plot_report`, ``MODEL_DIR/stability.png`` unless ``--out``)."""
+writes its figure (:func:`mhc.diagnostics.plot_report`, ``MODEL_DIR/stability.png`` unless ``--out``).
+"""
 
 from __future__ import annotations
 
