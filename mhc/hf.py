@@ -9,8 +9,10 @@ Design (why it looks like this):
   base model's own code, for every architecture and ``transformers`` version.
 * The only surgery: each decoder layer is replaced by :class:`MHCDecoderLayer`,
   which keeps the layer's submodules under their original names (state-dict
-  keys of the base weights do not change) and adds two :class:`~mhc.MHCBlock`
-  sites (``attn_mhc``, ``mlp_mhc``) whose branches are "norm, then sublayer".
+  keys of the base weights do not change) and adds one :class:`~mhc.MHCBlock`
+  per residual site of the layer's adapter (``attn_mhc`` and ``mlp_mhc``;
+  ``parallel_mhc`` for a parallel-residual layer), whose branch is built from
+  the layer's own norms and sublayers as the adapter describes.
   The base model's layer loop passes the hidden state through opaquely, so it
   carries the ``[B, S, n, C]`` streams from layer to layer unchanged; the first
   wrapped layer copies ``[B, S, C]`` into ``n`` streams and a forward pre-hook
@@ -18,19 +20,24 @@ Design (why it looks like this):
   embeddings and caches are built before the loop from the embeddings, so
   they never see the streams.
 * The wrapper is a ``GradientCheckpointingLayer``, so
-  ``gradient_checkpointing_enable()`` checkpoints it exactly as it would the
+  ``activation_checkpointing_enable()`` (4.x: ``gradient_checkpointing_enable()``) checkpoints it exactly as it would the
   original layer, and the attention module (with its ``layer_idx`` and KV
   cache) is the original object.
 
-Only the layer's *named pieces* differ per architecture; they live in
-:mod:`mhc.adapters`.
+What differs per architecture is data, not code: an adapter
+(:mod:`mhc.adapters`; the generic one, :mod:`mhc.adapters_generic`, reads it
+from one forward pass for architectures without one) lists each site's
+branches (norm, sublayer, post-norm, dropout, scale). :func:`convert_to_mhc`
+checks the result against the original model (:mod:`mhc.hf_verify`) and
+records the adapter in the config.
 
 Alternatives rejected: running our own loop over the layers would fork every
 architecture's model forward (mask, rotary and cache preparation, whose
 signatures change between releases; 5.24 renamed ``past_key_values`` to
 ``cache``); folding the ``n`` streams into the batch or sequence dimension
-would break masks, KV caches and position ids. Tested on transformers 4.57,
-5.17 and 5.24.
+would break masks, KV caches and position ids. Llama, Mistral, Qwen2/3 and
+GPT-2 tested on transformers 4.57, 5.17 and 5.24; the other families
+(``tests/test_families.py``) on 5.24.
 
 Limits: cross-attention (GPT-2 ``add_cross_attention``) is not wrapped;
 ``output_hidden_states`` gives stream-merged ``[B, S, C]`` states. With

