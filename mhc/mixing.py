@@ -5,7 +5,7 @@ in the convention of :mod:`mhc.site`: ``x'_i = Σ_j H_res[i, j] x_j``, so row
 ``i`` says what stream ``i`` collects.
 
 * :func:`sinkhorn_h_res`: the recipe of the mHC paper as DeepSeek-V4 runs it
-  (design.md, "Truncated Sinkhorn"): a row softmax plus ``eps``, then
+  (design.md, "Three ways to a doubly stochastic H_res"): a row softmax plus ``eps``, then
   alternating column and row normalisations, each dividing by ``sum + eps``.
   DeepSeek builds a matrix ``comb`` that way and mixes the streams with
   ``combᵀ``; here the logits are in ``H_res``'s own layout, so the recipe runs

@@ -469,6 +469,12 @@ def main(argv=None) -> int:
     jobs = _jobs(variants, seeds, runs)
     parallel = args.jobs or len(jobs)
     t0 = time.time()
+    build = None
+    if "mhc" in variants and torch.cuda.is_available() and not args.smoke:
+        # The Newton runs use the CUDA Birkhoff kernels, compiled on first use (about a minute): start
+        # the build now; a run that needs them before it is done waits on the build's lock.
+        build = subprocess.Popen([sys.executable, "-m", "mhc.cuda_build"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
     prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
     tokens = args.tokens or (2_000 if args.smoke else 0)
     if args.target_s > 0:
@@ -487,6 +493,8 @@ def main(argv=None) -> int:
         tokens = max(per_step, int(min(rates.values()) * args.target_s) // per_step * per_step)
         print(f"calibration tokens/s: {json.dumps({k: round(v) for k, v in rates.items()})} -> budget {tokens:,}", flush=True)
     sets = common + ([f"tokens={tokens}", "max_steps=0"] if tokens else [])
+    if build is not None and build.wait() != 0:
+        print("warning: `python -m mhc.cuda_build` failed; the mhc runs use the PyTorch projection", file=sys.stderr)
     t_runs = time.time()
     codes = run_parallel(jobs, config, sets, parallel)
     wall = time.time() - t_runs

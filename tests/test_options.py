@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, MHCOptions, convert_to_mhc
+from mhc.options import check_options
 from test_hf import tiny_base, tiny_config
 
 C = 8
@@ -240,3 +241,20 @@ def test_config_options_are_what_its_blocks_run_by():
     cfg.tol = "small"  # HF config fields are plain attributes; options() checks them again
     with pytest.raises(TypeError, match="tol"):
         cfg.options()
+
+
+def test_projection_choices_include_the_variants_and_refuse_misspellings():
+    assert MHCOptions(projection="lite").projection == "lite"
+    assert MHCOptions(projection="sinkhorn").projection == "sinkhorn"
+    for typo in ("lit", "Lite", "permutations", "sinkhorn20", "Newton"):
+        with pytest.raises(ValueError, match=f"projection must be one of .*'lite'.*got '{typo}'"):
+            MHCOptions(projection=typo)
+    # The block's own epsilons go through the same check, by name.
+    with pytest.raises(ValueError, match="pre_eps must be finite and >= 0"):
+        check_options(pre_eps=-1.0)
+    with pytest.raises(TypeError, match="sinkhorn_eps must be a real number"):
+        check_options(sinkhorn_eps=True)
+    assert check_options(pre_eps=0, sinkhorn_eps=1e-6) == {"pre_eps": 0.0, "sinkhorn_eps": 1e-6}
+    # They are not MHCOptions fields (MHCConfig does not store them).
+    with pytest.raises(TypeError, match="unknown option 'pre_eps'"):
+        MHCOptions.from_dict({"pre_eps": 0.0})

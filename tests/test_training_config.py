@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mhc import train as T
+from mhc.train.config import mhc_config_options
 
 TINY = dict(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
@@ -115,3 +116,78 @@ def test_fused_projection_false_lasts_only_for_the_run(tmp_path, monkeypatch):
     calls.clear()
     T.train(T.TrainConfig(**{**TINY, "max_steps": 1}, run_dir=str(tmp_path / "fused")))
     assert calls == []  # fused_projection=true (the default) leaves the switch alone
+
+
+# ----------------------------------------------------------------------------- the H_res variants (issue 24)
+
+
+@pytest.mark.parametrize("variant, projection", [("mhc-sk20", "sinkhorn"), ("mhc-lite", "lite")])
+def test_each_variant_builds_and_trains(tmp_path, variant, projection):
+    """mhc-sk20 and mhc-lite are MHCConfig settings of the trainer's model: it builds, steps and saves them."""
+    import json
+
+    from mhc import MHCBlock, MHCForCausalLM
+    from mhc.train.model import build_model
+
+    cfg = T.load_config(None, {**TINY, "variant": variant, "run_dir": str(tmp_path / variant)})
+    blocks = [m for m in build_model(cfg, 256).modules() if isinstance(m, MHCBlock)]
+    assert blocks and all(b.mode == "mhc" and b.projection == projection for b in blocks)
+    if variant == "mhc-sk20":
+        assert all(b.sinkhorn_iters == 20 and b.sinkhorn_eps == 1e-6 for b in blocks)
+    else:
+        assert all(b.b_res.shape == (24,) for b in blocks)  # 4! permutation logits
+    summary = T.train(cfg)
+    assert summary["variant"] == variant and summary["steps"] == 2
+    assert summary["skipped_steps"] == 0 and summary["final_val_loss"] < 10
+    saved = json.loads((tmp_path / variant / "model" / "config.json").read_text())
+    assert (saved["mode"], saved["projection"]) == ("mhc", projection)
+    loaded = MHCForCausalLM.from_pretrained(tmp_path / variant / "model")
+    assert {m.projection for m in loaded.modules() if isinstance(m, MHCBlock)} == {projection}
+
+
+def test_variant_settings_cannot_be_contradicted_or_misspelt(tmp_path, cli, capsys):
+    with pytest.raises(ValueError, match="variant must be one of .*got 'mhc-sk2'"):
+        T.load_config(None, {**TINY, "variant": "mhc-sk2"})
+    with pytest.raises(ValueError, match="mhc_options.projection='newton' contradicts variant 'mhc-lite'"):
+        T.load_config(None, {**TINY, "variant": "mhc-lite", "mhc_options": {"projection": "newton"}})
+    with pytest.raises(ValueError, match="mhc_options.sinkhorn_iters=5 contradicts variant 'mhc-sk20'"):
+        T.load_config(None, {**TINY, "variant": "mhc-sk20", "mhc_options": {"sinkhorn_iters": 5}})
+    with pytest.raises(ValueError, match="n_streams must be between 1 and 5; got n_streams=6"):
+        T.load_config(None, {**TINY, "variant": "mhc-lite", "n_streams": 6})
+    with pytest.raises(ValueError, match="n_streams must be between 1 and 5"):  # the same through mhc_options
+        T.load_config(None, {**TINY, "n_streams": 8, "mhc_options": {"projection": "lite"}})
+    # Repeating what the variant sets is fine; mhc with a projection of its choice too.
+    cfg = T.load_config(None, {**TINY, "variant": "mhc-sk20", "mhc_options": {"projection": "sinkhorn"}})
+    assert mhc_config_options(cfg)["sinkhorn_iters"] == 20
+    assert mhc_config_options(T.load_config(None, {**TINY, "mhc_options": {"projection": "lite"}}))["projection"] == "lite"
+    code = cli.main(["--run-dir", str(tmp_path / "cli"), "--set", "variant=mhc-lit", *_sets(**TINY)])
+    err = capsys.readouterr().err
+    assert code == 2 and "variant must be one of" in err, err
+    assert not (tmp_path / "cli").exists()
+
+
+def test_variant_presets_load():
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for preset in ("tiny_cpu", "small_gpu"):
+        for variant in ("mhc-sk20", "mhc-lite"):
+            cfg = T.load_config(configs / f"{preset}_{variant}.yaml")
+            base = T.load_config(configs / f"{preset}_mhc.yaml")
+            assert cfg.variant == variant and cfg.num_layers == base.num_layers and cfg.lr == base.lr
+    study = T.load_config(configs / "study_exactness.yaml")
+    assert study.num_layers >= 24 and study.tokenizer == "byte"
+
+
+def test_compare_script_refuses_an_unknown_variant(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare_script", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    with pytest.raises(SystemExit) as stop:
+        compare.main(["--variants", "residual,mhc-sk2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown variant(s) 'mhc-sk2'" in err and "mhc-lite" in err, err
