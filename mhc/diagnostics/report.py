@@ -317,7 +317,7 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     # symlog: a spread of 1e-5 (streams nearly collapsed) stays visible beside fractions near 1.
     ax_state.set_yscale("symlog", linthresh=1e-6)
     ax_state.set_ylim(0, 1.05)
-    ax_state.set_ylabel(f"fraction (saturation: within {report.eps:g} of 0/1)")
+    ax_state.set_ylabel(f"stream spread; fraction saturated (within {report.eps:g} of 0/1)")
     points = [(d, v) for d, v in zip(depth, report.grad_ratio) if v is not None]
     if points:
         ax_grad.plot(*zip(*points), color="#17becf", marker="o", label="measured ||dloss/dx_d|| / ||dloss/dx_L||")
