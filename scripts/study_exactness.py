@@ -9,6 +9,8 @@
     python scripts/study_exactness.py --smoke --out /tmp/study --runs /tmp/study_runs
     # rebuild README.md and the plots from OUT/results.json and OUT/curves.json
     python scripts/study_exactness.py --report-only --out docs/studies/exactness
+    # runs done in several batches (same --tokens!): merge their OUT folders into one
+    python scripts/study_exactness.py --report-only --merge batch1 batch2 --out docs/studies/exactness
     # how far DeepSeek-V4's truncated H_res moves a site's output from the exact one (CPU)
     python scripts/study_exactness.py --deepseek-gap
 
@@ -332,6 +334,35 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
     return written
 
 
+def merge_batches(batches: list[Path], out: Path) -> None:
+    """Merge the results, curves and run files of several OUT folders into ``out`` (later ones win per run)."""
+    records, curves, metas = {}, {}, []
+    for batch in batches:
+        if not (batch / "results.json").is_file():
+            raise SystemExit(f"--merge: {batch / 'results.json'} does not exist")
+        for r in json.loads((batch / "results.json").read_text()):
+            records[r["variant"], r["seed"]] = r
+        if (batch / "curves.json").is_file():
+            for c in json.loads((batch / "curves.json").read_text()):
+                curves[c["variant"], c["seed"]] = c
+        if (batch / "study.json").is_file():
+            metas.append(json.loads((batch / "study.json").read_text()))
+        if (batch / "runs").is_dir() and batch.resolve() != out.resolve():
+            shutil.copytree(batch / "runs", out / "runs", dirs_exist_ok=True)
+    budgets = {r["tokens"] for r in records.values()}
+    if len(budgets) > 1:
+        print(f"warning: the merged runs trained different token budgets: {sorted(budgets)}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(list(records.values()), indent=1) + "\n")
+    (out / "curves.json").write_text(json.dumps(list(curves.values())) + "\n")
+    meta = {"command": "\n".join(m["command"] for m in metas if m.get("command")),
+            "config": metas[0].get("config") if metas else None,
+            "tokens": sorted(budgets)[0] if len(budgets) == 1 else sorted(budgets),
+            "wall_s": sum(m.get("wall_s") or 0 for m in metas), "total_s": sum(m.get("total_s") or 0 for m in metas),
+            "parallel": "/".join(str(m.get("parallel")) for m in metas), "batches": len(batches)}  # fmt: skip
+    (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def write_report(out: Path) -> str:
     """README.md and the plots from OUT/results.json and OUT/curves.json; returns the README text."""
     records = json.loads((out / "results.json").read_text())
@@ -437,6 +468,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument("--smoke", action="store_true", help="tiny CPU models and a few steps: tests the pipeline")
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
+    p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
+                   help="with --report-only: OUT folders of several batches to merge into --out first "
+                        "(a later folder's run replaces an earlier one of the same variant and seed)")  # fmt: skip
     p.add_argument("--deepseek-gap", action="store_true", help="print the DeepSeek-V4 exact-vs-truncated table and exit")
     args = p.parse_args(argv)
 
@@ -444,7 +478,11 @@ def main(argv=None) -> int:
         print(deepseek_gap())
         return 0
     out = Path(args.out)
+    if args.merge and not args.report_only:
+        p.error("--merge goes with --report-only")
     if args.report_only:
+        if args.merge:
+            merge_batches([Path(d) for d in args.merge], out)
         if not (out / "results.json").is_file():
             p.error(f"{out / 'results.json'} does not exist: run the study first")
         print(write_report(out))

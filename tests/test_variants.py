@@ -309,3 +309,13 @@ def test_block_epsilons_are_read_only_and_shown():
         for name in ("phi", "alpha", "b_pre", "b_post", "b_res"):
             getattr(plain, name).copy_(getattr(block, name))
     torch.testing.assert_close(H_pre, plain.coefficients(x)[0] + 1e-5, rtol=0, atol=1e-7)
+
+
+def test_permutations_cached_under_inference_mode_still_train():
+    """The cache is filled by whichever call comes first; an inference-mode first call must not poison it."""
+    with torch.inference_mode():
+        P = permutation_matrices(2, "cpu", torch.bfloat16)
+    assert not P.is_inference()
+    w = torch.randn(3, 2, dtype=torch.bfloat16, requires_grad=True)
+    (w @ permutation_matrices(2, "cpu", torch.bfloat16).reshape(2, 4)).sum().backward()
+    assert w.grad is not None and w.grad.shape == (3, 2)
