@@ -178,6 +178,7 @@ def test_stream_spread_and_saturation_values():
     one = torch.zeros(4, 8)
     one[2] = torch.randn(8)
     assert stream_spread(one).item() == pytest.approx(math.sqrt(1 - 1 / 4))
+    assert stream_spread(torch.stack([one[2], -one[2]])).item() == pytest.approx(1.0)  # streams that cancel
     report = report_from_h_res([torch.eye(4), torch.full((4, 4), 0.25), torch.tensor([[0.9995, 0.0005], [0.0005, 0.9995]])
                                 .repeat(2, 2) / 2])  # fmt: skip
     assert report.h_res_saturated_entries[:2] == [1.0, 0.0] and report.h_res_saturated_rows[:2] == [1.0, 0.0]

@@ -101,10 +101,11 @@ def run(args: argparse.Namespace) -> int:
     report = stability_report(model, loss_fn=loss_fn, eps=args.eps, **kwargs)
 
     b = blocks[0]
+    settings = f"mode={b.mode}" + (f", projection={b.projection}" if b.mode == "mhc" else "")
+    text_name = f"--text {args.text}" if args.text else "built-in text"
     print(
-        f"{model_dir}: {type(model).__name__}, {len(blocks)} sites, mode={b.mode}, projection={b.projection}, "
-        f"n_streams={b.n_streams}; {len(ids)} tokens ({'--text ' + str(args.text) if args.text else 'built-in text'}, "
-        f"{source})"
+        f"{model_dir}: {type(model).__name__}, {len(blocks)} sites, {settings}, n_streams={b.n_streams}; "
+        f"{len(ids)} tokens ({text_name}, {source})"
     )
     print(report.table())
     out = args.out if args.out is not None else model_dir / "stability.png"

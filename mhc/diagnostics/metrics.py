@@ -191,9 +191,9 @@ def suffix_backward_gain(h_res: Sequence[Tensor] | Tensor) -> Tensor:
 def stream_spread(x: Tensor) -> Tensor:
     """How far the ``n`` streams of each token differ: ``‖x - x̄‖_F / ‖x‖_F`` per token.
 
-    ``x̄`` is the mean stream. 0 means the streams have collapsed into one (they are
-    equal); ``sqrt(1 - 1/n)`` is the most for ``n`` streams (one non-zero stream). An
-    all-zero token counts as 0.
+    ``x̄`` is the mean stream. It lies in ``[0, 1]`` (``‖x - x̄‖² = ‖x‖² - n‖x̄‖²``): 0
+    means the streams have collapsed into one (they are equal), 1 that they average to
+    zero; one non-zero stream among ``n`` gives ``sqrt(1 - 1/n)``. An all-zero token counts as 0.
 
     Args:
         x: streams ``[..., n, C]``, any float dtype.
