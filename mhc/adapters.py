@@ -136,8 +136,8 @@ class Adapter:
         names = [s.module_name for s in self.sites]
         if len(set(names)) != len(names):
             raise ValueError(f"site names repeat: {names}")
-        if sum(b.layer_inputs for s in self.sites for b in s.branches) != 1:
-            raise ValueError("exactly one branch (the attention) takes the layer inputs (layer_inputs=True)")
+        if not any(b.layer_inputs for s in self.sites for b in s.branches):
+            raise ValueError("no branch takes the layer inputs (layer_inputs=True): the attention needs them")
 
     @classmethod
     def pre_norm(

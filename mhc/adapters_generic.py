@@ -100,6 +100,7 @@ class _Recorder:
         self.layer_io: list[list[Tensor | None]] = [[None, None] for _ in layers]
         self.outer_norms: list[tuple[int, str, Tensor | None]] = []
         self.handles = []
+        self.last_layer_order = -1
         for name, child in layers[0].named_children():
             self._hook_child(name, child)
         for i, layer in enumerate(layers):

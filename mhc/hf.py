@@ -413,12 +413,11 @@ def added_parameter_count(config: MHCConfig) -> int:
     return len(config.get_adapter().sites) * L * site + (n if config.reduce == "learned" else 0)
 
 
-def _undo_conversion(mhc_model: MHCForCausalLM, originals: list[nn.Module]) -> None:
-    """Put the original decoder layers back and drop the final-norm hook: ``model`` is as before."""
-    layers = mhc_model.model.get_submodule(mhc_model.adapter.layers)
+def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn.Module]) -> None:
+    """Put the original decoder layers back (after a failed conversion: ``model`` is as before)."""
+    layers = model.get_submodule(adapter.layers)
     for i, layer in enumerate(originals):
         layers[i] = layer
-    mhc_model._final_norm_hook.remove()
 
 
 def convert_to_mhc(
@@ -482,7 +481,11 @@ def convert_to_mhc(
         module._is_hf_initialized = True
     ref = next(model.parameters())
     originals = list(model.get_submodule(adapter.layers))
-    mhc_model = MHCForCausalLM(config, base_model=model)
+    try:
+        mhc_model = MHCForCausalLM(config, base_model=model)
+    except Exception:  # e.g. a layer without a submodule the adapter names: none of them stays wrapped
+        _restore_layers(model, adapter, originals)
+        raise
     for module in mhc_model.modules():
         if isinstance(module, (MHCBlock, StreamReduce)):
             module.to(device=ref.device)  # stays float32
@@ -492,7 +495,8 @@ def convert_to_mhc(
                 _, converted = reference_logits(mhc_model, probe_ids)
             check_logits(reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})")
         except Exception:
-            _undo_conversion(mhc_model, originals)
+            _restore_layers(model, adapter, originals)
+            mhc_model._final_norm_hook.remove()
             raise
     if getattr(model, "generation_config", None) is not None:
         mhc_model.generation_config = copy.deepcopy(model.generation_config)

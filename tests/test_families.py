@@ -7,6 +7,7 @@ and a 96-token vocabulary in a few milliseconds.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import mhc.hf_verify
-from mhc import MHCBlock, MHCForCausalLM, convert_to_mhc
-from mhc.adapters import Adapter, register_adapter, registered_adapter, unregister_adapter
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc.adapters import Adapter, Branch, Site, register_adapter, registered_adapter, unregister_adapter
 from mhc.adapters_generic import infer_adapter
 from mhc.hf import MHCDecoderLayer, added_parameter_count
 from mhc.hf_verify import ConversionMismatchError, verify_by_default
@@ -380,3 +381,42 @@ def test_unfitting_layout_is_refused_saying_what_does_not_fit():
     with pytest.raises(ValueError, match=r"'opt'.*OPTDecoderLayer.*sublayers \['self_attn', 'fc1', 'activation_fn', 'fc2'\]"):
         convert_to_mhc(base)
     assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
+
+
+def test_adapter_that_names_a_missing_submodule_leaves_the_model_unconverted():
+    base = family_model("llama")
+    wrong = Adapter.pre_norm(mlp=("post_attention_layernorm", "feed_forward"))
+    with pytest.raises(ValueError, match="no submodule 'feed_forward'"):
+        convert_to_mhc(base, adapter=wrong)
+    assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
+    # a wrong final-norm path is found after the layers were wrapped: they are put back
+    with pytest.raises(AttributeError, match="final_norm"):
+        convert_to_mhc(base, adapter=Adapter.pre_norm(final_norm="model.final_norm"))
+    assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
+    assert max_logit_diff("llama")[0] == 0.0
+
+
+def test_adapter_values_are_checked():
+    with pytest.raises(ValueError, match="identifier"):
+        Site("attn-site", (Branch("self_attn"),))
+    with pytest.raises(ValueError, match="repeat"):
+        Adapter("model.layers", "model.norm", (Site("a", (Branch("x", layer_inputs=True),)), Site("a", (Branch("y"),))))
+    with pytest.raises(ValueError, match="layer_inputs"):
+        Adapter("model.layers", "model.norm", (Site("attn", (Branch("self_attn"),)),))
+    with pytest.raises(ValueError, match="malformed"):
+        MHCConfig(base_config=family_config("llama"), adapter={"layers": "model.layers"})
+    with pytest.raises(TypeError, match="adapter"):
+        MHCConfig(base_config=family_config("llama"), adapter=5)
+    with pytest.raises(TypeError, match="adapter"):
+        convert_to_mhc(family_model("llama"), adapter={"layers": "model.layers"})
+    with pytest.raises(TypeError, match="adapter"):
+        register_adapter("llama", "model.layers")
+    # a dict round trip (what config.json holds) gives the same adapter
+    adapter = registered_adapter(family_config("granite"))
+    assert Adapter.from_dict(json.loads(json.dumps(adapter.to_dict()))) == adapter
+    assert adapter.sites[0].branches[0].scale == 0.22
+
+
+def test_config_without_an_adapter_for_an_unregistered_family_says_how_to_convert():
+    with pytest.raises(ValueError, match="'olmo'.*convert_to_mhc"):
+        MHCForCausalLM(MHCConfig(base_config=family_config("olmo")))
