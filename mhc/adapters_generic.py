@@ -26,7 +26,7 @@ weights two different tensors are never equal.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,9 +51,8 @@ class _Call:
     name: str
     kind: str  # "norm", "dropout" or "sublayer"
     inp: Tensor | None
-    kwargs: tuple[str, ...]
     out: Tensor | None = None
-    used: bool = field(default=False)
+    used: bool = False
 
 
 def _first_tensor(value: Any) -> Tensor | None:
@@ -94,7 +93,7 @@ def _find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]
 class _Recorder:
     """Hooks that record the calls of one decoder layer's children, every layer's input/output, and outer norms."""
 
-    def __init__(self, model: nn.Module, layers_path: str, layers: nn.ModuleList):
+    def __init__(self, model: nn.Module, layers: nn.ModuleList):
         self.counter = itertools.count()
         self.calls: list[_Call] = []
         self.layer_io: list[list[Tensor | None]] = [[None, None] for _ in layers]
@@ -116,8 +115,7 @@ class _Recorder:
 
         def pre(module, args, kwargs):
             inp = args[0] if args else kwargs.get("hidden_states")
-            call = _Call(next(self.counter), name, kind, inp if isinstance(inp, Tensor) else None,
-                         tuple(k for k in kwargs if k != "hidden_states"))
+            call = _Call(next(self.counter), name, kind, inp if isinstance(inp, Tensor) else None)
             self.calls.append(call)
             pending.append(call)
 
@@ -251,7 +249,7 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
     if any(p.is_meta for p in model.parameters()):
         raise UnsupportedLayoutError("the generic adapter runs the model once, and this one has weights on 'meta'")
     layers_path, layers = _find_layers(model, num_layers)
-    recorder = _Recorder(model, layers_path, layers)
+    recorder = _Recorder(model, layers)
     try:
         _run_once(model, probe_input_ids(model) if input_ids is None else input_ids)
     finally:
