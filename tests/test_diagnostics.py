@@ -336,3 +336,22 @@ def test_cli_tokenizes_with_the_tokenizer_saved_beside_the_model(tmp_path, capsy
     code, out, err = _diagnostics_cli([str(tmp_path / "m"), "--text", str(tmp_path / "t.txt")], capsys)
     assert code == 0, err
     assert "; 10 tokens (--text" in out and "tokenizer of" in out, out
+
+
+def test_grad_ratio_with_activation_checkpointing_records_each_site_once():
+    """An HF model with gradient checkpointing re-runs its layers in backward: still one record per site."""
+    from transformers import LlamaConfig
+
+    from mhc import MHCConfig, MHCForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper"))
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 64, (1, 8))
+    plain = stability_report(model, input_ids=ids, labels=ids, loss_fn=lambda out: out.loss)
+    assert plain.depth == 4 and all(r is not None and r > 0 for r in plain.grad_ratio), plain.grad_ratio

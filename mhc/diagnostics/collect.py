@@ -79,7 +79,11 @@ def collect_sites(
 
         return hook
 
+    recording = [True]  # off once the forward returns: activation checkpointing re-runs sites in backward
+
     def hook(block: MHCBlock, args: tuple, kwargs: dict, output) -> None:
+        if not recording[0]:
+            return
         x = args[0] if args else kwargs["x"]
         with torch.no_grad():
             h_pre, h_post, h_res = block.coefficients(x.detach())
@@ -107,7 +111,9 @@ def collect_sites(
                 model(*args, **kwargs)
         else:
             with torch.enable_grad():
-                loss = loss_fn(model(*args, **kwargs))
+                output = model(*args, **kwargs)
+                recording[0] = False
+                loss = loss_fn(output)
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
                 loss.backward()
