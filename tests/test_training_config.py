@@ -191,3 +191,34 @@ def test_compare_script_refuses_an_unknown_variant(capsys):
         compare.main(["--variants", "residual,mhc-sk2"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "unknown variant(s) 'mhc-sk2'" in err and "mhc-lite" in err, err
+
+
+def test_study_runner_smoke(tmp_path):
+    """scripts/study_exactness.py end to end on the CPU: a run, its record, the README table and plots."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "study_exactness.py"
+    spec = importlib.util.spec_from_file_location("study_script", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    code = study.main(["--smoke", "--variants", "mhc-sk20", "--seeds", "3", "--tokens", "512", "--out", str(out),
+                       "--runs", str(runs), "--set", f"cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    assert code == 0, (runs / "mhc-sk20" / "seed3.log").read_text()
+    (record,) = json.loads((out / "results.json").read_text())
+    assert set(study.RECORD_KEYS) <= set(record)
+    assert (record["variant"], record["seed"], record["tokens"]) == ("mhc-sk20", 3, 512)
+    # eps = 1e-6 in every sum: 2n marginals each about 1e-6 off at least, far below order one at this scale
+    assert 1e-6 < record["hres_marginal_err_max"] < 1e-2
+    assert record["fwd_gain"] is not None and record["loss_spikes"] >= 0
+    readme = (out / "README.md").read_text()
+    assert "| mhc-sk20 | 1 |" in readme and "sk20_marginal_error.png" in readme
+    assert all((out / name).is_file() for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png"))
+    assert (out / "runs" / "mhc-sk20" / "seed3" / "metrics.jsonl").is_file()
+    merged = tmp_path / "merged"
+    assert study.main(["--report-only", "--merge", str(out), str(out), "--out", str(merged)]) == 0
+    assert json.loads((merged / "results.json").read_text()) == [record]  # one run, however often merged
+    with pytest.raises(SystemExit):
+        study.main(["--variants", "mhc-sk2", "--out", str(out)])
