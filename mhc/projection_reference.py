@@ -288,7 +288,24 @@ def _newton_op_backward(ctx, grad_T, _grad_iterations, _grad_error):
     (T,) = ctx.saved_tensors
     if grad_T is None:
         return None, None, None
-    return birkhoff_backward(T, grad_T.to(T.dtype)), None, None
+    grad_T = grad_T.to(T.dtype)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: differentiable ops, so double backward goes through them
+        return birkhoff_backward(T, grad_T), None, None
+    return _backward_op(T, grad_T), None, None
+
+
+# The backward's ridged solve picks failed matrices by data (nonzero), so it is
+# opaque to compiled graphs too.
+@torch.library.custom_op("mhc::birkhoff_reference_backward", mutates_args=())
+def _backward_op(T: Tensor, grad_T: Tensor) -> Tensor:
+    """:func:`birkhoff_backward` as one op, for backward passes that record no graph."""
+    return birkhoff_backward(T, grad_T)
+
+
+@_backward_op.register_fake
+def _backward_op_fake(T: Tensor, grad_T: Tensor) -> Tensor:
+    return torch.empty_like(T)
 
 
 _newton_op.register_autograd(_newton_op_backward, setup_context=_newton_op_setup)
