@@ -64,7 +64,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from .adapters import Adapter
 from .adapters_generic import adapter_for_model
 from .block import MHCBlock
-from .hf_config import MHC_FIELDS, MHCConfig
+from .hf_config import MHC_FIELDS, MHCConfig, added_parameter_count
 from .hf_branch import SiteBranch
 from .hf_verify import check_logits, identity_coefficients, reference_logits, verify_by_default
 from .options import reject_unknown_options
@@ -392,25 +392,6 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
                         if p.grad is not None:
                             p.grad = p.grad.to(torch.float32)
         return self
-
-
-def added_parameter_count(config: MHCConfig) -> int:
-    """Parameters mHC adds to the base model (what ``num_parameters()`` grows by).
-
-    Per site (two per sequential decoder layer, one per parallel-residual
-    layer: ``len(config.get_adapter().sites)``), with ``n`` streams and hidden size ``C``:
-    ``mhc``: ``nC·(n² + 2n) + n² + 2n + 3``; ``hc``: ``C·(n + 2) + n² + 2n + 3``;
-    ``residual``: 0. Plus ``n`` for ``reduce="learned"``.
-    """
-    base = config.get_text_config()
-    n, C, L = config.n_streams, base.hidden_size, base.num_hidden_layers
-    if config.mode == "mhc":
-        site = n * C * (n * n + 2 * n) + n * n + 2 * n + 3
-    elif config.mode == "hc":
-        site = C * (n + 2) + n * n + 2 * n + 3
-    else:
-        site = 0
-    return len(config.get_adapter().sites) * L * site + (n if config.reduce == "learned" else 0)
 
 
 def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn.Module]) -> None:
