@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
-from .deepseek_v4 import read_hyper_connection
+from .deepseek_v4 import PARAMETER_NAMES, deepseek_v4_settings
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
 
@@ -214,8 +214,8 @@ class MHCBlock(nn.Module):
             **option_values: other :class:`mhc.MHCOptions` fields (``recompute``, ``tol``, ...).
 
         Returns:
-            An ``MHCBlock`` with ``mode="mhc"``, on ``hc.fn``'s device, float32 parameters.
-            Since ``pre_eps > 0`` it always runs on the PyTorch path.
+            An ``MHCBlock`` with ``mode="mhc"`` and float32 parameters on ``hc.fn``'s device
+            (a module ``branch`` is not moved). Since ``pre_eps > 0`` it always runs on the PyTorch path.
 
         Raises:
             TypeError: ``hc`` lacks the attributes of a ``DeepseekV4HyperConnection``.
@@ -223,20 +223,10 @@ class MHCBlock(nn.Module):
                 (mHC-lite has ``n!`` logits, DeepSeek ``n²``), an option sets what
                 the hyper-connection fixes, or its weights are malformed.
         """
-        if projection not in ("sinkhorn", "newton"):
-            raise ValueError(f"from_deepseek_v4: projection must be 'sinkhorn' or 'newton', got {projection!r}")
-        fixed = ("mode", "sinkhorn_iters", "norm_eps", "pre_eps", "sinkhorn_eps", "hidden_size", "n_streams")
-        clash = sorted(set(option_values) & set(fixed))
-        if clash:
-            raise ValueError(f"from_deepseek_v4 takes {', '.join(clash)} from the hyper-connection; do not pass them")
-        ds = read_hyper_connection(hc)
-        block = cls(
-            branch, ds.hidden_size, ds.n_streams, mode="mhc", projection=projection, sinkhorn_iters=ds.sinkhorn_iters,
-            norm_eps=ds.norm_eps, pre_eps=ds.hc_eps, sinkhorn_eps=ds.hc_eps, **option_values,
-        ).to(ds.phi.device)
-        with torch.no_grad():
-            for name in ("phi", "alpha", "b_pre", "b_post", "b_res"):
-                getattr(block, name).copy_(getattr(ds, name))
+        site, settings = deepseek_v4_settings(hc, projection, option_values)
+        block = cls(branch, **settings)
+        for name in PARAMETER_NAMES:  # float32 copies on fn's device; the branch stays where it is
+            setattr(block, name, nn.Parameter(getattr(site, name)))
         return block
 
     @staticmethod

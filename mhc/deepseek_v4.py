@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DeepseekV4Site", "read_hyper_connection"]
+__all__ = ["DeepseekV4Site", "PARAMETER_NAMES", "read_hyper_connection", "deepseek_v4_settings"]
+
+PARAMETER_NAMES = ("phi", "alpha", "b_pre", "b_post", "b_res")
+"""The parameters of an ``mode="mhc"`` :class:`mhc.MHCBlock` that a :class:`DeepseekV4Site` fills."""
+
+# What the hyper-connection decides; from_deepseek_v4 refuses them as options.
+_FIXED_BY_HC = ("mode", "sinkhorn_iters", "norm_eps", "pre_eps", "sinkhorn_eps", "hidden_size", "n_streams")
 
 
 @dataclass(frozen=True)
@@ -136,3 +142,34 @@ def read_hyper_connection(hc: object) -> DeepseekV4Site:
         sinkhorn_iters=iters,
         norm_eps=norm_eps,
     )
+
+
+def deepseek_v4_settings(hc: object, projection: str, options: dict) -> tuple[DeepseekV4Site, dict]:
+    """The site read from ``hc`` and the :class:`mhc.MHCBlock` keywords (less the branch) that run it.
+
+    Args:
+        hc: a ``DeepseekV4HyperConnection`` (see :func:`read_hyper_connection`).
+        projection: ``"sinkhorn"`` (DeepSeek's own recipe) or ``"newton"`` (the exact projection of the same logits).
+        options: other :class:`mhc.MHCOptions` fields for the block (``recompute``, ``tol``, ...).
+
+    Returns:
+        ``(site, keywords)``: ``keywords`` has ``hidden_size``, ``n_streams``, ``mode="mhc"``,
+        ``projection``, ``sinkhorn_iters``, ``norm_eps``, ``pre_eps = sinkhorn_eps = hc_eps`` and ``options``.
+
+    Raises:
+        ValueError: ``projection`` is neither (mHC-lite would need ``n!`` logits, DeepSeek has ``n²``),
+            or ``options`` sets one of the values the hyper-connection fixes.
+        TypeError, ValueError: from :func:`read_hyper_connection`.
+    """
+    if projection not in ("sinkhorn", "newton"):
+        raise ValueError(f"from_deepseek_v4: projection must be 'sinkhorn' or 'newton', got {projection!r}")
+    clash = sorted(set(options) & set(_FIXED_BY_HC))
+    if clash:
+        raise ValueError(f"from_deepseek_v4 takes {', '.join(clash)} from the hyper-connection; do not pass them")
+    site = read_hyper_connection(hc)
+    keywords = dict(
+        hidden_size=site.hidden_size, n_streams=site.n_streams, mode="mhc", projection=projection,
+        sinkhorn_iters=site.sinkhorn_iters, norm_eps=site.norm_eps, pre_eps=site.hc_eps, sinkhorn_eps=site.hc_eps,
+        **options,
+    )
+    return site, keywords
