@@ -5,8 +5,7 @@
     python scripts/study_exactness.py --out docs/studies/exactness --runs runs/study_exactness --target-s 300
     # a fixed budget instead, or fewer runs at a time
     python scripts/study_exactness.py --tokens 3000000 --jobs 8
-    # a CPU smoke test of the whole pipeline (seconds)
-    python scripts/study_exactness.py --smoke --out /tmp/study --runs /tmp/study_runs
+    python scripts/study_exactness.py --smoke --out /tmp/study --runs /tmp/study_runs   # CPU pipeline test
     # rebuild README.md and the plots from OUT/results.json and OUT/curves.json
     python scripts/study_exactness.py --report-only --out docs/studies/exactness
     # runs done in several batches (same --tokens!): merge their OUT folders into one
@@ -14,12 +13,10 @@
     # how far DeepSeek-V4's truncated H_res moves a site's output from the exact one (CPU)
     python scripts/study_exactness.py --deepseek-gap
 
-Variants: residual, hc, mhc (exact Newton), mhc-sk20 (the paper's / DeepSeek's 20-round Sinkhorn),
-mhc-lite (a softmax over the n! permutation matrices). Each run is scripts/train_lm.py in its own
-process with configs/study_exactness.yaml and --set variant/seed (n_streams=1 for residual); up to
---jobs of them run at once on the same device. Run folders (checkpoints included) go to --runs;
-OUT gets results.json (one record per run), curves.json (the series the plots need), each run's
-metrics.jsonl / summary.json / config.yaml / log under OUT/runs/, README.md and the PNGs.
+Each run is scripts/train_lm.py in its own process with configs/study_exactness.yaml and --set
+variant/seed (n_streams=1 for residual); up to --jobs run at once on one device. Run folders go to
+--runs; OUT gets results.json (a record per run), curves.json (the plots' series), study.json (the
+command, budget, wall time), each run's metrics/summary/config/log under OUT/runs/, README.md, PNGs.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ except ImportError:  # a source checkout without installing
 
 import torch  # noqa: E402
 
-from mhc.train import load_config, prepare_data  # noqa: E402
+from mhc.train import load_config, prepare_data, read_metrics  # noqa: E402
 from mhc.train.config import VARIANTS  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
@@ -97,49 +94,21 @@ def run_parallel(jobs: list[tuple[str, int, Path]], config: Path, common: list[s
 # ----------------------------------------------------------------------------- collecting a run
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a killed run
-            continue
-    return out
-
-
 def _finite_max(values) -> float | None:
     finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return max(finite) if finite else None
 
 
-def _marginal_from_model(run_dir: Path, device: str) -> dict | None:
-    """Per-site marginal error of H_res (mean / max over tokens) of the saved model on two validation windows.
-
-    Only used when metrics.jsonl carries no ``marginal_error`` (an older trainer).
-    """
-    from mhc import MHCForCausalLM, marginal_error
-    from mhc.diagnostics import collect_h_res
-
-    cfg = load_config(run_dir / "config.yaml", ["progress=false"])
-    data, _, _ = prepare_data(cfg, log=lambda *a, **k: None)
-    ids = data.val_windows(cfg.eval_batches * cfg.batch_size)[:2].to(device)
-    model = MHCForCausalLM.from_pretrained(run_dir / "model").to(device).eval()
-    errors = [marginal_error(h.float()) for h in collect_h_res(model, input_ids=ids, use_cache=False)]
-    return {"mean": [float(e.mean()) for e in errors], "max": [float(e.max()) for e in errors]}
-
-
-def collect_run(variant: str, seed: int, run_dir: Path, device: str) -> tuple[dict, dict]:
+def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
     """``(record, curves)`` of a finished run; raises ``FileNotFoundError`` if it did not finish."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in metrics if r.get("kind") == "train"]
     evals = [r for r in metrics if r.get("kind") == "eval"]
     gains = summary.get("composite_gains") or {}
+    # per-site {"mean": [...], "max": [...]} over the tokens of the trainer's diagnostic windows, per evaluation
     marginal = [(r["step"], r["marginal_error"]) for r in evals if r.get("marginal_error")]
-    if marginal:
-        final_marginal, source = marginal[-1][1], "metrics.jsonl (final evaluation)"
-    else:
-        final_marginal, source = _marginal_from_model(run_dir, device), "saved model (2 validation windows)"
+    final_marginal = marginal[-1][1] if marginal else None
     record = {
         "variant": variant,
         "seed": seed,
@@ -152,19 +121,12 @@ def collect_run(variant: str, seed: int, run_dir: Path, device: str) -> tuple[di
         "fwd_gain": summary.get("fwd_gain_max"),
         "bwd_gain": summary.get("bwd_gain_max"),
         "hres_marginal_err_max": _finite_max(final_marginal["max"]) if final_marginal else None,
-        # context
-        "fwd_gain_full_depth": summary.get("fwd_gain_full_depth"),
-        "bwd_gain_full_depth": summary.get("bwd_gain_full_depth"),
-        "fwd_gain_peak_during_training": _finite_max(r.get("fwd_gain") for r in evals),
-        "bwd_gain_peak_during_training": _finite_max(r.get("bwd_gain") for r in evals),
-        "hres_marginal_err_source": source,
-        "steps": summary["steps"],
-        "skipped_steps": summary.get("skipped_steps"),
-        "stopped_early": summary.get("stopped_early"),
-        "train_time_s": summary.get("train_time_s"),
-        "tokens_per_s": summary.get("tokens_per_s"),
-        "device": summary.get("device"),
-        "precision": summary.get("precision"),
+        # context: the full-depth gains (final, and their largest over the evaluations), the run itself
+        **{k: summary.get(k) for k in ("fwd_gain_full_depth", "bwd_gain_full_depth")},
+        "fwd_gain_full_depth_max_over_evals": _finite_max(r.get("fwd_gain") for r in evals),
+        "bwd_gain_full_depth_max_over_evals": _finite_max(r.get("bwd_gain") for r in evals),
+        **{k: summary.get(k) for k in ("steps", "skipped_steps", "stopped_early", "train_time_s", "tokens_per_s",
+                                       "device", "precision")},  # fmt: skip
     }
     curves = {
         "variant": variant,
@@ -179,11 +141,11 @@ def collect_run(variant: str, seed: int, run_dir: Path, device: str) -> tuple[di
     return record, curves
 
 
-def collect_all(jobs, out: Path, device: str) -> tuple[list[dict], list[dict]]:
+def collect_all(jobs, out: Path) -> tuple[list[dict], list[dict]]:
     records, curves = [], []
     for variant, seed, run_dir in jobs:
         try:
-            rec, cur = collect_run(variant, seed, run_dir, device)
+            rec, cur = collect_run(variant, seed, run_dir)
         except FileNotFoundError as e:
             print(f"skipped {variant}/seed{seed}: the run did not finish ({e.filename})", file=sys.stderr)
             continue
@@ -202,18 +164,13 @@ def collect_all(jobs, out: Path, device: str) -> tuple[list[dict], list[dict]]:
 # ----------------------------------------------------------------------------- the report
 
 
-def _mean_std(values: list) -> tuple[float | None, float | None]:
+def _mean_std(values: list) -> str:
+    """``mean ± std`` (sample std) of the finite values, ``–`` for none."""
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not vals:
-        return None, None
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
-def _fmt(mean: float | None, std: float | None) -> str:
-    if mean is None:
         return "–"
-    digits = 4 if abs(mean) < 100 else 1
-    return f"{mean:.{digits}g} ± {std:.2g}" if std else f"{mean:.{digits}g}"
+    mean, std = statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    return f"{mean:.4g} ± {std:.2g}" if std else f"{mean:.4g}"
 
 
 def summary_table(records: list[dict]) -> str:
@@ -225,27 +182,9 @@ def summary_table(records: list[dict]) -> str:
         tokens = sorted({r["tokens"] for r in rs})
         capped = " (capped)" if any(r.get("stopped_early") for r in rs) else ""
         cells = [v, str(len(rs)), f"{rs[0]['params'] / 1e6:.2f}M", "/".join(f"{t:,}" for t in tokens) + capped]
-        cells += [_fmt(*_mean_std([r[k] for r in rs])) for k in TABLE_KEYS]
+        cells += [_mean_std([r[k] for r in rs]) for k in TABLE_KEYS]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-def comparisons(records: list[dict]) -> list[str]:
-    """Plain sentences from the numbers: each variant's mean final loss against exact mHC's, in pooled stds."""
-    def losses(v):
-        return [r["final_val_loss"] for r in records if r["variant"] == v and math.isfinite(r["final_val_loss"])]
-
-    base = losses("mhc")
-    lines = []
-    for v in VARIANTS:
-        other = losses(v)
-        if v == "mhc" or len(other) < 2 or len(base) < 2:
-            continue
-        diff = statistics.fmean(other) - statistics.fmean(base)
-        pooled = math.sqrt((statistics.variance(other) + statistics.variance(base)) / 2) or float("nan")
-        lines.append(f"- `{v}` − `mhc` final validation loss: {diff:+.4f} nats/token "
-                     f"({diff / pooled:+.1f} pooled seed std; {len(other)} vs {len(base)} seeds)")  # fmt: skip
-    return lines
 
 
 def plot_all(curves: list[dict], out: Path) -> list[str]:
@@ -260,6 +199,12 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
     variants = [v for v in VARIANTS if any(c["variant"] == v for c in curves)]
     colors = variant_colors(variants)
     written = []
+
+    def finish(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(name)
 
     def band(ax, series: list[tuple[list, list]], color: str, label: str) -> None:
         if not series:
@@ -283,10 +228,7 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
         ax.legend(fontsize=8)
     ax_val.set_title("validation loss: mean over seeds, band = min..max")
     ax_train.set_title("training loss (logged steps)")
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=120)
-    plt.close(fig)
-    written.append("loss_curves.png")
+    finish(fig, "loss_curves.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key in zip(axes, ("forward_gain", "backward_gain")):
@@ -299,10 +241,7 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.suptitle("composite gain of H_res over depth, final models")
-    fig.tight_layout()
-    fig.savefig(out / "gain_vs_depth.png", dpi=120)
-    plt.close(fig)
-    written.append("gain_vs_depth.png")
+    finish(fig, "gain_vs_depth.png")
 
     sk = [c for c in curves if c["variant"] == "mhc-sk20"]
     if any(c["marginal_over_training"] for c in sk) or any(c["marginal_final"] for c in sk):
@@ -327,10 +266,7 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
         ax_t.set_title("mhc-sk20: marginal error over training (max / mean over sites and tokens)")
         ax_d.set_xlabel("depth (sites)")
         ax_d.set_title("mhc-sk20: worst token per site, final model")
-        fig.tight_layout()
-        fig.savefig(out / "sk20_marginal_error.png", dpi=120)
-        plt.close(fig)
-        written.append("sk20_marginal_error.png")
+        finish(fig, "sk20_marginal_error.png")
     return written
 
 
@@ -391,8 +327,6 @@ def write_report(out: Path) -> str:
         "of the final evaluation. Per-run values: `results.json`; series: `curves.json`; each run's "
         "metrics, summary and config: `runs/`.",
         "",
-        *comparisons(records),
-        "",
         "## Plots",
         "",
         *[f"![{p}]({p})" for p in plots],
@@ -419,33 +353,39 @@ def write_report(out: Path) -> str:
 
 
 def deepseek_gap(scales=(0.1, 1.0, 3.0, 10.0), seeds: int = 5) -> str:
-    """Markdown table: relative change of a DeepSeek-V4 site's output, exact H_res against the truncated one."""
+    """Markdown table: a random DeepSeek-V4 site (n = 4, C = 64) with its 20-round H_res and with the exact one.
+
+    Per comb-logit spread: the largest marginal error of the truncated H_res over the tokens, and the
+    largest ‖out_exact − out_sk20‖_F / ‖out_sk20‖_F of a token's [n, C] output.
+    """
     from torch import nn
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
     from mhc import MHCBlock, marginal_error
 
+    def gap(hc, branch, x):
+        truncated, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
+        a, b = truncated(x), exact(x)
+        change = ((b - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max()
+        return float(marginal_error(truncated.coefficients(x)[2]).max()), float(change)
+
     n, C = 4, 64
     rows = ["| comb logit std | marginal error, 20 rounds (max) | ‖out_exact − out_sk20‖ / ‖out‖ (max) |", "|---|---|---|"]
     for scale in scales:
-        errs, gaps = [], []
+        gaps = []
         for seed in range(seeds):
             g = torch.Generator().manual_seed(seed)
             hc = DeepseekV4HyperConnection(DeepseekV4Config(hidden_size=C, hc_mult=n))
-            with torch.no_grad():
+            with torch.no_grad():  # z has unit spread on unit-RMS streams; the comb rows get `scale`
                 hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * (n * C) ** -0.5)
+                hc.fn[2 * n :] *= scale
                 hc.base.zero_()
                 hc.scale.fill_(1.0)
-                hc.fn[2 * n :] *= scale  # z_comb has std ~ scale on unit-RMS streams
-            branch = nn.Linear(C, C)
-            x = torch.randn(64, 16, n, C, generator=g)
-            trunc, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
+            torch.manual_seed(seed)  # the branch's weights
             with torch.no_grad():
-                errs.append(float(marginal_error(trunc.coefficients(x)[2]).max()))
-                a, b = trunc(x), exact(x)
-                gaps.append(float(((a - b).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max()))
-        rows.append(f"| {scale:g} | {max(errs):.3g} | {max(gaps):.3g} |")
+                gaps.append(gap(hc, nn.Linear(C, C), torch.randn(64, 16, n, C, generator=g)))
+        rows.append(f"| {scale:g} | {max(e for e, _ in gaps):.3g} | {max(d for _, d in gaps):.3g} |")
     return "\n".join(rows)
 
 
@@ -541,8 +481,7 @@ def main(argv=None) -> int:
         print(f"failed runs: {failed} (their logs: {runs}/<variant>/<seed>.log)", file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    records, curves = collect_all(jobs, out, device)
+    records, curves = collect_all(jobs, out)
     (out / "results.json").write_text(json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n")
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
