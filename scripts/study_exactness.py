@@ -1,17 +1,12 @@
 #!/usr/bin/env python
 """Does an exact H_res matter? Train five variants x several seeds at one token budget; table and plots.
 
-    # the study (one GPU; all runs at once, the token budget picked so the slowest run trains ~300 s)
-    python scripts/study_exactness.py --out docs/studies/exactness --runs runs/study_exactness --target-s 300
-    # a fixed budget instead, or fewer runs at a time
-    python scripts/study_exactness.py --tokens 3000000 --jobs 8
-    python scripts/study_exactness.py --smoke --out /tmp/study --runs /tmp/study_runs   # CPU pipeline test
-    # rebuild README.md and the plots from OUT/results.json and OUT/curves.json
-    python scripts/study_exactness.py --report-only --out docs/studies/exactness
-    # runs done in several batches (same --tokens!): merge their OUT folders into one
-    python scripts/study_exactness.py --report-only --merge batch1 batch2 --out docs/studies/exactness
-    # how far DeepSeek-V4's truncated H_res moves a site's output from the exact one (CPU)
-    python scripts/study_exactness.py --deepseek-gap
+    python scripts/study_exactness.py --target-s 300   # one GPU, all runs at once; the slowest trains ~300 s
+    python scripts/study_exactness.py --tokens 3000000 --jobs 8          # a fixed budget, 8 runs at a time
+    python scripts/study_exactness.py --smoke --out /tmp/s --runs /tmp/r  # the pipeline on the CPU, seconds
+    python scripts/study_exactness.py --report-only                       # README.md + plots from OUT
+    python scripts/study_exactness.py --report-only --merge b1 b2         # batches (same --tokens!) into OUT
+    python scripts/study_exactness.py --deepseek-gap   # DeepSeek-V4's 20-round vs exact H_res on one site (CPU)
 
 Each run is scripts/train_lm.py in its own process with configs/study_exactness.yaml and --set
 variant/seed (n_streams=1 for residual); up to --jobs run at once on one device. Run folders go to
@@ -39,10 +34,20 @@ try:
 except ImportError:  # a source checkout without installing
     sys.path.insert(0, str(REPO))
 
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mhc import MHCBlock, MHCForCausalLM  # noqa: E402
+from mhc.deepseek_v4 import gap_table  # noqa: E402
 
 from mhc.train import load_config, prepare_data, read_metrics  # noqa: E402
 from mhc.train.config import VARIANTS  # noqa: E402
+from mhc.train.plots import variant_colors  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 CONFIG = REPO / "configs" / "study_exactness.yaml"
@@ -51,9 +56,7 @@ LAUNCH_ORDER = ("mhc-sk20", "mhc-lite", "hc", "mhc", "residual")
 RECORD_KEYS = ("variant", "seed", "params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain",
                "bwd_gain", "hres_marginal_err_max")  # fmt: skip
 TABLE_KEYS = ("final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain", "bwd_gain", "hres_marginal_err_max")
-SMOKE_SETS = ["hidden_size=32", "num_layers=2", "num_heads=2", "intermediate_size=64", "seq_len=32", "batch_size=4",
-              "max_corpus_mb=0.3", "warmup_steps=1", "eval_interval=2", "eval_batches=1", "log_interval=1",
-              "device=cpu"]  # fmt: skip
+SMOKE_CONFIG = REPO / "configs" / "study_exactness_smoke.yaml"
 
 
 def _jobs(variants: list[str], seeds: list[int], runs: Path) -> list[tuple[str, int, Path]]:
@@ -112,11 +115,7 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
     record = {
         "variant": variant,
         "seed": seed,
-        "params": summary["params"],
-        "tokens": summary["tokens"],
-        "final_val_loss": summary["final_val_loss"],
-        "max_grad_norm": summary["max_grad_norm"],
-        "loss_spikes": summary["loss_spikes"],
+        **{k: summary[k] for k in ("params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes")},
         # the composite over every prefix depth of the final model, its worst depth (the paper's Amax gain)
         "fwd_gain": summary.get("fwd_gain_max"),
         "bwd_gain": summary.get("bwd_gain_max"),
@@ -129,8 +128,7 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
                                        "device", "precision")},  # fmt: skip
     }
     curves = {
-        "variant": variant,
-        "seed": seed,
+        "variant": variant, "seed": seed,
         "train": [[r["step"], r["tokens"], r["loss"], r.get("grad_norm")] for r in train],
         "eval": [[r["step"], r["tokens"], r["val_loss"]] for r in evals],
         "gains": {k: gains.get(k) for k in ("forward_gain", "backward_gain")},
@@ -141,7 +139,28 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
     return record, curves
 
 
-def collect_all(jobs, out: Path) -> tuple[list[dict], list[dict]]:
+@torch.no_grad()
+def loss_by_projection(run_dir: Path, windows: torch.Tensor, device: str) -> dict[str, float]:
+    """Validation loss (float32) of a trained Newton or Sinkhorn model as trained and with the other projection.
+
+    Same weights, same logits: only how ``H_res`` is made from them changes (``block.projection`` is
+    assignable between these two), so the gap is what the truncation itself does to a trained model.
+    """
+    model = MHCForCausalLM.from_pretrained(run_dir / "model").to(device).eval()
+    losses = {}
+    for projection in ("newton", "sinkhorn"):
+        for block in model.modules():
+            if isinstance(block, MHCBlock):
+                block.projection = projection
+        total = 0.0
+        for ids in windows.to(device).split(16):
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+            total += float(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+        losses[projection] = total / (windows.shape[0] * (windows.shape[1] - 1))
+    return losses
+
+
+def collect_all(jobs, out: Path, windows: torch.Tensor, device: str) -> tuple[list[dict], list[dict]]:
     records, curves = [], []
     for variant, seed, run_dir in jobs:
         try:
@@ -149,6 +168,8 @@ def collect_all(jobs, out: Path) -> tuple[list[dict], list[dict]]:
         except FileNotFoundError as e:
             print(f"skipped {variant}/seed{seed}: the run did not finish ({e.filename})", file=sys.stderr)
             continue
+        if variant in ("mhc", "mhc-sk20"):
+            rec["val_loss_by_projection"] = loss_by_projection(run_dir, windows, device)
         records.append(rec)
         curves.append(cur)
         keep = out / "runs" / variant / f"seed{seed}"
@@ -188,14 +209,7 @@ def summary_table(records: list[dict]) -> str:
 
 
 def plot_all(curves: list[dict], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from mhc.train.plots import variant_colors
-
+    """loss_curves.png, gain_vs_depth.png and (with mhc-sk20 runs) sk20_marginal_error.png in ``out``; their names."""
     variants = [v for v in VARIANTS if any(c["variant"] == v for c in curves)]
     colors = variant_colors(variants)
     written = []
@@ -299,6 +313,21 @@ def merge_batches(batches: list[Path], out: Path) -> None:
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
+def swap_table(records: list[dict]) -> list[str]:
+    rows = [(r["variant"], r["val_loss_by_projection"]) for r in records if r.get("val_loss_by_projection")]
+    if not rows:
+        return []
+    lines = ["Trained models evaluated with each projection of the same logits (float32, the validation windows "
+             "of the runs; mean ± std over seeds):", "", "| trained as | val loss, Newton | val loss, 20-round "
+             "Sinkhorn | Sinkhorn − Newton |", "|---|---|---|---|"]  # fmt: skip
+    for v in ("mhc", "mhc-sk20"):
+        ls = [x for name, x in rows if name == v]
+        if ls:
+            cells = [_mean_std([x[k] for x in ls]) for k in ("newton", "sinkhorn")]
+            lines.append(f"| {v} | {cells[0]} | {cells[1]} | {_mean_std([x['sinkhorn'] - x['newton'] for x in ls])} |")
+    return [*lines, ""]
+
+
 def write_report(out: Path) -> str:
     """README.md and the plots from OUT/results.json and OUT/curves.json; returns the README text."""
     records = json.loads((out / "results.json").read_text())
@@ -327,6 +356,7 @@ def write_report(out: Path) -> str:
         "of the final evaluation. Per-run values: `results.json`; series: `curves.json`; each run's "
         "metrics, summary and config: `runs/`.",
         "",
+        *swap_table(records),
         "## Plots",
         "",
         *[f"![{p}]({p})" for p in plots],
@@ -349,46 +379,6 @@ def write_report(out: Path) -> str:
     return text
 
 
-# ----------------------------------------------------------------------------- DeepSeek-V4 gap
-
-
-def deepseek_gap(scales=(0.1, 1.0, 3.0, 10.0), seeds: int = 5) -> str:
-    """Markdown table: a random DeepSeek-V4 site (n = 4, C = 64) with its 20-round H_res and with the exact one.
-
-    Per comb-logit spread: the largest marginal error of the truncated H_res over the tokens, and the
-    largest ‖out_exact − out_sk20‖_F / ‖out_sk20‖_F of a token's [n, C] output.
-    """
-    from torch import nn
-    from transformers import DeepseekV4Config
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-
-    from mhc import MHCBlock, marginal_error
-
-    def gap(hc, branch, x):
-        truncated, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
-        a, b = truncated(x), exact(x)
-        change = ((b - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max()
-        return float(marginal_error(truncated.coefficients(x)[2]).max()), float(change)
-
-    n, C = 4, 64
-    rows = ["| comb logit std | marginal error, 20 rounds (max) | ‖out_exact − out_sk20‖ / ‖out‖ (max) |", "|---|---|---|"]
-    for scale in scales:
-        gaps = []
-        for seed in range(seeds):
-            g = torch.Generator().manual_seed(seed)
-            hc = DeepseekV4HyperConnection(DeepseekV4Config(hidden_size=C, hc_mult=n))
-            with torch.no_grad():  # z has unit spread on unit-RMS streams; the comb rows get `scale`
-                hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * (n * C) ** -0.5)
-                hc.fn[2 * n :] *= scale
-                hc.base.zero_()
-                hc.scale.fill_(1.0)
-            torch.manual_seed(seed)  # the branch's weights
-            with torch.no_grad():
-                gaps.append(gap(hc, nn.Linear(C, C), torch.randn(64, 16, n, C, generator=g)))
-        rows.append(f"| {scale:g} | {max(e for e, _ in gaps):.3g} | {max(d for _, d in gaps):.3g} |")
-    return "\n".join(rows)
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -406,17 +396,17 @@ def main(argv=None) -> int:
     p.add_argument("--calib-steps", type=int, default=30)
     p.add_argument("--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU models and a few steps: tests the pipeline")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_CONFIG.name} on the CPU: tests the pipeline in seconds")
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
+    p.add_argument("--deepseek-gap", action="store_true", help="print mhc.deepseek_v4.gap_table() (CPU) and exit")
     p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                    help="with --report-only: OUT folders of several batches to merge into --out first "
                         "(a later folder's run replaces an earlier one of the same variant and seed)")  # fmt: skip
-    p.add_argument("--deepseek-gap", action="store_true", help="print the DeepSeek-V4 exact-vs-truncated table and exit")
     args = p.parse_args(argv)
-
     if args.deepseek_gap:
-        print(deepseek_gap())
+        print(gap_table())
         return 0
+
     out = Path(args.out)
     if args.merge and not args.report_only:
         p.error("--merge goes with --report-only")
@@ -436,8 +426,8 @@ def main(argv=None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    config, runs = Path(args.config), Path(args.runs)
-    common = [*(SMOKE_SETS if args.smoke else []), *args.set, "progress=false", "plots=false"]
+    config, runs = Path(SMOKE_CONFIG if args.smoke else args.config), Path(args.runs)
+    common = [*args.set, "progress=false", "plots=false"]
     if args.max_time_s:
         common.append(f"max_time_s={args.max_time_s}")
     try:  # every run's settings are checked before anything starts
@@ -453,17 +443,15 @@ def main(argv=None) -> int:
         # the build now; a run that needs them before it is done waits on the build's lock.
         build = subprocess.Popen([sys.executable, "-m", "mhc.cuda_build"], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.STDOUT)  # fmt: skip
-    prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
-    tokens = args.tokens or (2_000 if args.smoke else 0)
+    data, _, _ = prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
+    tokens = args.tokens
     if args.target_s > 0:
         cal_sets = common + [f"max_steps={args.calib_steps}", "tokens=0", "eval_interval=0", "max_time_s=0"]
         cal_jobs = [(v, s, runs / "calibration" / v / f"seed{s}") for v, s, _ in jobs]
         run_parallel(cal_jobs, config, cal_sets, parallel)
-        rates = {}
-        for v, s, rd in cal_jobs:
-            summary = rd / "summary.json"
-            if summary.is_file() and json.loads(summary.read_text()).get("tokens_per_s"):
-                rates[f"{v}/seed{s}"] = json.loads(summary.read_text())["tokens_per_s"]
+        summaries = {f"{v}/seed{s}": rd / "summary.json" for v, s, rd in cal_jobs}
+        rates = {k: json.loads(f.read_text()).get("tokens_per_s") for k, f in summaries.items() if f.is_file()}
+        rates = {k: r for k, r in rates.items() if r}
         if not rates:
             print("calibration failed: no run reported its speed (see the logs under --runs/calibration)", file=sys.stderr)
             return 1
@@ -481,7 +469,9 @@ def main(argv=None) -> int:
         print(f"failed runs: {failed} (their logs: {runs}/<variant>/<seed>.log)", file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
-    records, curves = collect_all(jobs, out)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    windows = data.val_windows(cfgs[0].eval_batches * cfgs[0].batch_size)
+    records, curves = collect_all(jobs, out, windows, device)
     (out / "results.json").write_text(json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n")
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])

@@ -146,3 +146,28 @@ def test_from_deepseek_v4_refuses_what_does_not_fit():
     fresh = modeling.DeepseekV4HyperConnection(small_config())
     randomise(fresh, fresh_generator())
     assert MHCBlock.from_deepseek_v4(fresh, branch, recompute=True).recompute  # other options pass through
+
+
+def test_truncation_gap_is_what_the_two_blocks_give_and_vanishes_with_enough_rounds():
+    from mhc.deepseek_v4 import truncation_gap
+
+    g = fresh_generator()
+    seed = f"seed {g.initial_seed()}"
+    torch.manual_seed(g.initial_seed())
+    hc = modeling.DeepseekV4HyperConnection(small_config())
+    randomise(hc, g, logit_scale=3.0)
+    branch = nn.Linear(C, C)
+    x = torch.randn(4, 6, N, C, generator=g)
+    error, change = truncation_gap(hc, branch, x)
+    with torch.no_grad():
+        truncated, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
+        a, b = truncated(x), exact(x)
+        expected_error = marginal_error(truncated.coefficients(x)[2]).max().item()
+    expected_change = ((b - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max().item()
+    assert error == pytest.approx(expected_error, rel=1e-6) and change == pytest.approx(expected_change, rel=1e-5), seed
+    assert error > 1e-3 and change > 1e-4, (seed, error, change)  # spread-out logits: 20 rounds are not enough
+    long_hc = modeling.DeepseekV4HyperConnection(small_config(hc_sinkhorn_iters=3000, hc_eps=0.0))
+    long_hc.load_state_dict(hc.state_dict())
+    long_error, long_change = truncation_gap(long_hc, branch, x)
+    # Sinkhorn converges slowly where H_res is near a permutation: much closer, not exact.
+    assert long_error < error / 10 and long_change < change / 10, (seed, error, change, long_error, long_change)

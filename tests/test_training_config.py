@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -213,8 +214,12 @@ def test_study_runner_smoke(tmp_path):
     # eps = 1e-6 in every sum: 2n marginals each about 1e-6 off at least, far below order one at this scale
     assert 1e-6 < record["hres_marginal_err_max"] < 1e-2
     assert record["fwd_gain"] is not None and record["loss_spikes"] >= 0
+    # The trained model evaluated with each projection: its own (Sinkhorn) reproduces the run's final loss.
+    by_projection = record["val_loss_by_projection"]
+    assert by_projection["sinkhorn"] == pytest.approx(record["final_val_loss"], rel=1e-5)
+    assert math.isfinite(by_projection["newton"])
     readme = (out / "README.md").read_text()
-    assert "| mhc-sk20 | 1 |" in readme and "sk20_marginal_error.png" in readme
+    assert "| mhc-sk20 | 1 |" in readme and "sk20_marginal_error.png" in readme and "| trained as |" in readme
     assert all((out / name).is_file() for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png"))
     assert (out / "runs" / "mhc-sk20" / "seed3" / "metrics.jsonl").is_file()
     merged = tmp_path / "merged"
