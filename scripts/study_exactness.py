@@ -444,7 +444,7 @@ def main(argv=None) -> int:
         build = subprocess.Popen([sys.executable, "-m", "mhc.cuda_build"], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.STDOUT)  # fmt: skip
     data, _, _ = prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
-    tokens = args.tokens
+    tokens, rates = args.tokens, {}
     if args.target_s > 0:
         cal_sets = common + [f"max_steps={args.calib_steps}", "tokens=0", "eval_interval=0", "max_time_s=0"]
         cal_jobs = [(v, s, runs / "calibration" / v / f"seed{s}") for v, s, _ in jobs]
@@ -477,7 +477,7 @@ def main(argv=None) -> int:
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {"command": command, "config": os.path.relpath(config, REPO) if config.is_absolute() else str(config),
             "tokens": tokens, "parallel": parallel, "wall_s": wall, "total_s": time.time() - t0,
-            "failed": failed}  # fmt: skip
+            "failed": failed, "calibration_tokens_per_s": rates, "target_s": args.target_s}  # fmt: skip
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(write_report(out))
     print(f"wrote {out} ({len(records)} runs, {wall:.0f} s of training wall time, {time.time() - t0:.0f} s in all)")
