@@ -23,9 +23,12 @@ from .options import MHCOptions, check_options, close_option, reject_unknown_opt
 
 __all__ = ["MHCConfig", "MHC_FIELDS", "added_parameter_count"]
 
-# Base-config keys MHCConfig never exposes as its own attributes.
+# Base-config keys MHCConfig never exposes as its own attributes. The RoPE settings are the base
+# model's alone: PretrainedConfig validates them on the wrapper too, and transformers 5.17 reads
+# Gemma3's per-layer-type dict through the wrapper as a flat one (AttributeError at conversion).
 _NOT_DELEGATED = frozenset(
-    {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype"}
+    {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype",
+     "rope_parameters", "rope_scaling"}
 )
 
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
