@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from typing import Any
 
 try:
@@ -41,6 +42,10 @@ _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parame
 )
 
 
+# MHCBlock keywords that are not MHCOptions fields, so not stored in config.json (mhc.block).
+_BLOCK_ONLY_KEYWORDS = frozenset({"pre_eps", "sinkhorn_eps"})
+
+
 def _reject_misspelled_fields(kwargs: dict[str, Any], base_config: dict[str, Any]) -> None:
     """``TypeError`` for a keyword that looks like a misspelt mHC field.
 
@@ -53,6 +58,11 @@ def _reject_misspelled_fields(kwargs: dict[str, Any], base_config: dict[str, Any
     ``n_stream``, ``Mode``, ...).
     """
     for name in kwargs:
+        if name in _BLOCK_ONLY_KEYWORDS:
+            raise TypeError(
+                f"MHCConfig does not take {name!r}: it is an MHCBlock keyword that HF models leave at its "
+                "default (build MHCBlock yourself to set it)"
+            )
         if name.startswith("_") or name in _STANDARD_CONFIG_KEYS or name in base_config:
             continue
         guess = close_option(name, MHC_FIELDS)
@@ -220,13 +230,15 @@ def added_parameter_count(config: MHCConfig) -> int:
 
     Per site (two per sequential decoder layer, one per parallel-residual
     layer: ``len(config.get_adapter().sites)``), with ``n`` streams and hidden size ``C``:
-    ``mhc``: ``nC·(n² + 2n) + n² + 2n + 3``; ``hc``: ``C·(n + 2) + n² + 2n + 3``;
+    ``mhc``: ``nC·(r + 2n) + r + 2n + 3`` with ``r = n²`` (``r = n!`` for
+    ``projection="lite"``, one logit per permutation); ``hc``: ``C·(n + 2) + n² + 2n + 3``;
     ``residual``: 0. Plus ``n`` for ``reduce="learned"``.
     """
     base = config.get_text_config()
     n, C, L = config.n_streams, base.hidden_size, base.num_hidden_layers
     if config.mode == "mhc":
-        site = n * C * (n * n + 2 * n) + n * n + 2 * n + 3
+        r = math.factorial(n) if config.projection == "lite" else n * n
+        site = n * C * (r + 2 * n) + r + 2 * n + 3
     elif config.mode == "hc":
         site = C * (n + 2) + n * n + 2 * n + 3
     else:

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -300,6 +301,24 @@ def test_num_parameters(arch, mode):
     n, C, L = 4, 32, 2
     per_site = {"mhc": n * C * (n * n + 2 * n) + n * n + 2 * n + 3, "hc": C * (n + 2) + n * n + 2 * n + 3}
     assert added == 2 * L * per_site.get(mode, 0) + n
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_num_parameters_of_lite_counts_one_logit_per_permutation(n):
+    base = tiny_base("llama")
+    n_base = base.num_parameters()
+    model = convert_to_mhc(base, n_streams=n, projection="lite")
+    added = added_parameter_count(model.config)
+    assert model.num_parameters() == n_base + added
+    r, C, L = math.factorial(n), 32, 2
+    assert added == 2 * L * (n * C * (r + 2 * n) + r + 2 * n + 3)
+
+
+@pytest.mark.parametrize("name", ["pre_eps", "sinkhorn_eps"])
+def test_config_refuses_block_only_keywords(name):
+    """They are not stored in config.json, so taking them would ignore them without a word."""
+    with pytest.raises(TypeError, match=name):
+        MHCConfig(base_config=tiny_config("llama"), **{name: 1e-3})
 
 
 def test_constructor_usage_and_residual_baseline(tmp_path):
