@@ -413,9 +413,9 @@ def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
     assert block.uses_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
     assert not block.uses_fused(torch.zeros(2, n, C, dtype=torch.int32, device=DEVICE))
     assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
-    # Sinkhorn and hc blocks (backward through the iterations; no fused kernels) stay on the PyTorch path,
+    # Sinkhorn, mHC-lite, pre_eps > 0 and hc blocks (no fused kernels for them) stay on the PyTorch path,
     # and so does a block switched to fused=False after it was built.
-    for other in (dict(projection="sinkhorn"), dict(mode="hc")):
+    for other in (dict(projection="sinkhorn"), dict(projection="lite"), dict(pre_eps=1e-6), dict(mode="hc")):
         assert not mhc.MHCBlock(nn.Identity(), C, n, **other).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
     switched = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
     switched.fused = False
