@@ -20,7 +20,7 @@ except ImportError:  # transformers 4.x
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .adapters import Adapter, registered_adapter, supported_model_types
-from .options import MHCOptions, check_options, close_option, reject_unknown_options
+from .options import MHCOptions, check_options, close_option
 
 __all__ = ["MHCConfig", "MHC_FIELDS", "added_parameter_count"]
 
