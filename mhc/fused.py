@@ -28,6 +28,10 @@ The post-mix node returns no gradient for ``x``; it leaves ``dx'`` in the
 call's :class:`_SiteState`, and the pre-step's backward writes the whole
 ``dx`` in one pass (separate gradients would cost extra reads and writes of
 the streams to add up). Double backward is not supported.
+
+Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused_steps`)
+run as ``torch.library`` custom ops with fake impls (:mod:`mhc.fused_ops`),
+so dynamo traces the site, and the sublayer between its steps, as one graph.
 """
 
 from __future__ import annotations
@@ -36,9 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import projection_cuda as _projection_cuda
 from .options import check_options
-from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
 __all__ = [
     "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "clear_plans",
@@ -64,15 +66,16 @@ except ImportError as err:
 else:
     try:
         from . import fused_kernels as _k
+        from . import fused_ops as _ops
         from . import fused_plan as _plans
+        from . import fused_steps as _steps
     except Exception as err:  # a NameError in the module is as much a bug as an ImportError
         _KERNELS_ERROR = err
     else:
         _INTERPRETED = not isinstance(_k.coeff_fwd, triton.runtime.jit.JITFunction)
 
 if _plans is not None:
-    _plan = _plans.plan_for
-    _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
+    _plan, _dense = _plans.plan_for, _steps.dense
 
 
 def available() -> bool:
@@ -135,21 +138,6 @@ class _SiteState:
         self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
 
 
-def _dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` as a contiguous, 16-byte aligned tensor of ``dtype``; no dispatcher call when it is one.
-
-    Every tensor a kernel sees passes through here or is a fresh allocation,
-    which is what lets :class:`mhc.fused_plan.Launcher` reuse compiled variants. A site runs a
-    few dozen such calls per step, and on the H200's host each no-op ``.to()`` /
-    ``.contiguous()`` still costs microseconds of dispatch.
-    """
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if not t.is_contiguous():
-        return t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()  # a view at an unaligned offset
-
-
 class _SitePre(torch.autograd.Function):
     """Streams and coefficient parameters -> ``(u, h, H_res)``.
 
@@ -166,17 +154,7 @@ class _SitePre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
-        plan = state.plan
-        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
-        zr = x.new_empty((T, Z + 1), dtype=plan.cdt)  # z and the norm's 1/rms
-        h = x.new_empty((T, 2 * n), dtype=plan.cdt)
-        R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
-        u = x.new_empty((*x.shape[:-2], C))
-        _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, state.eps)
-        if plan.cuda_projection:
-            H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(state.tol), NEWTON_MAX_ITER)
-        else:
-            H_res = birkhoff_project(R, tol=state.tol, max_iter=NEWTON_MAX_ITER)
+        u, zr, h, H_res = _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res
@@ -186,32 +164,12 @@ class _SitePre(torch.autograd.Function):
     def backward(ctx, du, d_h, d_res):
         x, phi, alpha, zr, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
-        plan = state.plan
-        needs_dx, needs_dphi = ctx.needs_input_grad[:2]
         # dx' is None when the site's output took no part in the loss (only H_post / H_res did).
         d_out, state.d_out = state.d_out, None
-        T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
-        d_res = _dense(d_res, plan.cdt)
-        # The projection's implicit backward needs only its output (design.md §2).
-        if plan.cuda_projection:
-            dR = torch.ops.mhc.birkhoff_backward(H_res, d_res)
-        else:
-            dR = birkhoff_backward(H_res, d_res)
-        du = _dense(du)
-        work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
-        _coeff_bwd(plan.coeff_bwd, du, x, h, _dense(d_h), dR, zr, alpha, work, C)
-        _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
-
-        dx = dphi = None
-        if needs_dx:
-            d_out = d_out if d_out is not None else torch.zeros_like(x)
-            dx = torch.empty_like(x)
-            _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
-        if needs_dphi:
-            part = zr.new_empty((plan.phi_splits, Z, n * C))
-            _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
-            dphi = part.sum(0)
-        return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n), None
+        dx, dphi, d_alpha, db_pre, db_post, db_res = _steps.pre_backward(
+            state.plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, *ctx.needs_input_grad[:2]
+        )
+        return dx, dphi, d_alpha, db_pre, db_post, db_res, None
 
 
 class _PostMix(torch.autograd.Function):
@@ -222,9 +180,7 @@ class _PostMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
-        plan = state.plan
-        out = torch.empty_like(x)
-        _postmix_fwd(plan.postmix_fwd, x, y, h, h_res, out, plan.C)
+        out = _steps.post_forward(state.plan, x, y, h, h_res)
         ctx.save_for_backward(x, y, h)
         ctx.state = state
         return out
@@ -233,12 +189,8 @@ class _PostMix(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout: Tensor):
         x, y, h = ctx.saved_tensors
-        plan = ctx.state.plan
         dout = _dense(dout)
-        dy = torch.empty_like(y)
-        g_h = torch.empty_like(h)
-        g_res = h.new_empty((plan.T, plan.n, plan.n))
-        _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
+        dy, g_h, g_res = _steps.post_backward(ctx.state.plan, dout, x, y, h)
         ctx.state.d_out = dout
         return None, dy, g_h, g_res, None
 
@@ -291,7 +243,8 @@ def site_pre(
         streams (contiguous), ``h [T, 2n]`` = σ of H_pre's and H_post's
         columns (``H_pre = h[:, :n]``, ``H_post = 2·h[:, n:]``), ``H_res [T, n, n]``
         (both float32, float64 for float64 streams; ``T`` tokens), and the
-        call's state.
+        call's state (``None`` under ``torch.compile``, where the streams
+        entry is a view of them that carries ``dx'`` back: :mod:`mhc.fused_ops`).
 
     Raises:
         ImportError: Triton imports but the kernels do not (see :func:`available`).
@@ -338,7 +291,7 @@ def post_mix(y: Tensor, site: tuple) -> Tensor:
         TypeError: ``y`` is not a floating-point tensor, or ``site`` is not from :func:`site_pre`.
         ValueError: ``y`` has the wrong shape or device.
     """
-    if not (isinstance(site, tuple) and len(site) == 4 and isinstance(site[3], _SiteState)):
+    if not (isinstance(site, tuple) and len(site) == 4 and (site[3] is None or isinstance(site[3], _SiteState))):
         raise TypeError("site must be the second value site_pre returned")
     x = site[0]
     if not isinstance(y, Tensor) or not y.is_floating_point():
@@ -357,6 +310,8 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     Python-level check of a site costs microseconds, 24 sites a step, and the
     forward of a ~125M model is bound by its host time.
     """
+    if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused_ops)
+        return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
     x = _dense(x)  # a strided input is copied once here
     plan = _plan(x)
     cdt = plan.cdt
@@ -375,6 +330,8 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
 def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
     """:func:`post_mix` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`)."""
     x, h, H_res, state = site
+    if state is None:  # from site_pre under torch.compile
+        return _ops.post_mix(y, site)
     y = _dense(y, x.dtype)
     if state.switch_device:
         with torch.cuda.device(state.plan.cuda_device):

@@ -116,13 +116,9 @@ def test_projection_compiles_and_still_warns_when_unconverged():
 
 
 @CUDA
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #27, open: the fused site's autograd nodes are not traceable yet (dynamo stops at "
-    "fused._dense's data_ptr alignment check, H200 2026-12-01); fused=False compiles",
-)
 def test_cuda_model_compiles_as_one_graph_and_matches_eager():
-    """The default options on CUDA (bf16 weights, fp32 coefficients), compiled with inductor and fullgraph."""
+    """The default options on CUDA (bf16 weights, fp32 coefficients, the fused site through mhc.fused_ops),
+    compiled with inductor and fullgraph."""
     model = mhc.convert_to_mhc(tiny_llama(), n_streams=4, init="paper").to("cuda", torch.bfloat16)
     ids = torch.randint(0, 97, (2, 64), device="cuda")
     logits_eager, grads_eager = loss_and_grads(model, ids)

@@ -490,3 +490,45 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out  # pytest's "errors during collection", not 0 (skipped) or 5 (nothing collected)
     assert "1 error" in out and mutations.BROKEN_KERNELS_MESSAGE in out, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
+    """Under torch.compile(fullgraph=True) the fused site runs as custom ops (mhc.fused_ops): no graph break,
+    the eager fused numbers, forward and backward, for a stack whose sites hand dx' on through the graph."""
+    from torch._dynamo.utils import counters
+
+    C, n = 48, 4
+    blocks = torch.nn.ModuleList(
+        fused_block(torch.nn.Sequential(torch.nn.RMSNorm(C), torch.nn.Linear(C, C)).to(DEVICE, dtype), C, n,
+                    layer_index=i, init="paper")
+        for i in range(3)
+    ).to(DEVICE)
+
+    def run(x):
+        for b in blocks:
+            x = b(x)
+        return x
+
+    x = torch.randn(2, 5, n, C, device=DEVICE, dtype=dtype)
+    assert blocks[0].uses_fused(x)
+    g = torch.randn_like(x)
+
+    def loss_and_grads(fn):
+        blocks.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        (out.float() * g.float()).sum().backward()
+        return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
+
+    out_e, dx_e, grads_e = loss_and_grads(run)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    out_c, dx_c, grads_c = loss_and_grads(compiled)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(dx_c, dx_e, **tol, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
+    for a, b in zip(grads_c, grads_e):
+        assert _rel(a, b) < (1e-4 if dtype == torch.float32 else 3e-2), f"seed {fresh_seed}"

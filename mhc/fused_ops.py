@@ -1,0 +1,167 @@
+"""The fused site under ``torch.compile``: its steps as ``torch.library`` custom ops (internal to :mod:`mhc.fused`).
+
+Dynamo cannot trace the eager nodes of :mod:`mhc.fused`: they launch compiled
+Triton kernels directly and hand ``dx'`` from the post-mix node to the
+pre-step node through a Python object. Under ``torch.compile``
+:func:`mhc.fused.site_pre_unchecked` and :func:`mhc.fused.post_mix_unchecked`
+come here instead: four opaque custom ops (``mhc::fused_site_pre``,
+``mhc::fused_site_pre_backward``, ``mhc::fused_post_mix``,
+``mhc::fused_post_mix_backward``) with fake impls, running the same kernel
+sequences (:mod:`mhc.fused_steps`) at run time, and two autograd nodes that
+dynamo traces. The ``dx'`` hand-off goes through the graph: the pre-step node
+returns its streams as a view (``link``) that the post-mix node reads, and
+the post-mix backward returns ``dx'`` as ``link``'s gradient, which the
+pre-step backward folds into ``dx`` (``H_resᵀ dx'``), as the eager nodes do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from . import fused_plan as _plans
+from . import fused_steps as _steps
+
+__all__ = ["site_pre", "post_mix"]
+
+
+def _on_device(x: Tensor):
+    # Triton launches on the current CUDA device; the op may run under another.
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _coefficient_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("mhc::fused_site_pre", mutates_args=())
+def _site_pre_op(
+    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, eps: float, tol: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(u, zr, h, H_res)`` of :func:`mhc.fused_steps.pre_forward`."""
+    x = _steps.dense(x)
+    plan = _plans.plan_for(x)
+    params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
+    with _on_device(x):
+        u, zr, h, H_res = _steps.pre_forward(plan, x, *params, eps, tol)
+    return u, zr, h, H_res
+
+
+@_site_pre_op.register_fake
+def _site_pre_fake(x, phi, alpha, b_pre, b_post, b_res, eps, tol):
+    n, C = x.shape[-2:]
+    T, cdt = x.numel() // (n * C), _coefficient_dtype(x)
+    return (
+        x.new_empty((*x.shape[:-2], C)),
+        x.new_empty((T, n * n + 2 * n + 1), dtype=cdt),
+        x.new_empty((T, 2 * n), dtype=cdt),
+        x.new_empty((T, n, n), dtype=cdt),
+    )
+
+
+@torch.library.custom_op("mhc::fused_site_pre_backward", mutates_args=())
+def _site_pre_backward_op(
+    d_out: Tensor, du: Tensor, d_h: Tensor, d_res: Tensor,
+    x: Tensor, phi: Tensor, alpha: Tensor, zr: Tensor, h: Tensor, H_res: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dφ, dα, db_pre, db_post, db_res)`` of :func:`mhc.fused_steps.pre_backward`."""
+    x = _steps.dense(x)
+    plan = _plans.plan_for(x)
+    phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
+    with _on_device(x):
+        grads = _steps.pre_backward(
+            plan, d_out, du, d_h, d_res, x, phi, alpha, _steps.dense(zr), _steps.dense(h), _steps.dense(H_res),
+            True, True,
+        )
+    # outputs of a custom op may not be views of one another
+    return tuple(g.clone() if g._base is not None else g for g in grads)
+
+
+@_site_pre_backward_op.register_fake
+def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
+    n = x.shape[-2]
+    cdt = _coefficient_dtype(x)
+    return (
+        torch.empty_like(x), phi.new_empty(phi.shape, dtype=cdt), x.new_empty((3,), dtype=cdt),
+        x.new_empty((n,), dtype=cdt), x.new_empty((n,), dtype=cdt), x.new_empty((n, n), dtype=cdt),
+    )
+
+
+@torch.library.custom_op("mhc::fused_post_mix", mutates_args=())
+def _post_mix_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
+    """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused_steps.post_forward`)."""
+    x = _steps.dense(x)
+    with _on_device(x):
+        return _steps.post_forward(_plans.plan_for(x), x, _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res))
+
+
+@_post_mix_op.register_fake
+def _post_mix_fake(x, y, h, H_res):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mhc::fused_post_mix_backward", mutates_args=())
+def _post_mix_backward_op(dout: Tensor, x: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dy, dh, dH_res)`` of :func:`mhc.fused_steps.post_backward`."""
+    x = _steps.dense(x)
+    with _on_device(x):
+        return _steps.post_backward(_plans.plan_for(x), _steps.dense(dout), x, _steps.dense(y, x.dtype), _steps.dense(h))
+
+
+@_post_mix_backward_op.register_fake
+def _post_mix_backward_fake(dout, x, y, h):
+    n = x.shape[-2]
+    return torch.empty_like(y, dtype=x.dtype), torch.empty_like(h), h.new_empty((h.shape[0], n, n))
+
+
+class _SitePre(torch.autograd.Function):
+    """Streams and parameters -> ``(u, h, H_res, link)``; ``link`` is ``x`` for :class:`_PostMix`."""
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
+        u, zr, h, H_res = _site_pre_op(x, phi, alpha, b_pre, b_post, b_res, eps, tol)
+        ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+        return u, h, H_res, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, du, d_h, d_res, d_link):
+        x, phi, alpha, zr, h, H_res = ctx.saved_tensors
+        # d_link is dx' (what _PostMix's backward returns for link), not a gradient of x itself.
+        zeros = torch.zeros_like
+        dx, dphi, d_alpha, db_pre, db_post, db_res = _site_pre_backward_op(
+            zeros(x) if d_link is None else d_link, zeros(x[..., 0, :]) if du is None else du,
+            zeros(h) if d_h is None else d_h, zeros(H_res) if d_res is None else d_res,
+            x, phi, alpha, zr, h, H_res,
+        )
+        return dx, dphi, d_alpha, db_pre, db_post, db_res, None, None
+
+
+class _PostMix(torch.autograd.Function):
+    """``(link, y, h, H_res) -> x'``; ``dx'`` goes back as ``link``'s gradient (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, link, y, h, H_res):
+        ctx.save_for_backward(link, y, h)
+        return _post_mix_op(link, y, h, H_res)
+
+    @staticmethod
+    def backward(ctx, dout):
+        link, y, h = ctx.saved_tensors
+        dy, d_h, d_res = _post_mix_backward_op(dout, link, y, h)
+        return dout, dy.to(y.dtype), d_h, d_res
+
+
+def site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, tuple]:
+    """:func:`mhc.fused.site_pre_unchecked` under ``torch.compile``: ``(u, (link, h, H_res, None))``."""
+    cdt = _coefficient_dtype(x)
+    params = (phi.to(cdt), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt))
+    u, h, H_res, link = _SitePre.apply(x.contiguous(), *params, norm_eps, tol)
+    return u, (link, h, H_res, None)
+
+
+def post_mix(y: Tensor, site: tuple) -> Tensor:
+    """:func:`mhc.fused.post_mix_unchecked` under ``torch.compile``."""
+    link, h, H_res, _ = site
+    return _PostMix.apply(link, y.to(link.dtype), h, H_res)

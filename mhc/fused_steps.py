@@ -1,0 +1,105 @@
+"""The fused site's kernel sequences, forward and backward of each step (internal to :mod:`mhc.fused`).
+
+Plain functions over one :class:`mhc.fused_plan.Plan`: what each autograd node
+of :mod:`mhc.fused` (eager) and each custom op of :mod:`mhc.fused_ops`
+(``torch.compile``) runs, written once. Imported only once
+:mod:`mhc.fused_kernels` has imported. Every tensor a kernel sees is
+contiguous and 16-byte aligned (:func:`dense`) or a fresh allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import fused_plan as _plans
+from . import projection_cuda as _projection_cuda
+from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
+
+__all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
+
+_coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
+
+
+def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` as a contiguous, 16-byte aligned tensor of ``dtype``; no dispatcher call when it is one.
+
+    This is what lets :class:`mhc.fused_plan.Launcher` reuse compiled variants.
+    A site runs a few dozen such calls per step, and on the H200's host each
+    no-op ``.to()`` / ``.contiguous()`` still costs microseconds of dispatch.
+    """
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()  # a view at an unaligned offset
+
+
+def pre_forward(plan, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
+    """Norm, ``φ``, σ, projection and pre-mix: ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
+
+    ``x [..., n, C]`` dense; the parameters dense in ``plan.cdt``. ``zr`` holds
+    ``z`` and the norm's ``1/rms``; ``h`` is σ of H_pre's and H_post's columns.
+    """
+    T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+    zr = x.new_empty((T, Z + 1), dtype=plan.cdt)
+    h = x.new_empty((T, 2 * n), dtype=plan.cdt)
+    R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
+    u = x.new_empty((*x.shape[:-2], C))
+    _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps)
+    if plan.cuda_projection:
+        H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(tol), NEWTON_MAX_ITER)
+    else:
+        H_res = birkhoff_project(R, tol=tol, max_iter=NEWTON_MAX_ITER)
+    return u, zr, h, H_res
+
+
+def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs_dx: bool, needs_dphi: bool):
+    """Gradients of :func:`pre_forward`: ``(dx, dφ, dα, db_pre, db_post, db_res [n, n])``.
+
+    ``d_out`` is ``dx'``, the post-mix's output gradient (its ``H_resᵀ dx'``
+    term is added here, in the same pass that writes ``dx``), or ``None``
+    when the site's output took no part in the loss. ``dx`` / ``dφ`` are
+    ``None`` unless asked for.
+    """
+    T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
+    d_res = dense(d_res, plan.cdt)
+    # The projection's implicit backward needs only its output (design.md §2).
+    if plan.cuda_projection:
+        dR = torch.ops.mhc.birkhoff_backward(H_res, d_res)
+    else:
+        dR = birkhoff_backward(H_res, d_res)
+    du = dense(du)
+    work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
+    _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, C)
+    _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
+
+    dx = dphi = None
+    if needs_dx:
+        d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
+        dx = torch.empty_like(x)
+        _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
+    if needs_dphi:
+        part = zr.new_empty((plan.phi_splits, Z, n * C))
+        _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
+        dphi = part.sum(0)
+    return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n)
+
+
+def post_forward(plan, x, y, h, H_res) -> Tensor:
+    """``x' = H_res·x + H_post ⊗ y`` with ``H_post = 2·h[:, n:]``; ``x``, ``y`` dense, ``y`` in ``x``'s dtype."""
+    out = torch.empty_like(x)
+    _postmix_fwd(plan.postmix_fwd, x, y, h, H_res, out, plan.C)
+    return out
+
+
+def post_backward(plan, dout, x, y, h):
+    """Gradients of :func:`post_forward` but ``x``'s: ``(dy, dh [T, 2n], dH_res [T, n, n])``.
+
+    ``dout`` dense. ``x``'s gradient ``H_resᵀ dout`` is left to :func:`pre_backward`.
+    """
+    dy = torch.empty_like(y)
+    g_h = torch.empty_like(h)
+    g_res = h.new_empty((plan.T, plan.n, plan.n))
+    _postmix_bwd(plan.postmix_bwd, dout, x, y, h, dy, g_h, g_res, plan.C)
+    return dy, g_h, g_res
