@@ -1,0 +1,468 @@
+"""Greedy decoding tokens/s: the residual 134M Llama against its mHC conversion, eager and static-cache compiled.
+
+    python benchmarks/bench_decode.py                          # batch 1 and 16, modes eager and compiled
+    python benchmarks/bench_decode.py --batches 16 --modes compiled
+    python benchmarks/bench_decode.py --profile                # also the host-time profile of eager mHC decode steps
+    python benchmarks/bench_decode.py --json decode.json
+    python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
+
+Models: ``LlamaForCausalLM`` with the 134M config of ``common.llama_134m``
+(bf16 on CUDA, random weights drawn from ``--seed``) and the same weights
+converted with ``mhc.convert_to_mhc(model, n_streams=4, init="paper")``.
+Each ``generate()`` is greedy, a ``--prompt``-token random prompt (32),
+exactly ``--new-tokens`` new tokens (128: ``min_new_tokens = max_new_tokens``,
+no EOS). tokens/s = batch x new tokens / wall time of the whole call (its one
+prefill forward included).
+
+Modes (``--modes``, comma-separated; default ``eager,compiled``):
+
+* ``eager``: ``generate()`` with the default dynamic KV cache;
+* ``static``: ``generate(cache_implementation="static", disable_compile=True)``;
+* ``compiled``: ``generate(cache_implementation="static")``, which on CUDA
+  makes transformers run every decode step through
+  ``torch.compile(model.__call__, **CompileConfig().to_dict())``
+  (``get_compiled_call``: inductor, ``mode="reduce-overhead"``, i.e. CUDA
+  graphs; ``--fullgraph``, ``--compile-mode``, ``--backend`` change it). The
+  prefill runs eagerly. The script checks that the decode steps really go
+  through the compiled call, and prints dynamo's graph, graph-break and
+  CUDA-graph-skip counters and the graphs compiled during the timed calls
+  (recompiles; should be 0). Dynamo is reset before each batch size, so
+  each batch compiles its own static-shape graphs, as in a process running
+  that batch alone. The compile time is the first call's wall time.
+
+Protocol: a throw-away model first decodes at every batch size (the first
+model a process runs decodes several times slower); then, per mode and
+batch, each model's first call (and for ``compiled`` a second) is made
+untimed, and the models are timed in interleaved rounds (``--rounds``
+rounds of ``--steps`` calls each); the best of a model's round medians is
+kept. A variant that fails prints its traceback and the others go on.
+About 2-3 minutes on an H200 at the defaults, most of it compiling.
+
+``--profile`` then runs ``--profile-steps`` eager decode steps of the mHC
+model after a prefill (dynamic cache, batch ``--profile-batch``, the prefill
+not profiled): plainly timed (µs per step); with timing hooks on every mHC
+site and on its sublayers (host time of a site call beyond its norms,
+attention or MLP); under ``torch.profiler`` (ops by self CPU time, per step);
+under ``cProfile`` (Python functions by own and by cumulative time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import inspect
+import io
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import common
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import CompileConfig
+
+import mhc
+
+MODES = ("eager", "static", "compiled")
+MODELS = ("residual", "mhc")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def tiny_llama(seq: int) -> LlamaConfig:
+    """A 2-layer Llama (hidden 32, vocabulary 97) for checking the script on a CPU."""
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=seq)
+
+
+def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: int):
+    """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``), in eval mode."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(device, dtype)
+    if name == "mhc":
+        model = mhc.convert_to_mhc(model, n_streams=4, init="paper")
+    model.generation_config.eos_token_id = None  # every call decodes exactly --new-tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class CompiledCallSpy:
+    """Wraps ``model.get_compiled_call`` so that the calls made through the compiled forward are counted."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._original = model.get_compiled_call
+        model.get_compiled_call = self._wrapped
+
+    def _wrapped(self, compile_config):
+        compiled = self._original(compile_config)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return compiled(*args, **kwargs)
+
+        return counted
+
+
+def dynamo_counts() -> dict:
+    breaks = dict(counters["graph_break"])
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(breaks.values()),
+            "break_reasons": {k[:300]: v for k, v in list(breaks.items())[:5]},
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_config: CompileConfig):
+    """A function running one greedy ``generate()`` of ``mode``; it checks the output's length."""
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False)
+    if mode == "static":
+        kwargs.update(cache_implementation="static", disable_compile=True)
+    elif mode == "compiled":
+        kwargs.update(cache_implementation="static", compile_config=compile_config)
+
+    def run() -> torch.Tensor:
+        out = model.generate(ids, **kwargs)
+        if out.shape != (ids.shape[0], ids.shape[1] + new_tokens):
+            raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, expected "
+                               f"{(ids.shape[0], ids.shape[1] + new_tokens)}")
+        return out
+
+    return run
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def measure(calls: dict, tokens: int, rounds: int, steps: int, device: str) -> dict:
+    """Interleaved rounds of ``steps`` timed calls of each of ``calls``; tokens/s is the best round median.
+
+    A variant whose call raises is reported (traceback) and dropped; the others go on.
+    """
+    out = {name: {"round_medians": [], "seconds": []} for name in calls}
+    live = dict(calls)
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            try:
+                seconds = [timed(fn, device) for _ in range(steps)]
+            except Exception:
+                print(f"  {name}: failed while timed:", flush=True)
+                traceback.print_exc()
+                out[name]["error"] = traceback.format_exc(limit=3)
+                del live[name]
+                continue
+            out[name]["seconds"].append(seconds)
+            out[name]["round_medians"].append(tokens / statistics.median(seconds))
+    for row in out.values():
+        row["tok_s"] = max(row["round_medians"]) if row["round_medians"] else None
+    return out
+
+
+def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compile_config) -> dict:
+    """Untimed first calls of each model (compile, for ``compiled``), then the interleaved timing."""
+    ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+    ids = ids.to(args.device)
+    if mode == "compiled":
+        torch._dynamo.reset()  # each batch size compiles its own graphs
+    calls, info = {}, {}
+    for name, model in models.items():
+        fn = generate_call(model, ids, mode, args.new_tokens, compile_config)
+        row = info[name] = {}
+        try:
+            if mode == "compiled":
+                counters.clear()
+                spy = spies[name]
+                spy.calls = 0
+                row["first_call_s"] = timed(fn, args.device)
+                row["second_call_s"] = timed(fn, args.device)
+                row["compiled_calls"] = spy.calls
+                row["decode_steps"] = 2 * (args.new_tokens - 1)
+                row["dynamo"] = dynamo_counts()
+            else:
+                row["first_call_s"] = timed(fn, args.device)
+        except Exception:
+            print(f"  {mode} batch {batch} {name}: failed:", flush=True)
+            traceback.print_exc()
+            row["error"] = traceback.format_exc(limit=3)
+            continue
+        calls[name] = fn
+        text = f"  {mode:8} batch {batch:3} {name:8} first call {row['first_call_s']:7.2f} s"
+        if mode == "compiled":
+            d = row["dynamo"]
+            took = row["compiled_calls"] == row["decode_steps"] and d["graphs"] > 0
+            row["took_compiled_path"] = took
+            text += (f"  compiled path: {'yes' if took else 'NO'} ({row['compiled_calls']} of "
+                     f"{row['decode_steps']} decode steps through get_compiled_call); graphs {d['graphs']}, "
+                     f"graph breaks {d['graph_breaks']}, cudagraph skips {d['cudagraph_skips']}")
+            for reason, count in d["break_reasons"].items():
+                text += f"\n      break x{count}: {reason}"
+        print(text, flush=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for spy in spies.values():
+        spy.calls = 0
+    timing = measure(calls, batch * args.new_tokens, args.rounds, args.steps, args.device)
+    recompiles = counters["stats"]["unique_graphs"] - graphs_before
+    for name, row in timing.items():
+        info[name].update(row)
+        if mode == "compiled":
+            info[name]["graphs_compiled_while_timed"] = recompiles  # both models' together
+            info[name]["compiled_calls_while_timed"] = spies[name].calls
+    if mode == "compiled" and calls:
+        print(f"  compiled batch {batch}: graphs compiled while timed (both models): {recompiles}; decode steps "
+              "through the compiled call while timed: "
+              + ", ".join(f"{n} {spies[n].calls}" for n in calls), flush=True)
+    return info
+
+
+def warm_up(cfg, args, dtype) -> None:
+    """A throw-away residual model decodes once at each batch size."""
+    t0 = time.perf_counter()
+    try:
+        model = build("residual", cfg, args.device, dtype, seed=args.seed + 1)
+        for batch in args.batches:
+            ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
+            generate_call(model, ids, "eager", args.new_tokens, None)()
+        del model
+    except Exception:
+        print("  warm-up model failed:", flush=True)
+        traceback.print_exc()
+    print(f"  warm-up model: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def decoder(model, batch: int, steps: int, args, cfg):
+    """``prefill()`` runs a fresh prompt's forward (dynamic cache) and returns a function running ``steps``
+    eager greedy decode steps from there, synchronised at the end."""
+    ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
+    cache_name = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
+    def prefill():
+        out = model(input_ids=ids, use_cache=True)
+        sync(args.device)
+
+        @torch.no_grad()
+        def decode():
+            nonlocal out
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+            sync(args.device)
+
+        return decode
+
+    return prefill
+
+
+def site_host_times(model, prefill, steps: int) -> dict:
+    """Host µs per decode step: the whole step, all mHC sites, their sublayers, and per site call the difference."""
+    sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
+    inner = [c for layer in model.decoder_layers() for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
+    totals = {"site": 0.0, "sublayer": 0.0}
+    starts: dict[int, float] = {}
+    handles = []
+    for kind, modules in (("site", sites), ("sublayer", inner)):
+        for m in modules:
+            def pre(module, args):
+                starts[id(module)] = time.perf_counter()
+
+            def post(module, args, output, kind=kind):
+                totals[kind] += time.perf_counter() - starts.pop(id(module))
+
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        prefill()()  # warm, with the hooks
+        decode = prefill()
+        totals.update(site=0.0, sublayer=0.0)
+        t0 = time.perf_counter()
+        decode()
+        wall = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    per_step = 1e6 / steps
+    return {"step_us": wall * per_step, "sites_us": totals["site"] * per_step,
+            "sublayers_us": totals["sublayer"] * per_step, "sites_per_step": len(sites),
+            "site_overhead_us_per_call": (totals["site"] - totals["sublayer"]) * per_step / len(sites)}
+
+
+def profile(model, args, cfg) -> dict:
+    """The three host-time views of ``--profile-steps`` eager mHC decode steps (printed; returned for the JSON)."""
+    steps, batch = args.profile_steps, args.profile_batch
+    prefill = decoder(model, batch, steps, args, cfg)
+    prefill()()
+    decode = prefill()
+    t0 = time.perf_counter()
+    decode()
+    step_us = (time.perf_counter() - t0) * 1e6 / steps
+    hooks = site_host_times(model, prefill, steps)
+    print(f"\nEager mHC decode, batch {batch}, {steps} steps after a prefill: {step_us:.0f} µs per step. With timing "
+          f"hooks: {hooks['step_us']:.0f} µs per step, its {hooks['sites_per_step']} sites {hooks['sites_us']:.0f} µs "
+          f"of which their sublayers (norms, attention, MLP) {hooks['sublayers_us']:.0f} µs: "
+          f"{hooks['site_overhead_us_per_call']:.1f} µs host time per site call beyond its sublayers")
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    decode = prefill()
+    with torch.profiler.profile(activities=activities) as prof:
+        decode()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.profile_top]
+    print(f"\ntorch.profiler, {steps} decode steps: top {len(events)} ops by self CPU time, per step")
+    print(f"  {'op':60} {'calls':>7} {'self CPU µs':>12} {'CPU total µs':>13}")
+    ops = []
+    for e in events:
+        row = {"op": e.key, "calls": e.count / steps, "self_cpu_us": e.self_cpu_time_total / steps,
+               "cpu_total_us": e.cpu_time_total / steps}
+        ops.append(row)
+        print(f"  {e.key[:60]:60} {row['calls']:7.1f} {row['self_cpu_us']:12.1f} {row['cpu_total_us']:13.1f}")
+
+    decode = prefill()
+    profiler = cProfile.Profile()
+    profiler.runcall(decode)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(args.profile_top)
+    stats.sort_stats("cumulative").print_stats(args.profile_top)
+    print(f"\ncProfile of {steps} decode steps (totals, not per step):")
+    print(text.getvalue())
+    return {"batch": batch, "steps": steps, "step_us": step_us, "hooks": hooks, "ops": ops}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    ap.add_argument("--modes", default="eager,compiled", help="comma-separated, from: " + ", ".join(MODES))
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; --tiny 8)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
+    ap.add_argument("--steps", type=int, default=3, help="timed generate() calls per round (default 3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-32 Llama instead of the 134M one")
+    ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; on the CPU eager)")
+    ap.add_argument("--compile-mode", default="reduce-overhead",
+                    help="torch.compile mode for the inductor backend (default reduce-overhead, transformers')")
+    ap.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a graph break fails)")
+    ap.add_argument("--profile", action="store_true", help="profile eager mHC decode steps (see above)")
+    ap.add_argument("--profile-batch", type=int, default=1, help="batch of the profiled decode (default 1)")
+    ap.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled (default 10)")
+    ap.add_argument("--profile-top", type=int, default=30, help="rows of each profile table (default 30)")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    args = ap.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown --modes {unknown}; choose from {MODES}")
+    if args.prompt is None:
+        args.prompt = 8 if args.tiny else 32
+    if args.new_tokens is None:
+        args.new_tokens = 6 if args.tiny else 128
+    for name in ("prompt", "new_tokens", "rounds", "steps", "profile_batch", "profile_steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.batches or min(args.batches) < 1:
+        ap.error("--batches must name batch sizes >= 1")
+    if args.backend is None:
+        args.backend = "inductor" if args.device == "cuda" else "eager"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        common.require_cuda("bench_decode.py")
+    start = time.perf_counter()
+    env = common.environment()
+    env.update(transformers=transformers.__version__, commit=commit())
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {env['device']}  torch {env['torch']}  "
+          f"transformers {env['transformers']}  commit {env['commit']}\n# command: python {' '.join(sys.argv)}",
+          flush=True)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    seq = args.prompt + args.new_tokens
+    cfg = tiny_llama(seq) if args.tiny else common.llama_134m(seq)
+    compile_config = CompileConfig(fullgraph=args.fullgraph, backend=args.backend,
+                                   mode=args.compile_mode if args.backend == "inductor" else None)
+    if args.device != "cuda":
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    print(f"  compile config (mode compiled): {compile_config.to_dict()}", flush=True)
+
+    warm_up(cfg, args, dtype)
+    models = {}
+    for name in MODELS:
+        try:
+            models[name] = build(name, cfg, args.device, dtype, args.seed)
+        except Exception:
+            print(f"  building {name} failed:", flush=True)
+            traceback.print_exc()
+    spies = {name: CompiledCallSpy(model) for name, model in models.items()}
+    results = {}
+    for mode in args.modes:
+        for batch in args.batches:
+            try:
+                results[f"{mode} {batch}"] = run_mode(mode, batch, models, spies, args, cfg, compile_config)
+            except Exception:
+                print(f"  {mode} batch {batch}: failed:", flush=True)
+                traceback.print_exc()
+
+    print(f"\nGreedy decode, {'tiny Llama' if args.tiny else 'Llama 134M'}, {str(dtype)[6:]}, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens; tok/s = batch x new tokens / generate() wall time, best of "
+          f"{args.rounds} interleaved medians of {args.steps}")
+    print(f"  {'mode':9} {'batch':>5} {'residual tok/s':>15} {'mhc tok/s':>10} {'mhc/residual':>13}   compile s (res, mhc)")
+    for key, info in results.items():
+        mode, batch = key.split()
+        res, mhc_ = (info.get(n, {}).get("tok_s") for n in MODELS)
+        ratio = f"{mhc_ / res:13.3f}" if res and mhc_ else f"{'-':>13}"
+        if res and mhc_:
+            info["mhc_over_residual"] = mhc_ / res
+        fmt = lambda v: f"{v:.1f}" if v else "failed"  # noqa: E731
+        compile_s = ""
+        if mode == "compiled":
+            compile_s = "   " + ", ".join(f"{info[n]['first_call_s']:.1f}" if "first_call_s" in info.get(n, {})
+                                          else "-" for n in MODELS)
+        print(f"  {mode:9} {batch:>5} {fmt(res):>15} {fmt(mhc_):>10} {ratio}{compile_s}")
+
+    figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
+    if args.profile and "mhc" in models:
+        try:
+            figures["profile"] = profile(models["mhc"], args, cfg)
+        except Exception:
+            print("  profile failed:", flush=True)
+            traceback.print_exc()
+    print(f"\ntotal {time.perf_counter() - start:.0f} s", flush=True)
+    if args.json:
+        common.write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
