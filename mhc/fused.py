@@ -317,14 +317,28 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
+    # Without grad (generation) no node is recorded, so the kernels run without one: at a few
+    # tokens per step the site's cost is its host time.
+    pre = _site_pre if torch.is_grad_enabled() else _pre_forward
     if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
         with torch.cuda.device(plan.cuda_device):
-            u, h, H_res = _site_pre(x, *params, state)
+            u, h, H_res = pre(x, *params, state)
     else:
-        u, h, H_res = _site_pre(x, *params, state)
+        u, h, H_res = pre(x, *params, state)
     return u, (x, h, H_res, state)
+
+
+def _pre_forward(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
+    """:class:`_SitePre`'s forward without its node (grad disabled)."""
+    u, _, h, H_res = _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
+    return u, h, H_res
+
+
+def _post_forward(x, y, h, H_res, state: _SiteState):
+    """:class:`_PostMix`'s forward without its node (grad disabled)."""
+    return _steps.post_forward(state.plan, x, y, h, H_res)
 
 
 def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
@@ -333,7 +347,10 @@ def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
     if state is None:  # from site_pre under torch.compile
         return _ops.post_mix(y, site)
     y = _dense(y, x.dtype)
+    # Grad is checked again here, not carried over from site_pre: a branch run under
+    # enable_grad still gets its gradient from the post-mix node.
+    post = _post_mix if torch.is_grad_enabled() else _post_forward
     if state.switch_device:
         with torch.cuda.device(state.plan.cuda_device):
-            return _post_mix(x, y, h, H_res, state)
-    return _post_mix(x, y, h, H_res, state)
+            return post(x, y, h, H_res, state)
+    return post(x, y, h, H_res, state)

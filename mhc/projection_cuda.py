@@ -14,11 +14,13 @@ Operators (registered by the extension, with fake impls and autograd here):
 * ``mhc::birkhoff_backward(Tensor T, Tensor grad_T) -> Tensor``
 * ``mhc::birkhoff_unconverged(int device, int mode) -> int``
 
-Double backward: the backward kernel has no derivative of its own, so under
-``create_graph=True`` the op's backward is the reference's differentiable
+Autograd of ``birkhoff_forward`` is a C++ node (a Python one cost ~150 µs of
+host time per forward+backward). Double backward: the backward kernel has no
+derivative of its own, so under ``create_graph=True`` the node's backward is
+the reference's differentiable
 :func:`~mhc.projection_reference.birkhoff_backward` on the same ``T``
-(float32), and second derivatives come out right; plain backward runs the
-kernel.
+(float32, the op ``mhc::birkhoff_backward_graph`` defined here), and second
+derivatives come out right; plain backward runs the kernel.
 
 Convergence accounting: the forward kernel adds every finite matrix that
 misses ``tol`` after ``max_iter`` iterations to a per-device counter in
@@ -113,8 +115,27 @@ def _try_load() -> None:
             )
 
 
+_LIBRARY: torch.library.Library | None = None  # holds the Python-defined op below (kept alive)
+
+
+def _graph_backward(T: Tensor, grad_T: Tensor) -> Tensor:
+    """The reference's differentiable backward on the kernel's ``T``, for ``create_graph=True``."""
+    return birkhoff_backward(T.float(), grad_T.float()).to(T.dtype)
+
+
 def _register() -> None:
-    """Fake (meta) impls and autograd for the C++ operators."""
+    """Fake (meta) impls, the graph-recording backward, and autograd of ``birkhoff_forward_info``.
+
+    ``birkhoff_forward``'s autograd node is C++ (``csrc/birkhoff.cu``): its
+    backward runs the kernel, or, under ``create_graph=True``, the op
+    ``mhc::birkhoff_backward_graph`` defined here, whose reference ops
+    autograd records (the kernel's result would be a leaf of the new graph,
+    and a second derivative silently wrong).
+    """
+    global _LIBRARY
+    _LIBRARY = torch.library.Library("mhc", "FRAGMENT")
+    _LIBRARY.define("birkhoff_backward_graph(Tensor T, Tensor grad_T) -> Tensor")
+    _LIBRARY.impl("birkhoff_backward_graph", _graph_backward, "CompositeImplicitAutograd")
 
     @torch.library.register_fake("mhc::birkhoff_forward")
     def _fwd_fake(R, tol, max_iter):
@@ -133,23 +154,18 @@ def _register() -> None:
     def _bwd_fake(T, grad_T):
         return T.new_empty(T.shape)
 
+    # return_info=True is for inspection, not hot loops: its autograd stays in Python.
     def _setup(ctx, inputs, output):
-        T = output[0] if isinstance(output, (tuple, list)) else output
-        ctx.save_for_backward(T)
+        ctx.save_for_backward(output[0])
 
     def _backward(ctx, grad_T, *_unused):
         (T,) = ctx.saved_tensors
         if grad_T is None:
             return None, None, None
         if torch.is_grad_enabled():
-            # create_graph=True: the kernel's result would be a leaf of the new
-            # graph (no derivative), and a second derivative silently wrong. The
-            # reference backward records its graph, which reaches R through the
-            # saved output T (this node again, at first order).
-            return birkhoff_backward(T.float(), grad_T.float()).to(T.dtype), None, None
+            return _graph_backward(T, grad_T), None, None
         return torch.ops.mhc.birkhoff_backward(T, grad_T.to(T.dtype).contiguous()), None, None
 
-    torch.library.register_autograd("mhc::birkhoff_forward", _backward, setup_context=_setup)
     torch.library.register_autograd("mhc::birkhoff_forward_info", _backward, setup_context=_setup)
 
 
@@ -203,12 +219,13 @@ def reset_convergence_tracking(device=None) -> None:
     _calls = 0
 
 
-def poll(device: torch.device) -> None:
-    """Non-blocking look at the counter: every :data:`POLL_EVERY` eager calls, never while capturing."""
+def poll(tensor: Tensor) -> None:
+    """Non-blocking look at the counter of ``tensor``'s device: every :data:`POLL_EVERY` eager calls, never while capturing."""
     global _calls
     _calls += 1
     if _calls % POLL_EVERY or torch.cuda.is_current_stream_capturing():
         return
+    device = tensor.device
     dev = device.index if device.index is not None else torch.cuda.current_device()
     seen = int(torch.ops.mhc.birkhoff_unconverged(dev, 2))
     if seen > 0:
@@ -216,8 +233,19 @@ def poll(device: torch.device) -> None:
 
 
 # The CUDA kernel's own dispatch key: a call redispatched to it skips the
-# autograd layer, which for this op is Python (torch.library.register_autograd).
+# autograd layer (the op's C++ autograd node, csrc/birkhoff.cu).
 _KERNEL_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+_TOLERANCES: dict = {}  # (tol, n, dtype) -> effective_tol(...), worked out once per setting
+
+
+def _effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
+    key = (tol, n, dtype)
+    tol_eff = _TOLERANCES.get(key)
+    if tol_eff is None:
+        if len(_TOLERANCES) >= 1024:
+            _TOLERANCES.clear()
+        tol_eff = _TOLERANCES[key] = effective_tol(tol, n, dtype)
+    return tol_eff
 
 
 def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
@@ -225,28 +253,32 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
 
     For callers that record no graph for the projection (the fused site
     computes its gradient itself). ``tol_eff`` is already
-    :func:`~mhc.projection_common.effective_tol`'s. The op's Python autograd
-    wrapper runs even under no-grad: :func:`project` took 73 µs per call in a
-    training step on the H200's host, 24 calls a step. Polls the convergence
+    :func:`~mhc.projection_common.effective_tol`'s. Polls the convergence
     counter like :func:`project`.
     """
     if torch.compiler.is_compiling():
         return torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
     T = torch.ops.mhc.birkhoff_forward.default.redispatch(_KERNEL_KEYS, R, tol_eff, max_iter)
-    poll(R.device)
+    poll(R)
     return T
 
 
 def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
-    """``birkhoff_project`` for inputs where :func:`supports` holds (checked by the caller)."""
-    shape, n = logits.shape, logits.shape[-1]
-    tol_eff = effective_tol(tol, n, logits.dtype)
-    R = logits.reshape(-1, n, n)
+    """``birkhoff_project`` for inputs where :func:`supports` holds (checked by the caller).
+
+    Without ``return_info`` this is one call of the op, whose autograd node is
+    C++: the public projection's host time is what the kernel launch costs,
+    plus a few dictionary and attribute reads (issue #23).
+    """
+    shape = logits.shape
+    n = shape[-1]
+    tol_eff = _effective_tol(tol, n, logits.dtype)
+    R = logits if len(shape) == 3 else logits.reshape(-1, n, n)
     if not return_info:
-        T = torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
+        T = torch.ops.mhc.birkhoff_forward.default(R, tol_eff, max_iter)
         if not torch.compiler.is_compiling():
-            poll(R.device)
-        return T.reshape(shape)
+            poll(R)
+        return T if len(shape) == 3 else T.reshape(shape)
 
     T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)
     info = newton_report(iterations, error, tol_eff, max_iter, shape[:-2])

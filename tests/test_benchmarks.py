@@ -1,5 +1,6 @@
 """The benchmark scripts import and explain themselves on a machine without a GPU (``--help``)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -62,3 +63,33 @@ def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch
     assert result["b"].round_medians == [4.0, 6.0] and result["b"].ms == 4.0
     with pytest.raises(ValueError, match="rounds"):
         common.interleaved({"a": lambda: None}, rounds=0)
+
+
+def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_path):
+    """The peer benchmark on the CPU: our columns measured through the PyTorch path, every peer cell
+    "n/a (reason)", our accuracy checked; bad options and a missing peer source are reported, not crashed."""
+    out = tmp_path / "peers.json"
+    proc = _run(sys.executable, str(BENCHMARKS / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,2048",
+                "--sigma", "1", "--calls", "1", "--warmup", "0", "--repeats", "1", "--bench-warmup-ms", "0",
+                "--bench-rep-ms", "1", "--acc-size", "256", "--acc-sigmas", "1,30", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "chained protocol" in proc.stdout and "do_bench median" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["header"]["command"].endswith("--json " + str(out)) and data["header"]["commit"], data["header"]
+    for protocol in ("chained", "do_bench"):
+        assert set(data["tables"][protocol]) == {"512", "2048"}, data["tables"]
+        for N, cells in data["tables"][protocol].items():
+            for column in ("ours fwd", "ours ag", "ours op", "copy fwd", "copy f+b"):
+                assert isinstance(cells[column], float) and cells[column] > 0, (protocol, N, column, cells)
+            for column in ("proj fwd", "proj op", "proj ag", "sk fwd", "sk op", "sk ag"):
+                assert cells[column] == "n/a (cpu run)", (protocol, N, column, cells)
+    assert set(data["accuracy"]) == {"1", "30"}, data["accuracy"]
+    for sigma, row in data["accuracy"].items():
+        assert 0 < row["ours"]["max_err"] <= 1e-5 and row["ours"]["nonfinite"] == 0, (sigma, row)
+        assert row["mHC-proj"] == {"error": "n/a (cpu run)"}, (sigma, row)
+    assert data["ours_accurate"] is True
+    proc = _run(sys.executable, str(BENCHMARKS / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,0")
+    assert proc.returncode == 2 and "--sizes" in proc.stderr, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", str(BENCHMARKS / "build_peers.sh")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PEERS_DIR": str(tmp_path / "none"), "OUT": str(tmp_path)})
+    assert proc.returncode == 0 and "peer build: SKIPPED, no source" in proc.stdout, proc.stdout + proc.stderr

@@ -270,6 +270,24 @@ def test_branch_tuple_and_arguments_pass_through():
     assert _rel(out[0], expected[0]) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_site_without_grad_matches_the_recorded_forward(dtype, fresh_seed):
+    """Under no_grad (generation) the site runs its kernels without autograd nodes: same bits as with grad."""
+    n, C = 4, 72
+    ref, fast = _blocks(n, C, dtype, fresh_seed)
+    x = torch.randn(3, n, C, device=DEVICE, dtype=dtype) * 2
+    with torch.no_grad():
+        out_plain = fast(x)
+    out_graph = fast(x.clone().requires_grad_())
+    assert out_plain.grad_fn is None and out_graph.grad_fn is not None
+    assert torch.equal(out_plain, out_graph.detach()), f"seed={fresh_seed}: no-grad forward differs"
+    for token_count in (1, 16):  # decode-sized batches
+        xt = torch.randn(token_count, n, C, device=DEVICE, dtype=dtype)
+        recorded = fast(xt.clone().requires_grad_())
+        with torch.no_grad():
+            assert torch.equal(fast(xt), recorded.detach()), f"seed={fresh_seed}: {token_count} tokens"
+
+
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize("tuple_output", [False, True])
 def test_branch_runs_once_per_forward_on_both_backends(backend, tuple_output, fresh_seed):

@@ -1,7 +1,8 @@
 // Fused Birkhoff projection T = Pi_B(exp(R)) for n = 4 and n = 8 (design.md §2):
 // input checks, launches on PyTorch's current stream, the unconverged-matrix
-// counter and the torch.library registration. The kernels themselves are in
-// birkhoff_kernels.cuh, the per-matrix solver in birkhoff_core.cuh.
+// counter, the forward's autograd node and the torch.library registration. The
+// kernels themselves are in birkhoff_kernels.cuh, the per-matrix solver in
+// birkhoff_core.cuh.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -9,6 +10,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "birkhoff_kernels.cuh"
@@ -184,6 +186,53 @@ int64_t birkhoff_unconverged(int64_t device, int64_t mode) {
   return g_last_seen[d];
 }
 
+// Autograd of birkhoff_forward. It lives here, not in Python, because a Python
+// autograd layer (torch.library.register_autograd) cost about 150 us of host
+// time per forward+backward on the H200's host, ten times the kernels' own time
+// at small batches. The backward needs only the saved output T (the implicit
+// gradient, design.md §2). Under create_graph the kernel's result would have no
+// derivative, so the backward then calls mhc::birkhoff_backward_graph instead:
+// the PyTorch reference backward, registered from Python
+// (mhc/projection_cuda.py), whose operations autograd records.
+class BirkhoffProject : public torch::autograd::Function<BirkhoffProject> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& R, double tol,
+                            int64_t max_iter) {
+    // Through the dispatcher, not a direct call: under torch.compile R is a fake tensor.
+    static auto forward_op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("mhc::birkhoff_forward", "")
+                                 .typed<at::Tensor(const at::Tensor&, double, int64_t)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor T = forward_op.call(R, tol, max_iter);
+    ctx->save_for_backward({T});
+    return T;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor T = ctx->get_saved_variables()[0];
+    const at::Tensor& G = grads[0];
+    if (!G.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dR;
+    if (at::GradMode::is_enabled()) {
+      static auto graph_backward = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("mhc::birkhoff_backward_graph", "")
+                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+      dR = graph_backward.call(T, G);
+    } else {
+      static auto backward_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("mhc::birkhoff_backward", "")
+                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+      dR = backward_op.call(T, G.to(T.scalar_type()));
+    }
+    return {dR, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor birkhoff_forward_autograd(const at::Tensor& R, double tol, int64_t max_iter) {
+  return BirkhoffProject::apply(R, tol, max_iter);
+}
+
 }  // namespace mhc_birkhoff
 
 TORCH_LIBRARY_FRAGMENT(mhc, m) {
@@ -197,4 +246,8 @@ TORCH_LIBRARY_IMPL(mhc, CUDA, m) {
   m.impl("birkhoff_forward", &mhc_birkhoff::birkhoff_forward);
   m.impl("birkhoff_forward_info", &mhc_birkhoff::birkhoff_forward_info);
   m.impl("birkhoff_backward", &mhc_birkhoff::birkhoff_backward);
+}
+
+TORCH_LIBRARY_IMPL(mhc, Autograd, m) {
+  m.impl("birkhoff_forward", &mhc_birkhoff::birkhoff_forward_autograd);
 }

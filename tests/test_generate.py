@@ -1,0 +1,175 @@
+"""``generate()`` of a converted model: static KV cache, and the forward under ``torch.compile`` (CPU).
+
+The static cache must give the dynamic cache's tokens; compiled, the decode
+steps must run as one graph with no breaks and no recompiles, with the same
+tokens. On CUDA ``generate(cache_implementation="static")`` compiles by
+itself; on the CPU transformers is told to (``CompileConfig._compile_all_devices``).
+``benchmarks/bench_decode.py`` is run end to end on the CPU as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import CompileConfig
+
+import mhc
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 97
+NEW_TOKENS = 6
+
+
+def tiny_mhc_llama(seed: int = 0) -> mhc.MHCForCausalLM:
+    """A 2-layer Llama converted with the paper's init; its weights scaled up so the sites change the tokens."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(5.0)
+    model = mhc.convert_to_mhc(model, n_streams=4, init="paper")
+    model.generation_config.eos_token_id = None  # every call decodes NEW_TOKENS
+    return model.eval()
+
+
+def prompts(seed: int, batch: int = 3, length: int = 7, padded: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts and their attention mask; row 0 is left-padded by ``padded`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :padded], mask[0, :padded] = 0, 0
+    return ids, mask
+
+
+def greedy(model, ids, mask, **kwargs):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                         **kwargs)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def cpu_compile_config(backend: str) -> CompileConfig:
+    """transformers' compile settings for generate(), allowed on the CPU, with fullgraph=True."""
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    return config
+
+
+def count_compiled_calls(model) -> list[int]:
+    """Count the forwards ``generate()`` makes through ``model.get_compiled_call``'s compiled function."""
+    calls = [0]
+    original = model.get_compiled_call
+
+    def spy(compile_config):
+        compiled = original(compile_config)
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return compiled(*args, **kwargs)
+
+        return counted
+
+    model.get_compiled_call = spy
+    return calls
+
+
+def test_static_cache_gives_the_dynamic_cache_tokens(fresh_seed):
+    model = tiny_mhc_llama()
+    ids, mask = prompts(fresh_seed)
+    tokens, logits = greedy(model, ids, mask)
+    static_tokens, static_logits = greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
+    assert tokens.shape == (3, ids.shape[1] + NEW_TOKENS)
+    assert torch.equal(static_tokens, tokens), f"seed {fresh_seed}: {static_tokens} != {tokens}"
+    torch.testing.assert_close(static_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
+    # the mHC sites matter here: with the identity init (φ = 0, each site a plain residual) the tokens differ
+    with mhc.hf_verify.identity_coefficients(model):
+        plain_tokens, _ = greedy(model, ids, mask)
+    assert not torch.equal(plain_tokens, tokens), f"seed {fresh_seed}: the mHC coefficients change nothing"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_static_cache_generate_is_one_graph_without_recompiles(backend, fresh_seed):
+    """generate()'s own compiled decode (get_compiled_call, as on CUDA) with fullgraph=True."""
+    model = tiny_mhc_llama()
+    ids, mask = prompts(fresh_seed)
+    tokens, logits = greedy(model, ids, mask)
+    calls = count_compiled_calls(model)
+    torch._dynamo.reset()
+    counters.clear()
+    config = cpu_compile_config(backend)
+    compiled_tokens, compiled_logits = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert calls[0] == NEW_TOKENS - 1, f"{calls[0]} decode steps went through the compiled forward"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch.equal(compiled_tokens, tokens), f"seed {fresh_seed}: {compiled_tokens} != {tokens}"
+    torch.testing.assert_close(compiled_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
+
+    # new prompts of the same shape: the same graph, every decode step
+    ids2, mask2 = prompts(fresh_seed + 1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again, _ = greedy(model, ids2, mask2, cache_implementation="static", compile_config=config)
+    assert calls[0] == 2 * (NEW_TOKENS - 1) and counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(again, greedy(model, ids2, mask2)[0]), f"seed {fresh_seed + 1}"
+
+
+def test_compiled_forward_generates_the_eager_tokens(fresh_seed):
+    """The user's way: ``model.forward = torch.compile(model.forward, fullgraph=True)``, then static-cache
+    generate(): one graph for the prefill and one for the decode steps, no breaks, no recompiles."""
+    model = tiny_mhc_llama()
+    ids, mask = prompts(fresh_seed)
+    tokens, _ = greedy(model, ids, mask)
+    torch._dynamo.reset()
+    counters.clear()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    compiled_tokens, _ = greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # prefill [3, 7], decode [3, 1]
+    assert torch.equal(compiled_tokens, tokens), f"seed {fresh_seed}: {compiled_tokens} != {tokens}"
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        ids2, mask2 = prompts(fresh_seed + 1)
+        greedy(model, ids2, mask2, cache_implementation="static", disable_compile=True)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def _bench_decode(*options: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *options]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_decode_runs_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = _bench_decode("--device", "cpu", "--tiny", "--modes", "eager,compiled", "--batches", "1,2",
+                         "--new-tokens", "3", "--rounds", "1", "--steps", "1", "--profile", "--profile-steps", "2",
+                         "--profile-top", "5", "--json", str(out))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "Traceback" not in log, log
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"eager 1", "eager 2", "compiled 1", "compiled 2"}, log
+    for key, info in results.items():
+        assert info["mhc_over_residual"] > 0, f"{key}: {info}"
+        for name in ("residual", "mhc"):
+            assert info[name]["tok_s"] > 0, f"{key} {name}: {info[name]}"
+            if key.startswith("compiled"):
+                assert info[name]["took_compiled_path"], f"{key} {name}: {info[name]}"
+                assert info[name]["dynamo"]["graph_breaks"] == 0, f"{key} {name}: {info[name]}"
+                assert info[name]["graphs_compiled_while_timed"] == 0, f"{key} {name}: {info[name]}"
+    assert "mhc/residual" in proc.stdout and "torch.profiler" in proc.stdout and "cProfile" in proc.stdout, log
+
+
+def test_bench_decode_rejects_an_unknown_mode():
+    proc = _bench_decode("--device", "cpu", "--tiny", "--modes", "eager,compield")
+    assert proc.returncode == 2 and "unknown --modes ['compield']" in proc.stderr, proc.stdout + proc.stderr
