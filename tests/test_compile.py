@@ -131,3 +131,23 @@ def test_cuda_model_compiles_as_one_graph_and_matches_eager():
     for name in grads_eager:
         g, ge = grads[name].float(), grads_eager[name].float()
         assert (g - ge).norm() <= 5e-2 * ge.norm() + 1e-6, name
+
+
+@CUDA
+def test_cuda_projection_autograd_compiles_as_one_graph():
+    """birkhoff_project's C++ autograd node under inductor: one graph, the eager T and gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    R = (torch.randn(512, 4, 4, device="cuda", generator=gen) * 3).requires_grad_()
+    G = torch.randn(512, 4, 4, device="cuda", generator=gen)
+
+    def project_and_grad(r):
+        T = mhc.birkhoff_project(r)
+        (dR,) = torch.autograd.grad(T, r, G)
+        return T, dR
+
+    T_eager, dR_eager = project_and_grad(R)
+    T = compile_and_count(lambda r: mhc.birkhoff_project(r), backend="inductor")(R)
+    (dR,) = torch.autograd.grad(T, R, G)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    torch.testing.assert_close(T, T_eager, rtol=0, atol=0)
+    torch.testing.assert_close(dR, dR_eager, rtol=1e-6, atol=1e-6)
