@@ -43,14 +43,12 @@ from torch import Tensor
 
 import mhc
 from mhc import projection as P
-from mhc import projection_cuda
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = "512,2048,8192,32768,131072,1048576"
 N_STREAMS = 4
 COLUMNS = ("ours fwd", "ours ag", "ours op", "proj fwd", "proj op", "proj ag",
            "sk fwd", "sk op", "sk ag", "copy fwd", "copy f+b")
-SYSTEM_OF = {"ours": "ours", "proj": "mHC-proj", "sk": "mHC.cu", "copy": "copy"}
 PEER_COLUMNS = {"fwd": ("proj fwd", "sk fwd"), "f+b": ("proj op", "proj ag", "sk op", "sk ag")}
 ACCURACY_BOUND = 1e-5  # issue 23: ours must stay at or under it, every sigma
 
@@ -104,7 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-
 class Clock:
     """Per-call times on one device: CUDA events (the default stream) there, perf_counter on the CPU."""
 
@@ -151,9 +148,6 @@ class Clock:
         return statistics.median(times)
 
 
-# --------------------------------------------------------------------------- the systems
-
-
 def load_peers(device: torch.device) -> tuple[object | None, str]:
     """mHC-proj's extension module and autograd Functions, or None and why not."""
     if device.type != "cuda":
@@ -191,14 +185,25 @@ def no_grad_step(project: Callable[[Tensor], Tensor]) -> Step:
     return step
 
 
+def ours_extension_problem() -> str | None:
+    """Why our CUDA operators are not loaded (None if they are); builds the extension on first call."""
+    try:
+        from mhc import projection_cuda  # imported here: without it only the "ours op" column is lost
+
+        return None if projection_cuda.available() else "mhc CUDA extension unavailable (see the warning above)"
+    except Exception as exc:  # noqa: BLE001
+        return reason(exc)
+
+
 def ours_steps(device: torch.device, G: Tensor, tol: float) -> dict[str, Step | Exception]:
     """Our three columns; a column that cannot be set up holds the exception instead (its traceback prints)."""
     steps: dict[str, Step | Exception] = {
         "ours fwd": no_grad_step(mhc.birkhoff_project),
         "ours ag": autograd_step(mhc.birkhoff_project, G),
     }
-    max_iter = P.NEWTON_MAX_ITER
     if device.type != "cuda":
+        max_iter = P.NEWTON_MAX_ITER
+
         def reference_op_step(x: Tensor) -> Tensor:
             with torch.no_grad():
                 T = P.birkhoff_project_reference(x, tol=tol, max_iter=max_iter)
@@ -207,10 +212,12 @@ def ours_steps(device: torch.device, G: Tensor, tol: float) -> dict[str, Step | 
 
         steps["ours op"] = reference_op_step
         return steps
-    if not projection_cuda.available():
-        steps["ours op"] = Unavailable("mhc CUDA extension unavailable (see the warning above)")
+    why_not = ours_extension_problem()
+    if why_not:
+        steps["ours op"] = Unavailable(why_not)
         return steps
     try:
+        max_iter = P.NEWTON_MAX_ITER
         tol_eff = P.effective_tol(tol, N_STREAMS, torch.float32)
         forward, backward = torch.ops.mhc.birkhoff_forward, torch.ops.mhc.birkhoff_backward
     except Exception as exc:  # noqa: BLE001 - the operators were renamed or not registered
@@ -257,18 +264,16 @@ def peer_steps(peers, why: str, G: Tensor, tol: float, sk_iters: int) -> dict[st
     }
 
 
+def copy_step(src: Tensor, dst: Tensor, x: Tensor) -> Tensor:
+    dst.copy_(src)
+    return x
+
+
 def copy_steps(N: int, device: torch.device) -> dict[str, Step]:
-    def copier(numel: int) -> Step:
-        src, dst = torch.empty(numel, device=device), torch.empty(numel, device=device)
-
-        def step(x: Tensor) -> Tensor:
-            dst.copy_(src)
-            return x
-
-        return step
-
+    """Copies of the bytes a forward moves (x, T: 2 arrays) and a forward+backward (x, T, T, G, dx: 5)."""
     one = N * N_STREAMS * N_STREAMS
-    return {"copy fwd": copier(one), "copy f+b": copier(5 * one // 2)}  # 2 arrays moved; 5 arrays moved
+    return {name: partial(copy_step, torch.empty(numel, device=device), torch.empty(numel, device=device))
+            for name, numel in (("copy fwd", one), ("copy f+b", 5 * one // 2))}
 
 
 def reason(exc: BaseException) -> str:
@@ -276,13 +281,9 @@ def reason(exc: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-
 def measure_size(N: int, args, device, clock: Clock, peers, why: str) -> dict[str, dict[str, float | str]]:
-    """Both protocols' cells for one N: {"chained": {column: µs or "n/a (...)"}, "do_bench": {...}}.
-
-    A variant that raises (at its first call or in any round) is dropped: its cell in the
-    protocol that failed, and every cell it has no number for yet, reads "n/a (reason)".
-    """
+    """Both protocols' cells for one N: {"chained": {column: µs or "n/a (...)"}, "do_bench": {...}}; a variant
+    that raises is dropped, its cell where it failed and every cell it has no number for reading "n/a (why)"."""
     gen = torch.Generator(device=device).manual_seed(args.seed + N)
     x0 = args.sigma * torch.randn(N, N_STREAMS, N_STREAMS, device=device, generator=gen)
     G = torch.randn(N, N_STREAMS, N_STREAMS, device=device, generator=gen)
@@ -361,7 +362,6 @@ def accuracy(args, device, peers, why: str) -> dict[str, dict[str, dict[str, flo
     return out
 
 
-
 def commit_of(args) -> str:
     if args.commit:
         return args.commit
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock(device)
     started = time.perf_counter()
     t0 = time.perf_counter()
-    ours_cuda = device.type == "cuda" and projection_cuda.available()
+    ours_problem = ours_extension_problem() if device.type == "cuda" else "cpu run"
     ext_s = time.perf_counter() - t0
     peers, why = load_peers(device)
     header = {
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit_of(args),
         "mhc_sources_sha256": source_digest(),
         "mhc": str(Path(mhc.__file__).parent),
-        "ours_cuda_extension": (f"loaded in {ext_s:.1f} s" if ours_cuda else "no") if device.type == "cuda" else "cpu run",
+        "ours_cuda_extension": ours_problem or f"loaded in {ext_s:.1f} s",
         "peers": why,
         "command": "python " + " ".join(sys.argv),
     }
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     for protocol, title in (("chained", "chained protocol (mHC-proj's runtime.py): µs per call"),
-                            ("do_bench", "triton.testing.do_bench median: µs per call")):
+                            ("do_bench", f"{'triton.testing.do_bench' if clock.cuda else 'cpu per-call'} median: µs/call")):
         print("\n".join(format_table(title, tables[protocol])))
         judged = verdicts(tables[protocol])
         for v in judged:

@@ -31,14 +31,40 @@ fi
 
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-8}
-# setup.py links -lcuda. Containers often mount only libcuda.so.1, so let the linker also
-# find the toolkit's stub (its SONAME is libcuda.so.1: the real driver library loads at run time).
 CUDA_HOME_FOUND=$("$PYTHON" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or '')" 2>/dev/null)
+SHIM=$(mktemp -d /tmp/peer_build.XXXXXX)
+# setup.py links -lcuda -lcudart. Containers often mount only libcuda.so.1 and pip's CUDA wheels
+# ship only libcudart.so.13: give the linker an unversioned name for each (the SONAME stays
+# versioned, so the library the process already has is what loads at run time).
 for d in "$CUDA_HOME_FOUND/lib64/stubs" "$CUDA_HOME_FOUND/lib/stubs" "$CUDA_HOME_FOUND/targets/x86_64-linux/lib/stubs" \
-         /usr/local/cuda/lib64/stubs /usr/local/nvidia/lib64; do
+         /usr/local/nvidia/lib64; do
   [ -d "$d" ] && LIBRARY_PATH="${LIBRARY_PATH:+$LIBRARY_PATH:}$d"
 done
+for lib in cuda cudart; do
+  found=""
+  for d in ${LIBRARY_PATH//:/ } "$CUDA_HOME_FOUND/lib64" "$CUDA_HOME_FOUND/lib"; do
+    [ -e "$d/lib$lib.so" ] && found="$d/lib$lib.so" && break
+  done
+  if [ -z "$found" ]; then
+    versioned=$( (ldconfig -p 2>/dev/null | grep -o "/.*/lib$lib\.so\.[0-9]*$"; \
+      "$PYTHON" -c "import glob, site; print(*glob.glob(site.getsitepackages()[0] + '/nvidia/**/lib$lib.so.[0-9]*', recursive=True), sep='\n')" 2>/dev/null) | head -1)
+    if [ -n "$versioned" ]; then
+      ln -sf "$versioned" "$SHIM/lib$lib.so"; LIBRARY_PATH="${LIBRARY_PATH:+$LIBRARY_PATH:}$SHIM"; found="$SHIM/lib$lib.so -> $versioned"
+    fi
+  fi
+  echo "peer build: -l$lib from ${found:-nowhere found (the link may fail)}"
+done
 export LIBRARY_PATH
+# mHC.cu's mhc_types.h includes cublasLt.h for one error-check helper (cublasStatus_t) that the
+# n=4 kernels never call. Where the toolkit lacks the header, a two-line stand-in declares that
+# type (a pip wheel's include folder would bring its own, possibly newer, CUDA headers with it).
+if [ -f "$CUDA_HOME_FOUND/include/cublasLt.h" ]; then
+  echo "peer build: cublasLt.h from $CUDA_HOME_FOUND/include"
+else
+  printf '%s\n' '#pragma once' 'typedef enum { CUBLAS_STATUS_SUCCESS = 0 } cublasStatus_t;' >"$SHIM/cublasLt.h"
+  export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-I$SHIM"
+  echo "peer build: no cublasLt.h under CUDA_HOME; a stand-in declares cublasStatus_t ($SHIM/cublasLt.h)"
+fi
 echo "peer build: $SRC (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME_FOUND:-?}" \
      "nvcc=$(command -v nvcc || echo none)); log: $LOG"
 

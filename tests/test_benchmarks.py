@@ -73,7 +73,7 @@ def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_p
                 "--sigma", "1", "--calls", "1", "--warmup", "0", "--repeats", "1", "--bench-warmup-ms", "0",
                 "--bench-rep-ms", "1", "--acc-size", "256", "--acc-sigmas", "1,30", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "chained protocol" in proc.stdout and "do_bench median" in proc.stdout, proc.stdout
+    assert "chained protocol" in proc.stdout and "cpu per-call median" in proc.stdout, proc.stdout
     data = json.loads(out.read_text())
     assert data["header"]["command"].endswith("--json " + str(out)) and data["header"]["commit"], data["header"]
     for protocol in ("chained", "do_bench"):
