@@ -71,33 +71,35 @@ def number_list(kind: type, low: float, text: str) -> list:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python benchmarks/bench_projection_peers.py",
-        description="n=4 Birkhoff projection: ours against mHC-proj and mHC.cu, fwd and f+b, two protocols.",
-    )
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench_projection_peers.py", description=(
+        "n=4 Birkhoff projection: ours against mHC-proj and mHC.cu, fwd and f+b, two protocols."))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: only the ours columns, on the PyTorch path (checks the logic)")
     ap.add_argument("--sizes", type=partial(number_list, int, 0), default=DEFAULT_SIZES, help="N, comma-separated")
     ap.add_argument("--sigma", type=float, default=10.0, help="timing inputs are sigma * randn")
-    ap.add_argument("--calls", type=int, default=100, help="timed chained calls")
-    ap.add_argument("--warmup", type=int, default=100, help="chained warm-up calls")
+    ap.add_argument("--calls", type=int, default=None, help="timed chained calls (default 100; cpu 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="chained warm-up calls (default 100; cpu 1)")
     ap.add_argument("--bench-warmup-ms", type=float, default=25.0, help="do_bench warmup (ms)")
     ap.add_argument("--bench-rep-ms", type=float, default=100.0, help="do_bench rep (ms)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds; each cell keeps the best")
     ap.add_argument("--tol", type=float, default=1e-6, help="Newton tolerance (ours and mHC-proj)")
     ap.add_argument("--sk-iters", type=int, default=20, help="mHC.cu Sinkhorn iterations")
-    ap.add_argument("--acc-size", type=int, default=1 << 20, help="matrices per sigma in the accuracy section")
+    ap.add_argument("--acc-size", type=int, default=None, help="matrices per sigma for the accuracy (default 1M; cpu 4K)")
     ap.add_argument("--acc-sigmas", type=partial(number_list, float, 0), default="1,3,10,30")
     ap.add_argument("--seed", type=int, default=123)
     ap.add_argument("--commit", default=None, help="commit to print (default: git rev-parse, if there is git)")
     ap.add_argument("--json", default=None, help="also write every number and reason to this file")
     args = ap.parse_args(argv)
+    cpu = args.device == "cpu"  # the PyTorch path on a CPU takes ~10-100 ms a call: defaults that finish
+    for name, gpu_default, cpu_default in (("calls", 100, 3), ("warmup", 100, 1), ("acc_size", 1 << 20, 4096)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu_default if cpu else gpu_default)
     for name in ("calls", "repeats", "sk_iters", "acc_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.bench_warmup_ms < 0 or args.bench_rep_ms <= 0 or not args.tol > 0 or not args.sigma > 0:
         ap.error("--warmup and --bench-warmup-ms must be >= 0; --bench-rep-ms, --tol and --sigma > 0")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if not cpu and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu to check the logic)")
     return args
 
@@ -334,13 +336,11 @@ def measure_size(N: int, args, device, clock: Clock, peers, why: str) -> dict[st
 def accuracy(args, device, peers, why: str) -> dict[str, dict[str, dict[str, float | int | str]]]:
     """{sigma: {system: {"max_err", "nonfinite"} or {"error"}}} over args.acc_size matrices each."""
     out: dict[str, dict[str, dict[str, float | int | str]]] = {}
-    systems: dict[str, Callable[[Tensor], Tensor] | Unavailable] = {"ours": mhc.birkhoff_project}
-    if peers is None:
-        systems.update({"mHC-proj": Unavailable(why), "mHC.cu": Unavailable(why)})
-    else:
-        ext = peers[0]
-        systems["mHC-proj"] = lambda x: ext.birkhoff_proj_n4(x, args.tol)["T"]
-        systems["mHC.cu"] = lambda x: ext.sinkhorn_knopp_n4(torch.exp(x), args.sk_iters)["T"]
+    ext = peers[0] if peers else None
+    systems: dict[str, Callable[[Tensor], Tensor] | Unavailable] = {
+        "ours": mhc.birkhoff_project,
+        "mHC-proj": (lambda x: ext.birkhoff_proj_n4(x, args.tol)["T"]) if ext else Unavailable(why),
+        "mHC.cu": (lambda x: ext.sinkhorn_knopp_n4(torch.exp(x), args.sk_iters)["T"]) if ext else Unavailable(why)}
     for sigma in args.acc_sigmas:
         gen = torch.Generator(device=device).manual_seed(args.seed + int(sigma * 1000))
         x = sigma * torch.randn(args.acc_size, N_STREAMS, N_STREAMS, device=device, generator=gen)
@@ -358,7 +358,6 @@ def accuracy(args, device, peers, why: str) -> dict[str, dict[str, dict[str, flo
                 if name == "ours" and not isinstance(exc, Unavailable):
                     traceback.print_exception(exc, file=sys.stderr)
                 row[name] = {"error": f"n/a ({reason(exc)})"}
-        del x
     return out
 
 
