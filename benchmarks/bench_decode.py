@@ -81,7 +81,7 @@ def commit() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+                               capture_output=True, text=True, check=False).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -136,8 +136,8 @@ def dynamo_counts() -> dict:
 
 def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_config: CompileConfig):
     """A function running one greedy ``generate()`` of ``mode``; it checks the output's length."""
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  do_sample=False)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+              "do_sample": False}
     if mode == "static":
         kwargs.update(cache_implementation="static", disable_compile=True)
     elif mode == "compiled":
@@ -151,6 +151,10 @@ def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_
         return out
 
     return run
+
+
+def tok_s(value: float | None) -> str:
+    return f"{value:.1f}" if value else "failed"
 
 
 def timed(fn, device: str) -> float:
@@ -445,12 +449,11 @@ def main(argv=None) -> None:
         ratio = f"{mhc_ / res:13.3f}" if res and mhc_ else f"{'-':>13}"
         if res and mhc_:
             info["mhc_over_residual"] = mhc_ / res
-        fmt = lambda v: f"{v:.1f}" if v else "failed"  # noqa: E731
         compile_s = ""
         if mode == "compiled":
             compile_s = "   " + ", ".join(f"{info[n]['first_call_s']:.1f}" if "first_call_s" in info.get(n, {})
                                           else "-" for n in MODELS)
-        print(f"  {mode:9} {batch:>5} {fmt(res):>15} {fmt(mhc_):>10} {ratio}{compile_s}")
+        print(f"  {mode:9} {batch:>5} {tok_s(res):>15} {tok_s(mhc_):>10} {ratio}{compile_s}")
 
     figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
     if args.profile and "mhc" in models:

@@ -23,6 +23,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import mhc
 
 ROOT = Path(__file__).resolve().parent.parent
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 VOCAB = 97
 NEW_TOKENS = 6
 
@@ -90,9 +91,10 @@ def count_compiled_calls(model) -> list[int]:
     return calls
 
 
-def test_static_cache_gives_the_dynamic_cache_tokens(fresh_seed):
-    model = tiny_mhc_llama()
-    ids, mask = prompts(fresh_seed)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_static_cache_gives_the_dynamic_cache_tokens(device, fresh_seed):
+    model = tiny_mhc_llama().to(device)
+    ids, mask = (t.to(device) for t in prompts(fresh_seed))
     tokens, logits = greedy(model, ids, mask)
     static_tokens, static_logits = greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
     assert tokens.shape == (3, ids.shape[1] + NEW_TOKENS)
@@ -104,24 +106,29 @@ def test_static_cache_gives_the_dynamic_cache_tokens(fresh_seed):
     assert (fixed_logits - logits).abs().max() > 0.1, f"seed {fresh_seed}: the mixing changes nothing"
 
 
-def test_compiled_static_cache_generate_is_one_graph_without_recompiles(fresh_seed):
-    """generate()'s own compiled decode (get_compiled_call, as on CUDA) with fullgraph=True."""
-    model = tiny_mhc_llama()
-    ids, mask = prompts(fresh_seed)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_compiled_static_cache_generate_is_one_graph_without_recompiles(device, fresh_seed):
+    """generate()'s own compiled decode (``get_compiled_call``) with fullgraph=True: on the CPU with aot_eager
+    (functionalized, as inductor sees it); on CUDA transformers' defaults, inductor with CUDA graphs
+    (``mode="reduce-overhead"``), around the default fused site."""
+    model = tiny_mhc_llama().to(device)
+    ids, mask = (t.to(device) for t in prompts(fresh_seed))
     tokens, logits = greedy(model, ids, mask)
     calls = count_compiled_calls(model)
     torch._dynamo.reset()
     counters.clear()
-    config = cpu_compile_config("aot_eager")  # functionalized, as inductor sees it
+    config = cpu_compile_config("aot_eager") if device == "cpu" else CompileConfig(fullgraph=True)
     compiled_tokens, compiled_logits = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
     assert calls[0] == NEW_TOKENS - 1, f"{calls[0]} decode steps went through the compiled forward"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    tol = 1e-4 if device == "cpu" else 1e-3  # inductor's kernels sum in their own order
+    torch.testing.assert_close(compiled_logits, logits, rtol=tol, atol=tol, msg=lambda m: f"seed {fresh_seed}: {m}")
     assert torch.equal(compiled_tokens, tokens), f"seed {fresh_seed}: {compiled_tokens} != {tokens}"
-    torch.testing.assert_close(compiled_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
 
     # new prompts of the same shape: the same graph, every decode step
-    ids2, mask2 = prompts(fresh_seed + 1)
+    ids2, mask2 = (t.to(device) for t in prompts(fresh_seed + 1))
     with torch._dynamo.config.patch(error_on_recompile=True):
         again, _ = greedy(model, ids2, mask2, cache_implementation="static", compile_config=config)
     assert calls[0] == 2 * (NEW_TOKENS - 1) and counters["stats"]["unique_graphs"] == 1
