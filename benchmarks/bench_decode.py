@@ -3,12 +3,17 @@
     python benchmarks/bench_decode.py                          # batch 1 and 16, modes eager and compiled
     python benchmarks/bench_decode.py --batches 16 --modes compiled
     python benchmarks/bench_decode.py --profile                # also the host-time profile of eager mHC decode steps
+    python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
+    python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
     python benchmarks/bench_decode.py --json decode.json
     python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
 
-Models: ``LlamaForCausalLM`` with the 134M config of ``common.llama_134m``
-(bf16 on CUDA, random weights drawn from ``--seed``) and the same weights
-converted with ``mhc.convert_to_mhc(model, n_streams=4, init="paper")``.
+Models (``--models``; default ``residual,mhc``): ``residual`` is
+``LlamaForCausalLM`` with the 134M config of ``common.llama_134m`` (bf16 on
+CUDA, random weights drawn from ``--seed``); ``mhc`` the same weights
+converted with ``mhc.convert_to_mhc(model, n_streams=4, init="paper")`` (the
+default fused site); ``mhc-torch`` the same with ``fused=False`` (the
+PyTorch site, which inductor fuses in mode ``compiled``).
 Each ``generate()`` is greedy, a ``--prompt``-token random prompt (32),
 exactly ``--new-tokens`` new tokens (128: ``min_new_tokens = max_new_tokens``,
 no EOS). tokens/s = batch x new tokens / wall time of the whole call (its one
@@ -71,7 +76,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import mhc
 
 MODES = ("eager", "static", "compiled")
-MODELS = ("residual", "mhc")
+MODELS = ("residual", "mhc", "mhc-torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -94,11 +99,12 @@ def tiny_llama(seq: int) -> LlamaConfig:
 
 
 def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: int):
-    """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``), in eval mode."""
+    """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``; ``"mhc-torch"``
+    with ``fused=False``), in eval mode."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(device, dtype)
-    if name == "mhc":
-        model = mhc.convert_to_mhc(model, n_streams=4, init="paper")
+    if name != "residual":
+        model = mhc.convert_to_mhc(model, n_streams=4, init="paper", **({"fused": False} if name == "mhc-torch" else {}))
     model.generation_config.eos_token_id = None  # every call decodes exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -236,10 +242,10 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compil
     for name, row in timing.items():
         info[name].update(row)
         if mode == "compiled":
-            info[name]["graphs_compiled_while_timed"] = recompiles  # both models' together
+            info[name]["graphs_compiled_while_timed"] = recompiles  # all models together
             info[name]["compiled_calls_while_timed"] = spies[name].calls
     if mode == "compiled" and calls:
-        print(f"  compiled batch {batch}: graphs compiled while timed (both models): {recompiles}; decode steps "
+        print(f"  compiled batch {batch}: graphs compiled while timed (all models): {recompiles}; decode steps "
               "through the compiled call while timed: "
               + ", ".join(f"{n} {spies[n].calls}" for n in calls), flush=True)
     return info
@@ -363,6 +369,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated, from: " + ", ".join(MODES))
+    ap.add_argument("--models", default="residual,mhc",
+                    help="comma-separated, from: residual, mhc, mhc-torch (fused=False) (default residual,mhc)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; --tiny 8)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
@@ -384,10 +392,12 @@ def parse_args(argv=None):
         args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
         ap.error(f"--batches takes comma-separated integers, got {args.batches!r}")
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        ap.error(f"unknown --modes {unknown}; choose from {MODES}")
+    for option, known in (("modes", MODES), ("models", MODELS)):
+        chosen = [m.strip() for m in getattr(args, option).split(",") if m.strip()]
+        unknown = [m for m in chosen if m not in known]
+        if unknown:
+            ap.error(f"unknown --{option} {unknown}; choose from {known}")
+        setattr(args, option, chosen)
     if args.prompt is None:
         args.prompt = 8 if args.tiny else 32
     if args.new_tokens is None:
@@ -423,7 +433,7 @@ def main(argv=None) -> None:
 
     warm_up(cfg, args, dtype)
     models = {}
-    for name in MODELS:
+    for name in args.models:
         try:
             models[name] = build(name, cfg, args.device, dtype, args.seed)
         except Exception:
@@ -442,23 +452,25 @@ def main(argv=None) -> None:
     print(f"\nGreedy decode, {'tiny Llama' if args.tiny else 'Llama 134M'}, {str(dtype)[6:]}, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens; tok/s = batch x new tokens / generate() wall time, best of "
           f"{args.rounds} interleaved medians of {args.steps}")
-    print(f"  {'mode':9} {'batch':>5} {'residual tok/s':>15} {'mhc tok/s':>10} {'mhc/residual':>13}   compile s (res, mhc)")
+    print(f"  {'mode':9} {'batch':>5} {'model':10} {'tok/s':>9} {'x residual':>11} {'first call s':>13}   "
+          "round medians (tok/s)")
     for key, info in results.items():
         mode, batch = key.split()
-        res, mhc_ = (info.get(n, {}).get("tok_s") for n in MODELS)
-        ratio = f"{mhc_ / res:13.3f}" if res and mhc_ else f"{'-':>13}"
-        if res and mhc_:
-            info["mhc_over_residual"] = mhc_ / res
-        compile_s = ""
-        if mode == "compiled":
-            compile_s = "   " + ", ".join(f"{info[n]['first_call_s']:.1f}" if "first_call_s" in info.get(n, {})
-                                          else "-" for n in MODELS)
-        print(f"  {mode:9} {batch:>5} {tok_s(res):>15} {tok_s(mhc_):>10} {ratio}{compile_s}")
+        residual = info.get("residual", {}).get("tok_s")
+        for name, row in info.items():
+            value = row.get("tok_s")
+            row["x_residual"] = value / residual if value and residual else None
+            ratio = f"{row['x_residual']:11.3f}" if row["x_residual"] else f"{'-':>11}"
+            first = f"{row['first_call_s']:13.2f}" if "first_call_s" in row else f"{'-':>13}"
+            medians = " ".join(f"{v:.1f}" for v in row.get("round_medians", []))
+            print(f"  {mode:9} {batch:>5} {name:10} {tok_s(value):>9} {ratio} {first}   {medians}")
 
     figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
-    if args.profile and "mhc" in models:
+    profiled = next((n for n in models if n != "residual"), None)
+    if args.profile and profiled is not None:
         try:
-            figures["profile"] = profile(models["mhc"], args, cfg)
+            print(f"\nprofiling {profiled}", flush=True)
+            figures["profile"] = profile(models[profiled], args, cfg)
         except Exception:
             print("  profile failed:", flush=True)
             traceback.print_exc()

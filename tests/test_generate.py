@@ -175,20 +175,24 @@ def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys)
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"eager 2", "compiled 2"}, log
     for key, info in results.items():
-        assert info["mhc_over_residual"] > 0, f"{key}: {info}"
+        assert set(info) == {"residual", "mhc"}, f"{key}: {info}"
+        assert info["residual"]["x_residual"] == 1.0 and info["mhc"]["x_residual"] > 0, f"{key}: {info}"
         for name in ("residual", "mhc"):
             assert info[name]["tok_s"] > 0, f"{key} {name}: {info[name]}"
             if key.startswith("compiled"):
                 assert info[name]["took_compiled_path"], f"{key} {name}: {info[name]}"
                 assert info[name]["dynamo"]["graph_breaks"] == 0, f"{key} {name}: {info[name]}"
                 assert info[name]["graphs_compiled_while_timed"] == 0, f"{key} {name}: {info[name]}"
-    assert "mhc/residual" in captured.out and "torch.profiler" in captured.out and "cProfile" in captured.out, log
+    assert "x residual" in captured.out and "torch.profiler" in captured.out and "cProfile" in captured.out, log
 
 
 def test_bench_decode_rejects_unknown_modes_and_bad_counts(bench_decode, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_decode.parse_args(["--modes", "eager,compield"])
     assert exit_info.value.code == 2 and "unknown --modes ['compield']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--models", "residual,mch"])
+    assert "unknown --models ['mch']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--batches", "1,0"])
     assert "--batches" in capsys.readouterr().err
