@@ -36,12 +36,13 @@ Modes (``--modes``, comma-separated; default ``eager,compiled``):
   that batch alone. The compile time is the first call's wall time.
 
 Protocol: a throw-away model first decodes at every batch size (the first
-model a process runs decodes several times slower); then, per mode and
+model a process runs decodes several times slower; for ``compiled`` a small
+function is compiled too, the compiler's start-up); then, per mode and
 batch, each model's first call (and for ``compiled`` a second) is made
 untimed, and the models are timed in interleaved rounds (``--rounds``
 rounds of ``--steps`` calls each); the best of a model's round medians is
 kept. A variant that fails prints its traceback and the others go on.
-About 2-3 minutes on an H200 at the defaults, most of it compiling.
+Estimated at 2-3 minutes on an H200 at the defaults (not measured yet), most of it compiling.
 
 ``--profile`` then runs ``--profile-steps`` eager decode steps of the mHC
 model after a prefill (dynamic cache, batch ``--profile-batch``, the prefill
@@ -251,19 +252,26 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compil
     return info
 
 
-def warm_up(cfg, args, dtype) -> None:
-    """A throw-away residual model decodes once at each batch size."""
+def warm_up(cfg, args, dtype, compile_config: CompileConfig) -> None:
+    """A throw-away residual model decodes once at each batch size; with mode ``compiled``, a small function is
+    compiled first, so that the compiler's one-time start-up is not counted in the first model's compile time."""
     t0 = time.perf_counter()
     try:
+        if "compiled" in args.modes:
+            options = {"backend": compile_config.backend, "mode": compile_config.mode}
+            x = torch.ones(64, device=args.device)
+            torch.compile(lambda t: torch.nn.functional.silu(t) * 2 + 1, **options)(x)
+            sync(args.device)
+            torch._dynamo.reset()
         model = build("residual", cfg, args.device, dtype, seed=args.seed + 1)
         for batch in args.batches:
             ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
             generate_call(model, ids, "eager", args.new_tokens, None)()
         del model
     except Exception:
-        print("  warm-up model failed:", flush=True)
+        print("  warm-up failed:", flush=True)
         traceback.print_exc()
-    print(f"  warm-up model: {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"  warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def decoder(model, batch: int, steps: int, args, cfg):
@@ -431,7 +439,7 @@ def main(argv=None) -> None:
         compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     print(f"  compile config (mode compiled): {compile_config.to_dict()}", flush=True)
 
-    warm_up(cfg, args, dtype)
+    warm_up(cfg, args, dtype, compile_config)
     models = {}
     for name in args.models:
         try:
