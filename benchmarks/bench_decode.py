@@ -59,6 +59,7 @@ import cProfile
 import datetime
 import inspect
 import io
+import logging
 import pstats
 import statistics
 import subprocess
@@ -82,15 +83,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:
-    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
+    """The checkout's commit, ``-dirty`` when tracked files differ from it."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def tiny_llama(seq: int) -> LlamaConfig:
@@ -134,11 +132,23 @@ class CompiledCallSpy:
         return counted
 
 
-def dynamo_counts() -> dict:
+class CudagraphSkips(logging.Handler):
+    """Collects the reasons inductor logs (torch's "cudagraphs" log) when it runs a CUDA graph without CUDA graphs."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+        logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons.append(record.getMessage()[:300])
+
+
+def dynamo_counts(skips: CudagraphSkips) -> dict:
     breaks = dict(counters["graph_break"])
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(breaks.values()),
             "break_reasons": {k[:300]: v for k, v in list(breaks.items())[:5]},
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"], "cudagraph_skip_reasons": skips.reasons[:5]}
 
 
 def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_config: CompileConfig):
@@ -158,10 +168,6 @@ def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_
         return out
 
     return run
-
-
-def tok_s(value: float | None) -> str:
-    return f"{value:.1f}" if value else "failed"
 
 
 def timed(fn, device: str) -> float:
@@ -196,7 +202,8 @@ def measure(calls: dict, tokens: int, rounds: int, steps: int, device: str) -> d
     return out
 
 
-def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compile_config) -> dict:
+def run_mode(mode: str, batch: int, models: dict, spies: dict, skips: CudagraphSkips, args, cfg,
+             compile_config) -> dict:
     """Untimed first calls of each model (compile, for ``compiled``), then the interleaved timing."""
     ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
     ids = ids.to(args.device)
@@ -209,13 +216,14 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compil
         try:
             if mode == "compiled":
                 counters.clear()
+                skips.reasons = []
                 spy = spies[name]
                 spy.calls = 0
                 row["first_call_s"] = timed(fn, args.device)
                 row["second_call_s"] = timed(fn, args.device)
                 row["compiled_calls"] = spy.calls
                 row["decode_steps"] = 2 * (args.new_tokens - 1)
-                row["dynamo"] = dynamo_counts()
+                row["dynamo"] = dynamo_counts(skips)
             else:
                 row["first_call_s"] = timed(fn, args.device)
         except Exception:
@@ -234,6 +242,8 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, args, cfg, compil
                      f"graph breaks {d['graph_breaks']}, cudagraph skips {d['cudagraph_skips']}")
             for reason, count in d["break_reasons"].items():
                 text += f"\n      break x{count}: {reason}"
+            for reason in d["cudagraph_skip_reasons"]:
+                text += f"\n      no CUDA graph: {reason}"
         print(text, flush=True)
     graphs_before = counters["stats"]["unique_graphs"]
     for spy in spies.values():
@@ -345,9 +355,8 @@ def profile(model, args, cfg) -> dict:
           f"of which their sublayers (norms, attention, MLP) {hooks['sublayers_us']:.0f} µs: "
           f"{hooks['site_overhead_us_per_call']:.1f} µs host time per site call beyond its sublayers")
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda"
+                                                          else [])
     decode = prefill()
     with torch.profiler.profile(activities=activities) as prof:
         decode()
@@ -406,17 +415,14 @@ def parse_args(argv=None):
         if unknown:
             ap.error(f"unknown --{option} {unknown}; choose from {known}")
         setattr(args, option, chosen)
-    if args.prompt is None:
-        args.prompt = 8 if args.tiny else 32
-    if args.new_tokens is None:
-        args.new_tokens = 6 if args.tiny else 128
+    args.prompt = (8 if args.tiny else 32) if args.prompt is None else args.prompt
+    args.new_tokens = (6 if args.tiny else 128) if args.new_tokens is None else args.new_tokens
     for name in ("prompt", "new_tokens", "rounds", "steps", "profile_batch", "profile_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.batches or min(args.batches) < 1:
         ap.error("--batches must name batch sizes >= 1")
-    if args.backend is None:
-        args.backend = "inductor" if args.device == "cuda" else "eager"
+    args.backend = args.backend or ("inductor" if args.device == "cuda" else "eager")
     return args
 
 
@@ -448,11 +454,13 @@ def main(argv=None) -> None:
             print(f"  building {name} failed:", flush=True)
             traceback.print_exc()
     spies = {name: CompiledCallSpy(model) for name, model in models.items()}
+    skips = CudagraphSkips()
     results = {}
     for mode in args.modes:
         for batch in args.batches:
             try:
-                results[f"{mode} {batch}"] = run_mode(mode, batch, models, spies, args, cfg, compile_config)
+                results[f"{mode} {batch}"] = run_mode(mode, batch, models, spies, skips, args, cfg,
+                                                        compile_config)
             except Exception:
                 print(f"  {mode} batch {batch}: failed:", flush=True)
                 traceback.print_exc()
@@ -471,7 +479,8 @@ def main(argv=None) -> None:
             ratio = f"{row['x_residual']:11.3f}" if row["x_residual"] else f"{'-':>11}"
             first = f"{row['first_call_s']:13.2f}" if "first_call_s" in row else f"{'-':>13}"
             medians = " ".join(f"{v:.1f}" for v in row.get("round_medians", []))
-            print(f"  {mode:9} {batch:>5} {name:10} {tok_s(value):>9} {ratio} {first}   {medians}")
+            value_text = f"{value:9.1f}" if value else f"{'failed':>9}"
+            print(f"  {mode:9} {batch:>5} {name:10} {value_text} {ratio} {first}   {medians}")
 
     figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
     profiled = next((n for n in models if n != "residual"), None)
