@@ -103,7 +103,7 @@ def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: in
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(device, dtype)
     if name != "residual":
-        model = mhc.convert_to_mhc(model, n_streams=4, init="paper", **({"fused": False} if name == "mhc-torch" else {}))
+        model = mhc.convert_to_mhc(model, n_streams=4, init="paper", fused=name != "mhc-torch")
     model.generation_config.eos_token_id = None  # every call decodes exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -180,9 +180,7 @@ def timed(fn, device: str) -> float:
 
 def measure(calls: dict, tokens: int, rounds: int, steps: int, device: str) -> dict:
     """Interleaved rounds of ``steps`` timed calls of each of ``calls``; tokens/s is the best round median.
-
-    A variant whose call raises is reported (traceback) and dropped; the others go on.
-    """
+    A variant whose call raises is reported (traceback) and dropped; the others go on."""
     out = {name: {"round_medians": [], "seconds": []} for name in calls}
     live = dict(calls)
     for _ in range(rounds):
@@ -351,12 +349,13 @@ def profile(model, args, cfg) -> dict:
     step_us = (time.perf_counter() - t0) * 1e6 / steps
     hooks = site_host_times(model, prefill, steps)
     print(f"\nEager mHC decode, batch {batch}, {steps} steps after a prefill: {step_us:.0f} µs per step. With timing "
-          f"hooks: {hooks['step_us']:.0f} µs per step, its {hooks['sites_per_step']} sites {hooks['sites_us']:.0f} µs "
+          f"hooks: {hooks['step_us']:.0f} µs per step, its {hooks['sites_per_step']} sites {hooks['sites_us']:.0f} "
+          "µs "
           f"of which their sublayers (norms, attention, MLP) {hooks['sublayers_us']:.0f} µs: "
           f"{hooks['site_overhead_us_per_call']:.1f} µs host time per site call beyond its sublayers")
 
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda"
-                                                          else [])
+    kinds = torch.profiler.ProfilerActivity
+    activities = [kinds.CPU, kinds.CUDA] if args.device == "cuda" else [kinds.CPU]
     decode = prefill()
     with torch.profiler.profile(activities=activities) as prof:
         decode()
@@ -433,9 +432,9 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     env = common.environment()
     env.update(transformers=transformers.__version__, commit=commit())
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {env['device']}  torch {env['torch']}  "
-          f"transformers {env['transformers']}  commit {env['commit']}\n# command: python {' '.join(sys.argv)}",
-          flush=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# {now:%Y-%m-%d %H:%M UTC}  {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
+          f"commit {env['commit']}\n# command: python {' '.join(sys.argv)}", flush=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     seq = args.prompt + args.new_tokens
     cfg = tiny_llama(seq) if args.tiny else common.llama_134m(seq)

@@ -1,4 +1,4 @@
-"""``generate()`` of a converted model: static KV cache, and the forward under ``torch.compile`` (CPU).
+"""``generate()`` of a converted model with the static KV cache and under ``torch.compile`` (CPU, and CUDA).
 
 The static cache must give the dynamic cache's tokens; compiled, the decode
 steps must run as one graph with no breaks and no recompiles, with the same
