@@ -5,9 +5,11 @@ the wheel and the sdist), so an installed ``mhc`` finds them beside its own
 modules, wherever it is installed. The extension is compiled from there on
 first use with ``torch.utils.cpp_extension.load`` (ninja; the build goes to
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, never
-into the package directory, which may be read-only) and loaded as a plain
-shared library, which registers the ``torch.ops.mhc.birkhoff_*`` operators
-(``TORCH_LIBRARY`` in ``birkhoff.cu``; there is no Python module to import).
+into the package directory, which may be read-only) and imported as a
+Python module. Loading registers the ``torch.ops.mhc.birkhoff_*`` operators
+(``TORCH_LIBRARY`` in ``birkhoff.cu``); the module itself holds only the
+projection's hot path, ``project_or_none``, which skips torch.ops' argument
+parsing.
 This is the one place that builds it: :mod:`mhc.projection_cuda` calls
 :func:`load`, ``python -m mhc.cuda_build`` builds it ahead of time.
 """
@@ -76,24 +78,23 @@ def sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def load(verbose: bool = False) -> None:
-    """Compile (if needed) and load the extension; raises ``RuntimeError`` when impossible.
+def load(verbose: bool = False):
+    """Compile (if needed) and load the extension; returns its Python module; ``RuntimeError`` when impossible.
 
-    Loading registers the ``torch.ops.mhc`` operators; loading twice in one
-    process is a no-op (``torch.ops.load_library`` keeps the loaded paths).
+    Loading registers the ``torch.ops.mhc`` operators; the module holds the
+    one function called without them (``project_or_none``, the projection's
+    hot path). Loading twice in one process returns the same module.
     """
     problem = build_problem()
     if problem is not None:
         raise RuntimeError(problem)
     from torch.utils.cpp_extension import load as _load
 
-    _load(
+    return _load(
         name=EXTENSION_NAME,
         sources=[str(csrc_dir() / s) for s in SOURCES],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17", f"-DMHC_SOURCES={sources_digest()}"],
-        # birkhoff.cu registers operators only (no PYBIND11_MODULE): load the
-        # library into the process instead of importing it as a module.
-        is_python_module=False,
+        is_python_module=True,
         verbose=verbose,
     )

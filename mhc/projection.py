@@ -93,11 +93,12 @@ def birkhoff_project(
     # The common call (CUDA kernels, plain options) in a few exact type tests that imply every
     # check of check_arguments: at small batches the wrapper's host time is the call's cost.
     if (
-        type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int and max_iter >= 0
-        and method is _NEWTON and type(iters) is int and iters >= 1 and return_info is False
-        and isinstance(logits, Tensor) and projection_cuda.supports(logits) and projection_cuda.available()
+        type(logits) is Tensor and type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int
+        and max_iter >= 0 and method is _NEWTON and type(iters) is int and iters >= 1 and return_info is False
     ):
-        return projection_cuda.project(logits, tol=tol, max_iter=max_iter, return_info=False)
+        T = projection_cuda.project_fast(logits, tol, max_iter)
+        if T is not None:
+            return T
     check_arguments(logits, tol, max_iter, method, iters, return_info)
     if method == "newton" and logits.is_cuda:
         # Fused kernels for n in {4, 8} and fp32/bf16/fp16 (mhc/projection_cuda.py).

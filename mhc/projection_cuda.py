@@ -44,7 +44,7 @@ from .projection_common import ConvergenceWarning, effective_tol, newton_report
 from .projection_reference import birkhoff_backward
 
 __all__ = [
-    "available", "supports", "project", "project_no_autograd", "poll", "unconverged_count",
+    "available", "supports", "project", "project_fast", "project_no_autograd", "poll", "unconverged_count",
     "check_convergence", "reset_convergence_tracking", "set_enabled",
 ]
 
@@ -53,6 +53,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POLL_EVERY = 64  # eager calls between two non-blocking looks at the counter
 
 _LOADED: bool | None = None  # None: not tried yet
+_project_or_none = None  # the extension's unchecked forward (csrc/birkhoff.cu), once loaded
 _ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
 _lock = threading.Lock()
 _calls = 0
@@ -101,8 +102,10 @@ def _try_load() -> None:
         if _LOADED is not None:
             return
         try:
-            _build.load()
+            module = _build.load()
             _register()
+            global _project_or_none
+            _project_or_none = module.project_or_none
             _LOADED = True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
             _LOADED = False
@@ -260,6 +263,26 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
         return torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
     T = torch.ops.mhc.birkhoff_forward.default.redispatch(_KERNEL_KEYS, R, tol_eff, max_iter)
     poll(R)
+    return T
+
+
+def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
+    """:func:`mhc.birkhoff_project` for checked options, or ``None`` where the CUDA kernels do not take ``logits``.
+
+    ``logits`` must be a plain ``Tensor`` (not a subclass), ``tol`` a finite
+    float ``> 0`` and ``max_iter`` an int ``>= 0``. One call into the
+    extension, which picks the autograd node when a graph is recorded and the
+    kernel otherwise; the convergence counter is polled as in :func:`project`.
+    ``None`` under ``torch.compile`` (dynamo traces the op instead) or while
+    the extension is unavailable.
+    """
+    if not _ENABLED or torch.compiler.is_compiling() or not logits.is_cuda:
+        return None
+    if _project_or_none is None and not available():
+        return None
+    T = _project_or_none(logits, tol, max_iter)
+    if T is not None:
+        poll(T)
     return T
 
 

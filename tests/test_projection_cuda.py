@@ -398,3 +398,38 @@ def test_current_stream_launch():
     s.synchronize()
     torch.testing.assert_close(y, mhc.birkhoff_project(x), atol=0, rtol=0)
     torch.testing.assert_close(dx, torch.ops.mhc.birkhoff_backward(y, G), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
+    """birkhoff_project's unchecked hot path (one call into the extension) gives the checked path's bits,
+    with and without a graph, for any leading shape; subclasses and options it does not take go the checked way."""
+    from mhc import projection_cuda
+
+    for shape in [(257, n, n), (3, 5, n, n), (n, n), (0, n, n)]:
+        R = (torch.randn(shape, device="cuda") * 10).to(dtype)
+        T_fast = projection_cuda.project_fast(R, 1e-6, 100)
+        T_checked = projection_cuda.project(R, tol=1e-6, max_iter=100, return_info=False)
+        assert T_fast is not None and T_fast.shape == R.shape and T_fast.dtype == dtype
+        assert torch.equal(T_fast, T_checked), f"seed={fresh_seed}, shape {shape}"
+        assert torch.equal(mhc.birkhoff_project(R), T_checked), f"seed={fresh_seed}, shape {shape}"
+        if R.numel():
+            G = torch.randn_like(R)
+            Rg = R.clone().requires_grad_()
+            (d_fast,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G)
+            Rc = R.clone().requires_grad_()
+            (d_checked,) = torch.autograd.grad(projection_cuda.project(Rc, tol=1e-6, max_iter=100, return_info=False), Rc, G)
+            assert torch.equal(d_fast, d_checked), f"seed={fresh_seed}, shape {shape}"
+    # tol is raised to the float32 rounding floor, as effective_tol does
+    _, info = mhc.birkhoff_project(torch.randn(64, n, n, device="cuda"), tol=1e-12, return_info=True)
+    assert info.tol == P.effective_tol(1e-12, n, torch.float32)
+    # not taken: CPU tensors, other n, float64
+    assert projection_cuda.project_fast(torch.randn(4, n, n), 1e-6, 100) is None
+    assert projection_cuda.project_fast(torch.randn(4, 5, 5, device="cuda"), 1e-6, 100) is None
+    assert projection_cuda.project_fast(torch.randn(4, n, n, device="cuda", dtype=torch.float64), 1e-6, 100) is None
+    assert projection_cuda.project_fast(torch.randn(4, n, 3, device="cuda"), 1e-6, 100) is None
+    # a Parameter (a Tensor subclass) takes the checked path and still gets its gradient
+    p = torch.nn.Parameter(torch.randn(16, n, n, device="cuda"))
+    mhc.birkhoff_project(p).sum().backward()
+    assert p.grad is not None and torch.isfinite(p.grad).all()
