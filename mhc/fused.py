@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .options import check_options
+from .projection_common import NEWTON_MAX_ITER
 
 __all__ = [
     "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "clear_plans",
@@ -69,6 +70,7 @@ else:
         from . import fused_ops as _ops
         from . import fused_plan as _plans
         from . import fused_steps as _steps
+        from . import fused_tokens as _tokens
     except Exception as err:  # a NameError in the module is as much a bug as an ImportError
         _KERNELS_ERROR = err
     else:
@@ -76,6 +78,10 @@ else:
 
 if _plans is not None:
     _plan, _dense = _plans.plan_for, _steps.dense
+
+
+# Plan -> whether its no-grad forward runs on mhc.fused_tokens (worked out once per plan).
+_token_path: dict = {}
 
 
 def available() -> bool:
@@ -109,6 +115,7 @@ def clear_plans() -> None:
     """
     if _plans is not None:
         _plans.clear()
+    _token_path.clear()
 
 
 def compiled_variants() -> dict[str, int]:
@@ -132,10 +139,11 @@ class _SiteState:
     streams' device too.
     """
 
-    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device")
+    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "tokens")
 
     def __init__(self, plan, eps: float, tol: float):
         self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
+        self.tokens = False  # the no-grad forward ran on mhc.fused_tokens
 
 
 class _SitePre(torch.autograd.Function):
@@ -318,8 +326,18 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
-    # tokens per step the site's cost is its host time.
-    pre = _site_pre if torch.is_grad_enabled() else _pre_forward
+    # tokens per step the site's cost is its host time. A decode step's few tokens take the
+    # extension's one-block-per-token kernels (mhc.fused_tokens).
+    if torch.is_grad_enabled():
+        pre = _site_pre
+    else:
+        tokens = _token_path.get(plan)
+        if tokens is None:
+            if len(_token_path) >= 512:  # plans come and go (mhc.fused_plan keeps at most 256)
+                _token_path.clear()
+            tokens = _token_path[plan] = _tokens.takes(x)
+        state.tokens = tokens
+        pre = _pre_tokens if tokens else _pre_forward
     if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
@@ -338,7 +356,15 @@ def _pre_forward(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
 
 def _post_forward(x, y, h, H_res, state: _SiteState):
     """:class:`_PostMix`'s forward without its node (grad disabled)."""
+    if state.tokens:
+        return _tokens.post(x, y, h, H_res)
     return _steps.post_forward(state.plan, x, y, h, H_res)
+
+
+def _pre_tokens(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
+    """:func:`_pre_forward` on the extension's kernels for a few tokens (:mod:`mhc.fused_tokens`)."""
+    tol_eff = state.plan.projection_tol(state.tol)
+    return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, state.eps, tol_eff, NEWTON_MAX_ITER)
 
 
 def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:

@@ -44,7 +44,7 @@ from .projection_common import ConvergenceWarning, effective_tol, newton_report
 from .projection_reference import birkhoff_backward
 
 __all__ = [
-    "available", "supports", "project", "project_fast", "project_no_autograd", "poll", "unconverged_count",
+    "available", "extension", "supports", "project", "project_fast", "project_no_autograd", "poll", "unconverged_count",
     "check_convergence", "reset_convergence_tracking", "set_enabled",
 ]
 
@@ -53,7 +53,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POLL_EVERY = 64  # eager calls between two non-blocking looks at the counter
 
 _LOADED: bool | None = None  # None: not tried yet
-_project_or_none = None  # the extension's unchecked forward (csrc/birkhoff.cu), once loaded
+_module = None  # the extension's Python module, once loaded
+_project_or_none = None  # its unchecked forward (csrc/birkhoff.cu)
 _ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
 _lock = threading.Lock()
 _calls = 0
@@ -104,8 +105,8 @@ def _try_load() -> None:
         try:
             module = _build.load()
             _register()
-            global _project_or_none
-            _project_or_none = module.project_or_none
+            global _project_or_none, _module
+            _module, _project_or_none = module, module.project_or_none
             _LOADED = True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
             _LOADED = False
@@ -264,6 +265,13 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
     T = torch.ops.mhc.birkhoff_forward.default.redispatch(_KERNEL_KEYS, R, tol_eff, max_iter)
     poll(R)
     return T
+
+
+def extension():
+    """The extension's Python module (its functions called without torch.ops), or ``None`` where unavailable."""
+    if not available():
+        return None
+    return _module
 
 
 def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:

@@ -28,6 +28,7 @@ except ImportError as err:  # the one reason the fused path may be missing
     triton, NO_TRITON = None, f"needs Triton, which is not importable on this machine ({err})"
 else:
     NO_TRITON = None
+    from mhc import fused_plan  # imports only where Triton does
     # Triton imports, so the kernels must: available() raises (collection fails) if they do not.
     assert fused.available(), "Triton imports but mhc.fused.available() is False"
     # Without CUDA the kernels can only run in Triton's interpreter, which tests/conftest.py turns on.
@@ -136,6 +137,31 @@ def _compare_against_float64(ref, fast, x):
     for name, (r, f, g64) in pairs:
         err_ref, err_fast = _rel(r.double(), g64), _rel(f.double(), g64)
         assert err_fast <= max(4 * err_ref, 3e-2), f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
+
+
+@pytest.mark.parametrize("token_count", [1, 5, 16, 64, "above the split"])
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_site_at_few_tokens_matches_reference(token_count, n, dtype, fresh_seed):
+    """Decode-sized token counts: up to fused_plan.SPLIT_MAX_TOKENS tokens coeff_fwd splits K = n·C over several
+    programs per token block and the last of them finishes the block; above, one program per block does it all.
+    Forward and backward (which reads the coefficients the split writes) match the reference either way, and a
+    second call, which reuses the scratch and its counters, gives the same bits. C = 200: the last K slice ends
+    inside a 128-column chunk."""
+    C = 200
+    if token_count == "above the split":
+        token_count = fused_plan.SPLIT_MAX_TOKENS + 1
+    ref, fast = _blocks(n, C, dtype, fresh_seed)
+    x = torch.randn(token_count, n, C, device=DEVICE).to(dtype)
+    splits = fused_plan.coefficient_split(x)
+    assert (splits > 1) == (token_count <= fused_plan.SPLIT_MAX_TOKENS), f"{token_count} tokens: {splits} splits"
+    if dtype == torch.float32:
+        _compare(ref, fast, x, 1e-5, 1e-4)
+    else:
+        _compare_against_float64(ref, fast, x)
+    with torch.no_grad():
+        first = fast(x)
+        assert torch.equal(fast(x), first), f"seed={fresh_seed}: a second call differs"
 
 
 def test_fused_site_non_contiguous_and_large_values(fresh_seed):
@@ -272,20 +298,59 @@ def test_branch_tuple_and_arguments_pass_through():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_without_grad_matches_the_recorded_forward(dtype, fresh_seed):
-    """Under no_grad (generation) the site runs its kernels without autograd nodes: same bits as with grad."""
+    """Under no_grad (generation) the site runs without autograd nodes: the recorded forward's bits,
+    except where a CUDA decode step's few tokens take mhc.fused_tokens' kernels (rounding apart)."""
     n, C = 4, 72
     ref, fast = _blocks(n, C, dtype, fresh_seed)
-    x = torch.randn(3, n, C, device=DEVICE, dtype=dtype) * 2
-    with torch.no_grad():
-        out_plain = fast(x)
-    out_graph = fast(x.clone().requires_grad_())
-    assert out_plain.grad_fn is None and out_graph.grad_fn is not None
-    assert torch.equal(out_plain, out_graph.detach()), f"seed={fresh_seed}: no-grad forward differs"
-    for token_count in (1, 16):  # decode-sized batches
-        xt = torch.randn(token_count, n, C, device=DEVICE, dtype=dtype)
-        recorded = fast(xt.clone().requires_grad_())
+    tokens_path = DEVICE == "cuda"  # at most fused_tokens.MAX_TOKENS tokens take it on CUDA
+    for token_count in (1, 3, 16, 300):
+        x = torch.randn(token_count, n, C, device=DEVICE, dtype=dtype) * 2
+        recorded = fast(x.clone().requires_grad_())
         with torch.no_grad():
-            assert torch.equal(fast(xt), recorded.detach()), f"seed={fresh_seed}: {token_count} tokens"
+            plain = fast(x)
+        assert plain.grad_fn is None and recorded.grad_fn is not None
+        if tokens_path and token_count <= 128:
+            assert _rel(plain, recorded) < (1e-5 if dtype == torch.float32 else 4e-3), f"seed={fresh_seed}"
+            with torch.no_grad():
+                assert _rel(plain, ref(x)) < (1e-5 if dtype == torch.float32 else 1e-2), f"seed={fresh_seed}"
+        else:
+            assert torch.equal(plain, recorded.detach()), f"seed={fresh_seed}: {token_count} tokens"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("C", [200, 768])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_kernels_match_the_triton_steps(n, C, dtype, fresh_seed):
+    """mhc.fused_tokens (decode steps) against the Triton steps and the float64 reference: u, h, H_res, x'."""
+    from mhc import fused_tokens
+
+    ref, fast = _blocks(n, C, dtype, fresh_seed)
+    params = [p.detach() for p in (fast.phi, fast.alpha, fast.b_pre, fast.b_post, fast.b_res)]
+    for token_count in (1, 5, 16, fused_tokens.MAX_TOKENS):
+        x = torch.randn(token_count, n, C, device="cuda", dtype=dtype) * 3
+        assert fused_tokens.takes(x)
+        with torch.enable_grad():  # the Triton node
+            u_t, site_t = fused.site_pre(x, *params, norm_eps=fast.norm_eps, tol=fast.tol)
+        u_k, h_k, res_k = fused_tokens.pre(x, *params, fast.norm_eps, _projection_tol(fast.tol, n), 100)
+        _, h_t, res_t, _ = site_t
+        assert _rel(h_k, h_t) < 1e-5 and _rel(res_k, res_t) < 1e-4, f"seed={fresh_seed}, T={token_count}"
+        assert float(mhc.marginal_error(res_k).max()) <= 1e-5, f"seed={fresh_seed}"
+        assert _rel(u_k, u_t) < (1e-5 if dtype == torch.float32 else 8e-3), f"seed={fresh_seed}"
+        y = torch.randn(token_count, C, device="cuda", dtype=dtype)
+        out_k = fused_tokens.post(x, y, h_t.detach(), res_t.detach())
+        out_t = fused.post_mix(y, (x, h_t.detach(), res_t.detach(), site_t[3]))
+        assert _rel(out_k, out_t) < (1e-6 if dtype == torch.float32 else 4e-3), f"seed={fresh_seed}"
+    # NaN in one token stays in that token
+    x = torch.randn(4, n, C, device="cuda", dtype=dtype)
+    x[2, 1, 3] = float("nan")
+    u_k, h_k, res_k = fused_tokens.pre(x, *params, fast.norm_eps, _projection_tol(fast.tol, n), 100)
+    assert torch.isnan(res_k[2]).all() and torch.isfinite(res_k[[0, 1, 3]]).all()
+    assert torch.isfinite(u_k[[0, 1, 3]]).all()
+
+
+def _projection_tol(tol, n):
+    return mhc.projection.effective_tol(tol, n, torch.float32)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)

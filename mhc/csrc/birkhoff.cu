@@ -17,6 +17,7 @@
 #include <cfloat>
 
 #include "birkhoff_kernels.cuh"
+#include "site_tokens.cuh"
 
 #include <cstdint>
 #include <mutex>
@@ -258,6 +259,92 @@ at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_ite
   return d == 3 ? T : T.reshape(logits.sizes());
 }
 
+// The site's two steps for a few tokens (site_tokens.cuh), called from mhc/fused_tokens.py.
+static void check_site_param(const at::Tensor& p, const at::Tensor& x, const char* name, int64_t numel) {
+  TORCH_CHECK(p.device() == x.device(), "mhc::site_tokens: ", name, " is on ", p.device(), ", the streams on ",
+              x.device());
+  TORCH_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous(), "mhc::site_tokens: ", name,
+              " must be contiguous float32");
+  TORCH_CHECK(p.numel() == numel, "mhc::site_tokens: ", name, " has ", std::to_string(p.numel()),
+              " values, expected ", std::to_string(numel));
+}
+
+static void check_streams(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(),
+              "mhc::site_tokens: streams must be a contiguous CUDA tensor [T, n, C], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::site_tokens: n must be 4 or 8, got ",
+              std::to_string(x.size(1)));
+  TORCH_CHECK(x.size(0) <= 65535 && x.size(2) * x.size(1) < (1LL << 31), "mhc::site_tokens: too many tokens");
+}
+
+std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
+                                        const at::Tensor& b_pre, const at::Tensor& b_post,
+                                        const at::Tensor& b_res, double eps, double tol, int64_t max_iter) {
+  check_streams(x);
+  const int64_t T = x.size(0), n = x.size(1), C = x.size(2), Z = n * n + 2 * n;
+  check_site_param(phi, x, "phi", Z * n * C);
+  check_site_param(alpha, x, "alpha", 3);
+  check_site_param(b_pre, x, "b_pre", n);
+  check_site_param(b_post, x, "b_post", n);
+  check_site_param(b_res, x, "b_res", n * n);
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor zr = at::empty({T, Z + 1}, f32);
+  at::Tensor h = at::empty({T, 2 * n}, f32);
+  at::Tensor h_res = at::empty({T, n, n}, f32);
+  at::Tensor u = at::empty({T, C}, x.options());
+  if (T == 0) return {u, zr, h, h_res};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
+    ct* up = reinterpret_cast<ct*>(u.data_ptr());
+    const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
+                *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
+    float *zp = zr.data_ptr<float>(), *hp = h.data_ptr<float>(), *rp = h_res.data_ptr<float>();
+    if (n == 4) {
+      site_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, pp, ap, bp, bq, br, zp, hp, rp, up, (int)C, (float)eps, (float)tol, (int)max_iter);
+    } else {
+      site_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, pp, ap, bp, bq, br, zp, hp, rp, up, (int)C, (float)eps, (float)tol, (int)max_iter);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {u, zr, h, h_res};
+}
+
+at::Tensor site_post_tokens(const at::Tensor& x, const at::Tensor& y, const at::Tensor& h,
+                            const at::Tensor& h_res) {
+  check_streams(x);
+  const int64_t T = x.size(0), n = x.size(1), C = x.size(2);
+  TORCH_CHECK(y.device() == x.device() && y.scalar_type() == x.scalar_type() && y.is_contiguous() &&
+                  y.numel() == T * C,
+              "mhc::site_post_tokens: y must be a contiguous [T, C] tensor of the streams' dtype and device");
+  check_site_param(h, x, "h", T * 2 * n);
+  check_site_param(h_res, x, "H_res", T * n * n);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty_like(x);
+  if (T == 0) return out;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid((unsigned)((C + kTokenThreads - 1) / kTokenThreads), (unsigned)T);
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
+    const ct* yp = reinterpret_cast<const ct*>(y.data_ptr());
+    ct* op = reinterpret_cast<ct*>(out.data_ptr());
+    if (n == 4) {
+      site_post_tokens_kernel<4, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h.data_ptr<float>(),
+                                                                        h_res.data_ptr<float>(), op, (int)C);
+    } else {
+      site_post_tokens_kernel<8, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h.data_ptr<float>(),
+                                                                        h_res.data_ptr<float>(), op, (int)C);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
 }  // namespace mhc_birkhoff
 
 TORCH_LIBRARY_FRAGMENT(mhc, m) {
@@ -283,4 +370,6 @@ TORCH_LIBRARY_IMPL(mhc, Autograd, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project_or_none", &mhc_birkhoff::project_or_none, "birkhoff_project's unchecked CUDA path (see birkhoff.cu)");
+  m.def("site_pre_tokens", &mhc_birkhoff::site_pre_tokens, "the site's first step for a few tokens");
+  m.def("site_post_tokens", &mhc_birkhoff::site_post_tokens, "the site's post-mix for a few tokens");
 }
