@@ -28,6 +28,7 @@ SPLIT_BM = 16  # tokens per block: tl.dot's smallest M, so that a block wastes l
 SPLIT_MAX_PROGRAMS = 32  # most programs per block (the last of them sums this many partials)
 SPLIT_TARGET_PROGRAMS = 512  # about this many programs in all, fewer slices as T grows
 SPLIT_BC = 256  # pre-mix columns per step of the finishing program
+SPLIT_WARPS = 4
 
 
 class Launcher:
@@ -144,18 +145,19 @@ class Plan:
         # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
         # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
         # and a σ op on the host).
-        BM, BK, BC, splits = 64, 128, 128, 1
+        BM, BK, BC, splits, warps = 64, 128, 128, 1, {}
         if T <= SPLIT_MAX_TOKENS:
             # A few tokens: KSPLIT programs per block of SPLIT_BM tokens, each over whole BK chunks
             # of K, and the last of them finishes the block (mhc.fused_kernels), still one launch.
             BM, BC, chunks = SPLIT_BM, min(SPLIT_BC, _pow2(C, 16)), _cdiv(n * C, BK)
             want = min(SPLIT_MAX_PROGRAMS, chunks, max(1, _cdiv(SPLIT_TARGET_PROGRAMS, _cdiv(T, BM))))
             splits = _cdiv(chunks, _cdiv(chunks, want))  # no slice left empty
+            warps = {"num_warps": SPLIT_WARPS}
         self.coeff_splits, self.split_blocks = splits, _cdiv(T, BM)
         self.split_numel = splits * self.split_blocks * BM * ZP if splits > 1 else 0  # part [KSPLIT, TP, ZP]
         self.coeff_fwd = launch(
             (self.split_blocks, splits), (T, C), n=n, BM=BM, BK=BK, BC=BC, ZP=ZP, KSPLIT=splits, SG=8,
-            **coeff_numerics, COMPILED=device.type == "cuda",
+            **coeff_numerics, COMPILED=device.type == "cuda", **warps,
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
