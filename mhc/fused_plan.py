@@ -4,6 +4,9 @@ Imported by :mod:`mhc.fused` only once :mod:`mhc.fused_kernels` has imported.
 A :class:`Plan` holds every launch of a site for one shape, dtype and device,
 worked out once; a :class:`Launcher` launches one kernel with the compiled
 variant Triton's own first launch built, skipping Triton's argument binding.
+For a few tokens ``coeff_fwd`` splits ``K`` over several programs per token
+block (``SPLIT_*`` below); their scratch is the device's, made once
+(:meth:`Plan.split_buffers`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ __all__ = [
 
 # coeff_fwd's split of K = n·C over several programs per token block, for a few tokens (decoding),
 # where one program per 64 tokens leaves the GPU idle and walks all of K on one SM. Read when a
-# Plan is made: call clear() (mhc.fused.clear_plans()) after changing them.
+# Plan is made: call clear() (mhc.fused.clear_plans()) after changing them. Chosen from the
+# kernel's structure, not yet timed on the H200: benchmarks/bench_small_tokens.py times the
+# split against SPLIT_MAX_TOKENS = 0 and sweeps the others (--sweep).
 SPLIT_MAX_TOKENS = 256  # streams of at most this many tokens split K; 0 turns the split off
 SPLIT_BM = 16  # tokens per block: tl.dot's smallest M, so that a block wastes little at T = 1
 SPLIT_MAX_PROGRAMS = 32  # most programs per block (the last of them sums this many partials)
 SPLIT_TARGET_PROGRAMS = 512  # about this many programs in all, fewer slices as T grows
 SPLIT_BC = 256  # pre-mix columns per step of the finishing program
-SPLIT_WARPS = 4
+SPLIT_WARPS = 4  # warps per program; the finishing one's pre-mix tiles are [SPLIT_BM, SPLIT_BC]
 
 
 class Launcher:

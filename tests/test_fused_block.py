@@ -379,6 +379,29 @@ def test_fused_decode_site_replays_in_a_cuda_graph(token_count, fresh_seed):
             assert torch.equal(static_out, fast(x)), f"seed={fresh_seed}: replay differs from eager"
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
+@pytest.mark.parametrize("token_count", [1, 16, 200])
+def test_fused_split_coefficients_replay_in_a_cuda_graph(token_count, fresh_seed):
+    """The few-token coeff_fwd (K split, counters in device scratch) is capturable: a graph of a recorded
+    forward (grad on, so the Triton steps run) replays with the eager bits for new inputs, replay after replay."""
+    n, C = 4, 256
+    _, fast = _blocks(n, C, torch.bfloat16, fresh_seed)
+    static_x = torch.randn(token_count, n, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert fused_plan.coefficient_split(static_x) > 1
+    for _ in range(3):  # plans, kept variants and the split's scratch set up before capture
+        fast(static_x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fast(static_x)
+    for _ in range(3):
+        x = torch.randn_like(static_x)
+        with torch.no_grad():
+            static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(static_out, fast(x.requires_grad_())), f"seed={fresh_seed}: replay differs from eager"
+
+
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize("tuple_output", [False, True])
 def test_branch_runs_once_per_forward_on_both_backends(backend, tuple_output, fresh_seed):
