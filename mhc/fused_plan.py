@@ -33,7 +33,7 @@ SPLIT_BM = 16  # tokens per block: tl.dot's smallest M, so that a block wastes l
 SPLIT_MAX_PROGRAMS = 32  # most programs per block (the last of them sums this many partials)
 SPLIT_TARGET_PROGRAMS = 512  # about this many programs in all, fewer slices as T grows
 SPLIT_BC = 256  # pre-mix columns per step of the finishing program
-SPLIT_WARPS = 4  # warps per program; the finishing one's pre-mix tiles are [SPLIT_BM, SPLIT_BC]
+SPLIT_WARPS = 4  # warps per program (twice from n = 8); the finishing one's pre-mix tiles are [SPLIT_BM, SPLIT_BC]
 
 
 class Launcher:
@@ -157,7 +157,8 @@ class Plan:
             BM, BC, chunks = SPLIT_BM, min(SPLIT_BC, _pow2(C, 16)), _cdiv(n * C, BK)
             want = min(SPLIT_MAX_PROGRAMS, chunks, max(1, _cdiv(SPLIT_TARGET_PROGRAMS, _cdiv(T, BM))))
             splits = _cdiv(chunks, _cdiv(chunks, want))  # no slice left empty
-            warps = {"num_warps": SPLIT_WARPS}
+            # Twice the warps from n = 8 (ZP = 128) up: with 4, sm_90 code spilled ~100 bytes (ptxas, no GPU run).
+            warps = {"num_warps": min(8, SPLIT_WARPS * max(1, ZP // 64))}
         self.coeff_splits, self.split_blocks = splits, _cdiv(T, BM)
         self.split_numel = splits * self.split_blocks * BM * ZP if splits > 1 else 0  # part [KSPLIT, TP, ZP]
         self.coeff_fwd = launch(
