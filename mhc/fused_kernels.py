@@ -71,7 +71,7 @@ def coeff_fwd(
 ):
     # Program (m, s) takes token block m and, with KSPLIT > 1, the s-th of KSPLIT slices of
     # K = n·C (whole BK chunks): for a few tokens one program per token block would walk all of
-    # K alone on one SM (latency-bound, ~45 µs at C=768, n=4 on the H200).
+    # K alone on one SM, latency-bound (tens of µs per site at C=768, n=4 on the H200: issue #23).
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
