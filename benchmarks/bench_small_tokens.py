@@ -1,6 +1,6 @@
 """coeff_fwd's K split for a few tokens, A/B in one process: the fused site step with the split and without.
 
-    python benchmarks/bench_small_tokens.py                     # T in 1,16,64,256; C=768, n=4, bf16 (~30-60 s)
+    python benchmarks/bench_small_tokens.py                     # T in 1,16,64,256; C=768, n=4, bf16 (estimated 30-60 s)
     python benchmarks/bench_small_tokens.py --tokens 1,16,64,256,1024 --iters 400
     python benchmarks/bench_small_tokens.py --sweep             # also the split's knobs at 1, 16, 64 tokens
     python benchmarks/bench_small_tokens.py --device cpu --C 64 --tokens 1,5 --iters 2   # logic only (interpreter)
