@@ -131,7 +131,8 @@ def _variant(split_tokens: int, T: int, n: int, C: int, dtype, iters: int, seed:
             return fused.post_mix(u_, site)
 
     leaves = [t.detach().clone().requires_grad_() for t in (x, *params)]
-    g_out = torch.randn(x.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(seed + 1)).to(dtype)
+    g_gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    g_out = torch.randn(x.shape, device=DEVICE, generator=g_gen).to(dtype)
 
     def fwd_bwd():
         u_, site = fused.site_pre(*leaves, norm_eps=eps, tol=tol)
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    p.add_argument("--sweep", action="store_true", help="also coeff_fwd (graph) under a few split settings at 1/16/64 tokens")
+    p.add_argument("--sweep", action="store_true",
+                   help="also coeff_fwd (graph) under a few split settings at 1/16/64 tokens")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: Triton's interpreter, logic only")
     args = p.parse_args(argv)
     DEVICE = args.device
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
         print("no CUDA device (--device cpu checks the logic in Triton's interpreter)", file=sys.stderr)
         return 2
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("--device cpu needs TRITON_INTERPRET=1 set before the script starts (CUDA is available here)", file=sys.stderr)
+        print("--device cpu needs TRITON_INTERPRET=1 set before the script starts (CUDA is available here)",
+              file=sys.stderr)
         return 2
     graphs = DEVICE == "cuda" and not args.no_graphs
     dtype = getattr(torch, args.dtype)
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
                 fused.clear_plans()
                 x, params = _inputs(T, args.n, args.C, dtype, args.seed)
                 plan = fused_plan.plan_for(x)
-                bufs = [x.new_empty(s, dtype=torch.float32) for s in ((T, plan.Z + 1), (T, 2 * args.n), (T, args.n, args.n))]
+                shapes = ((T, plan.Z + 1), (T, 2 * args.n), (T, args.n, args.n))
+                bufs = [x.new_empty(s, dtype=torch.float32) for s in shapes]
                 u = x.new_empty((T, args.C))
                 part, count = plan.split_buffers() if plan.coeff_splits > 1 else (bufs[0], bufs[0])
                 args_ = (x, *params, *bufs, u, part, count, T, args.C, 1e-6)

@@ -244,7 +244,8 @@ def _split_scratch(plan: Plan) -> tuple[Tensor, Tensor]:
             return (torch.empty(plan.split_numel, dtype=plan.cdt, device=dev),
                     torch.zeros(plan.split_blocks, dtype=torch.int32, device=dev))
         blocks = max(plan.split_blocks, _cdiv(SPLIT_MAX_TOKENS, SPLIT_BM), 0 if kept is None else kept[1].numel())
-        numel = max(plan.split_numel, SPLIT_MAX_PROGRAMS * blocks * SPLIT_BM * zp, 0 if kept is None else kept[0].numel())
+        numel = max(plan.split_numel, SPLIT_MAX_PROGRAMS * blocks * SPLIT_BM * zp,
+                    0 if kept is None else kept[0].numel())
         if kept is not None:
             _RETIRED_SCRATCH.append(kept)
         kept = _SPLIT_SCRATCH[key] = (
