@@ -162,7 +162,7 @@ class _SitePre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
-        u, zr, h, H_res = _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
+        u, zr, h, H_res = _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res
@@ -188,7 +188,7 @@ class _PostMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
-        out = _steps.post_forward(state.plan, x, y, h, h_res)
+        out = _post_forward(x, y, h, h_res, state)
         ctx.save_for_backward(x, y, h)
         ctx.state = state
         return out
@@ -325,19 +325,16 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
+    # A few tokens (a decode step) take the extension's one-block-per-token kernels (mhc.fused_tokens).
+    tokens = _token_path.get(plan)
+    if tokens is None:
+        if len(_token_path) >= 512:  # plans come and go (mhc.fused_plan keeps at most 256)
+            _token_path.clear()
+        tokens = _token_path[plan] = _tokens.takes(x)
+    state.tokens = tokens
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
-    # tokens per step the site's cost is its host time. A decode step's few tokens take the
-    # extension's one-block-per-token kernels (mhc.fused_tokens).
-    if torch.is_grad_enabled():
-        pre = _site_pre
-    else:
-        tokens = _token_path.get(plan)
-        if tokens is None:
-            if len(_token_path) >= 512:  # plans come and go (mhc.fused_plan keeps at most 256)
-                _token_path.clear()
-            tokens = _token_path[plan] = _tokens.takes(x)
-        state.tokens = tokens
-        pre = _pre_tokens if tokens else _pre_forward
+    # tokens per step the site's cost is its host time.
+    pre = _site_pre if torch.is_grad_enabled() else _pre_forward
     if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
@@ -348,23 +345,25 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     return u, (x, h, H_res, state)
 
 
+def _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
+    """The first step's kernels: ``(u, zr, h, H_res)`` (:func:`mhc.fused_steps.pre_forward`)."""
+    if state.tokens:
+        tol_eff = state.plan.projection_tol(state.tol)
+        return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, state.eps, tol_eff, NEWTON_MAX_ITER)
+    return _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
+
+
 def _pre_forward(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
     """:class:`_SitePre`'s forward without its node (grad disabled)."""
-    u, _, h, H_res = _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
+    u, _, h, H_res = _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state)
     return u, h, H_res
 
 
 def _post_forward(x, y, h, H_res, state: _SiteState):
-    """:class:`_PostMix`'s forward without its node (grad disabled)."""
+    """The post-mix's kernel (:class:`_PostMix`'s forward, or the whole step with grad disabled)."""
     if state.tokens:
         return _tokens.post(x, y, h, H_res)
     return _steps.post_forward(state.plan, x, y, h, H_res)
-
-
-def _pre_tokens(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
-    """:func:`_pre_forward` on the extension's kernels for a few tokens (:mod:`mhc.fused_tokens`)."""
-    tol_eff = state.plan.projection_tol(state.tol)
-    return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, state.eps, tol_eff, NEWTON_MAX_ITER)
 
 
 def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:

@@ -23,6 +23,8 @@ from torch import Tensor
 
 from . import fused_plan as _plans
 from . import fused_steps as _steps
+from . import fused_tokens as _tokens
+from .projection_common import NEWTON_MAX_ITER
 
 __all__ = ["site_pre", "post_mix"]
 
@@ -44,6 +46,8 @@ def _site_pre_op(
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
+    if _tokens.takes(x):  # a decode step's few tokens, as in eager mode
+        return _tokens.pre(x, *params, eps, plan.projection_tol(tol), NEWTON_MAX_ITER)
     with _on_device(x):
         u, zr, h, H_res = _steps.pre_forward(plan, x, *params, eps, tol)
     return u, zr, h, H_res
@@ -93,6 +97,8 @@ def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
 def _post_mix_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused_steps.post_forward`)."""
     x = _steps.dense(x)
+    if _tokens.takes(x):
+        return _tokens.post(x, _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res))
     with _on_device(x):
         return _steps.post_forward(_plans.plan_for(x), x, _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res))
 

@@ -3,14 +3,15 @@
 A decode step runs every site on 1-16 tokens, where the Triton kernels of
 :mod:`mhc.fused_kernels` are the wrong shape: ``coeff_fwd`` tiles 64 tokens per
 program, so one program walks all ``n·C`` columns alone, and each Triton launch
-costs more host time than the work. Without grad and for at most
-:data:`MAX_TOKENS` tokens, :func:`mhc.fused.site_pre_unchecked` and
-:func:`mhc.fused.post_mix_unchecked` run these instead: one block per token
-(``csrc/site_tokens.cuh``), one launch per step, called through the
-extension's Python module. Same maths and layouts as ``coeff_fwd`` and
-``postmix_fwd`` (products in float32 FMA rather than on the tensor cores, so
-results agree to rounding, not to the bit). Everything else (grad, more
-tokens, ``torch.compile``, CPU) stays on the Triton path.
+costs more host time than the work. For CUDA streams of at most
+:data:`MAX_TOKENS` tokens (``n`` in {4, 8}) the forward of both steps runs
+these instead, with or without grad, eagerly or inside :mod:`mhc.fused_ops`
+under ``torch.compile``: one block per token (``csrc/site_tokens.cuh``), one
+launch per step, called through the extension's Python module. Same maths and
+layouts as ``coeff_fwd`` and ``postmix_fwd`` (products in float32 FMA rather
+than on the tensor cores, so results agree with theirs to rounding, not to the
+bit), so the backward kernels are the same. More tokens and CPU streams (Triton's
+interpreter) keep the Triton kernels.
 """
 
 from __future__ import annotations
@@ -35,22 +36,19 @@ def takes(x: Tensor) -> bool:
 
 
 def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-        eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(u [..., C], h [T, 2n], H_res [T, n, n])`` of dense streams ``x [..., n, C]`` and float32 parameters.
+        eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`mhc.fused_steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
-    ``tol_eff`` is the projection's effective tolerance; matrices that miss
-    it are counted and polled like :func:`mhc.birkhoff_project`'s.
+    ``x [..., n, C]`` dense, the parameters dense float32. ``tol_eff`` is the
+    projection's effective tolerance; matrices that miss it are counted and
+    polled like :func:`mhc.birkhoff_project`'s.
     """
-    n, C = x.shape[-2:]
-    u, _, h, h_res = projection_cuda.extension().site_pre_tokens(
-        x.view(-1, n, C), phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter
-    )
-    projection_cuda.poll(h_res)
-    return u.view(x.shape[:-2] + (C,)), h, h_res
+    u, zr, h, h_res = projection_cuda.extension().site_pre_tokens(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter)
+    if not torch.compiler.is_compiling():
+        projection_cuda.poll(h_res)
+    return u, zr, h, h_res
 
 
 def post(x: Tensor, y: Tensor, h: Tensor, h_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (``H_post = 2·h[:, n:]``) of dense ``x [..., n, C]`` and ``y`` in its dtype."""
-    n, C = x.shape[-2:]
-    out = projection_cuda.extension().site_post_tokens(x.view(-1, n, C), y, h, h_res)
-    return out.view(x.shape)
+    return projection_cuda.extension().site_post_tokens(x, y, h, h_res)

@@ -269,19 +269,23 @@ static void check_site_param(const at::Tensor& p, const at::Tensor& x, const cha
               " values, expected ", std::to_string(numel));
 }
 
-static void check_streams(const at::Tensor& x) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(),
-              "mhc::site_tokens: streams must be a contiguous CUDA tensor [T, n, C], got ", x.sizes());
-  TORCH_CHECK(x.size(1) == 4 || x.size(1) == 8, "mhc::site_tokens: n must be 4 or 8, got ",
-              std::to_string(x.size(1)));
-  TORCH_CHECK(x.size(0) <= 65535 && x.size(2) * x.size(1) < (1LL << 31), "mhc::site_tokens: too many tokens");
+// Streams [..., n, C], contiguous; returns the token count T.
+static int64_t check_streams(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 2 && x.is_contiguous(),
+              "mhc::site_tokens: streams must be a contiguous CUDA tensor [..., n, C], got ", x.sizes());
+  const int64_t n = x.size(-2), C = x.size(-1);
+  TORCH_CHECK(n == 4 || n == 8, "mhc::site_tokens: n must be 4 or 8, got ", std::to_string(n));
+  TORCH_CHECK(C >= 1 && n * C < (1LL << 31), "mhc::site_tokens: bad stream width");
+  const int64_t T = x.numel() / (n * C);
+  TORCH_CHECK(T <= 65535, "mhc::site_tokens: too many tokens");
+  return T;
 }
 
 std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
                                         const at::Tensor& b_pre, const at::Tensor& b_post,
                                         const at::Tensor& b_res, double eps, double tol, int64_t max_iter) {
-  check_streams(x);
-  const int64_t T = x.size(0), n = x.size(1), C = x.size(2), Z = n * n + 2 * n;
+  const int64_t T = check_streams(x);
+  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
   check_site_param(phi, x, "phi", Z * n * C);
   check_site_param(alpha, x, "alpha", 3);
   check_site_param(b_pre, x, "b_pre", n);
@@ -292,7 +296,9 @@ std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& p
   at::Tensor zr = at::empty({T, Z + 1}, f32);
   at::Tensor h = at::empty({T, 2 * n}, f32);
   at::Tensor h_res = at::empty({T, n, n}, f32);
-  at::Tensor u = at::empty({T, C}, x.options());
+  std::vector<int64_t> u_shape(x.sizes().begin(), x.sizes().end() - 1);
+  u_shape.back() = C;  // [..., C]
+  at::Tensor u = at::empty(u_shape, x.options());
   if (T == 0) return {u, zr, h, h_res};
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
@@ -316,8 +322,8 @@ std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& p
 
 at::Tensor site_post_tokens(const at::Tensor& x, const at::Tensor& y, const at::Tensor& h,
                             const at::Tensor& h_res) {
-  check_streams(x);
-  const int64_t T = x.size(0), n = x.size(1), C = x.size(2);
+  const int64_t T = check_streams(x);
+  const int64_t n = x.size(-2), C = x.size(-1);
   TORCH_CHECK(y.device() == x.device() && y.scalar_type() == x.scalar_type() && y.is_contiguous() &&
                   y.numel() == T * C,
               "mhc::site_post_tokens: y must be a contiguous [T, C] tensor of the streams' dtype and device");

@@ -29,6 +29,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+template <int N>
+__device__ __forceinline__ float pairwise_sum(const float* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return pairwise_sum<N / 2>(v) + pairwise_sum<N / 2>(v + N / 2);
+  }
+}
+
 // torch.sigmoid's bits on CUDA: 1 / (1 + exp(-v)) with expf and an IEEE division.
 __device__ __forceinline__ float torch_sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
@@ -137,10 +146,10 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
       for (int j = 0; j < N; ++j) h_res[t * N * N + i * N + j] = T[i][j];
   }
 
-  // u = Σ_i h_pre[i] x_i around stream 0, as MHCBlock and coeff_fwd write it.
-  float h_sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) h_sum += coef[i];
+  // u = Σ_i h_pre[i] x_i around stream 0, as MHCBlock and coeff_fwd write it. Σ_i h_pre[i] is
+  // summed pairwise, as coeff_fwd's tree reduction does: a converted model's H_pre sums to
+  // exactly 1 (MHCBlock's init), so identical streams must give u = x_0 to the bit.
+  const float h_sum = pairwise_sum<N>(coef);
   for (int c = threadIdx.x; c < C; c += kTokenThreads) {
     const float x0 = to_float<scalar_t>(xt[c]);
     float acc_u = h_sum * x0;
