@@ -15,13 +15,7 @@ One kernel per memory pass (design.md §1 for the maths):
 * ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms``, the
   affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
   ``u = Σ_i h_pre[i] x_i`` (the skinny GEMM runs on the tensor cores; the
-  pre-mix reads the program's tokens a second time). For a few tokens
-  (decoding) ``KSPLIT > 1`` programs share a token block's ``K = n·C``: each
-  writes its slice's partial ``z`` and ``Σ x²`` to ``part [KSPLIT, TP, ZP]``
-  (``z`` in columns ``[0, Z)``, ``Σ x²`` in column ``Z``; ``TP`` tokens, the
-  grid's, padded to whole blocks) and counts itself in ``count [blocks]``
-  (int32, zero between launches); the last to count sums the partials in a
-  fixed order and finishes the block as above, still one launch.
+  pre-mix reads the program's tokens a second time).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
@@ -64,31 +58,20 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, part_ptr, count_ptr,
-    T, C, eps,
+    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps,
     n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr,
-    KSPLIT: tl.constexpr, SG: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
 ):
-    # Program (m, s) takes token block m and, with KSPLIT > 1, the s-th of KSPLIT slices of
-    # K = n·C (whole BK chunks): for a few tokens one program per token block would walk all of
-    # K alone on one SM, latency-bound (tens of µs per site at C=768, n=4 on the H200: issue #23).
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rz = tl.arange(0, ZP)
     row_ok = rm < T
     rows = rm.to(tl.int64) * K
-    if KSPLIT == 1:
-        k_lo = 0
-        k_hi = K
-    else:
-        k_slice = tl.cdiv(tl.cdiv(K, BK), KSPLIT) * BK
-        k_lo = tl.program_id(1) * k_slice
-        k_hi = tl.minimum(k_lo + k_slice, K)
     acc = tl.zeros((BM, ZP), dtype=ACC)
     # Squares are summed across the row once, after the loop (4-5% faster on the H200).
     sq = tl.zeros((BM, BK), dtype=ACC)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
         xf = xt.to(ACC)
@@ -109,46 +92,10 @@ def coeff_fwd(
                 acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
         else:
             acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
-    col = rz[None, :]
-    if KSPLIT == 1:
-        _coeff_finish(acc, tl.sum(sq, axis=1), rm, row_ok, rows, col, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr,
-                      bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, C, K, eps, n, BC, ACC, COMPILED)
-    else:
-        # The slice's partial z and Σx², side by side ([0, Z) and column Z < ZP), into
-        # part [KSPLIT, TP, ZP], TP = the grid's padded token count (padded rows hold zeros).
-        tp = tl.num_programs(0) * BM
-        tl.store(part_ptr + (tl.program_id(1) * tp + rm)[:, None] * ZP + col,
-                 tl.where(col == Z, tl.sum(sq, axis=1)[:, None], acc))
-        # Every thread's stores are ordered before the one thread's gpu-scope release (the
-        # pattern of cooperative groups' grid sync); the last of the block's KSPLIT programs
-        # to count finishes it, so no program ever waits for another.
-        tl.debug_barrier()
-        seen = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if seen == KSPLIT - 1:
-            # Summed in a fixed order (no float atomics): the same bits on every run. The
-            # partials are read through L2 (.cg), where the other programs' stores are.
-            tot = tl.zeros((BM, ZP), dtype=ACC)
-            for s0 in tl.static_range(0, KSPLIT, SG):
-                rs = s0 + tl.arange(0, SG)[:, None, None]
-                offs = ((rs * tp + rm[None, :, None]) * ZP + rz[None, None, :])
-                tot += tl.sum(tl.load(part_ptr + offs, mask=rs < KSPLIT, other=0.0, cache_modifier=".cg"), axis=0)
-            # Back to zero for the next launch (launches on one stream run one after another).
-            tl.store(count_ptr + tl.program_id(0), 0)
-            _coeff_finish(tl.where(col < Z, tot, 0.0), tl.sum(tl.where(col == Z, tot, 0.0), axis=1), rm, row_ok,
-                          rows, col, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr,
-                          C, K, eps, n, BC, ACC, COMPILED)
-
-
-@triton.jit
-def _coeff_finish(
-    acc, sq_sum, rm, row_ok, rows, col, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr,
-    u_ptr, C, K, eps, n: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
-):
-    """coeff_fwd for one token block once ``acc = x φᵀ [BM, ZP]`` and ``sq_sum = Σ x² [BM]`` are whole."""
-    Z: tl.constexpr = n * n + 2 * n
-    r = tl.rsqrt(sq_sum / K + eps)
+    r = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
     z = acc * r[:, None]
     # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
+    col = rz[None, :]
     is_pre = col < n
     is_post = (col >= n) & (col < 2 * n)
     is_res = (col >= 2 * n) & (col < Z)

@@ -4,9 +4,6 @@ Imported by :mod:`mhc.fused` only once :mod:`mhc.fused_kernels` has imported.
 A :class:`Plan` holds every launch of a site for one shape, dtype and device,
 worked out once; a :class:`Launcher` launches one kernel with the compiled
 variant Triton's own first launch built, skipping Triton's argument binding.
-For a few tokens ``coeff_fwd`` splits ``K`` over several programs per token
-block (``SPLIT_*`` below); their scratch is the device's, made once
-(:meth:`Plan.split_buffers`).
 """
 
 from __future__ import annotations
@@ -18,22 +15,7 @@ from . import fused_kernels as _k
 from . import projection_cuda as _projection_cuda
 from .projection import effective_tol
 
-__all__ = [
-    "Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants", "coefficient_split",
-    "SPLIT_MAX_TOKENS",
-]
-
-# coeff_fwd's split of K = n·C over several programs per token block, for a few tokens (decoding),
-# where one program per 64 tokens leaves the GPU idle and walks all of K on one SM. Read when a
-# Plan is made: call clear() (mhc.fused.clear_plans()) after changing them. Chosen from the
-# kernel's structure, not yet timed on the H200: benchmarks/bench_small_tokens.py times the
-# split against SPLIT_MAX_TOKENS = 0 and sweeps the others (--sweep).
-SPLIT_MAX_TOKENS = 256  # streams of at most this many tokens split K; 0 turns the split off
-SPLIT_BM = 16  # tokens per block: tl.dot's smallest M, so that a block wastes little at T = 1
-SPLIT_MAX_PROGRAMS = 32  # most programs per block (the last of them sums this many partials)
-SPLIT_TARGET_PROGRAMS = 512  # about this many programs in all, fewer slices as T grows
-SPLIT_BC = 256  # pre-mix columns per step of the finishing program
-SPLIT_WARPS = 4  # warps per program (twice from n = 8); the finishing one's pre-mix tiles are [SPLIT_BM, SPLIT_BC]
+__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
 
 
 class Launcher:
@@ -131,8 +113,7 @@ class Plan:
         n, C = shape[-2:]
         T = shape.numel() // (n * C)
         Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
-        self.T, self.n, self.C, self.Z, self.ZP = T, n, C, Z, ZP
-        self.device = device
+        self.T, self.n, self.C, self.Z = T, n, C, Z
         self.cuda_device = device.index if device.type == "cuda" else None
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = _k.acc_type(dtype)
@@ -150,20 +131,9 @@ class Plan:
         # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
         # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
         # and a σ op on the host).
-        BM, BK, BC, splits, warps = 64, 128, 128, 1, {}
-        if T <= SPLIT_MAX_TOKENS:
-            # A few tokens: KSPLIT programs per block of SPLIT_BM tokens, each over whole BK chunks
-            # of K, and the last of them finishes the block (mhc.fused_kernels), still one launch.
-            BM, BC, chunks = SPLIT_BM, min(SPLIT_BC, _pow2(C, 16)), _cdiv(n * C, BK)
-            want = min(SPLIT_MAX_PROGRAMS, chunks, max(1, _cdiv(SPLIT_TARGET_PROGRAMS, _cdiv(T, BM))))
-            splits = _cdiv(chunks, _cdiv(chunks, want))  # no slice left empty
-            # Twice the warps from n = 8 (ZP = 128) up: with 4, sm_90 code spilled ~100 bytes (ptxas, no GPU run).
-            warps = {"num_warps": min(8, SPLIT_WARPS * max(1, ZP // 64))}
-        self.coeff_splits, self.split_blocks = splits, _cdiv(T, BM)
-        self.split_numel = splits * self.split_blocks * BM * ZP if splits > 1 else 0  # part [KSPLIT, TP, ZP]
+        BM = 64
         self.coeff_fwd = launch(
-            (self.split_blocks, splits), (T, C), n=n, BM=BM, BK=BK, BC=BC, ZP=ZP, KSPLIT=splits, SG=8,
-            **coeff_numerics, COMPILED=device.type == "cuda", **warps,
+            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
@@ -195,22 +165,6 @@ class Plan:
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
         self._tol_eff: dict = {}
-        self._split = None  # (part, count) for coeff_fwd, from _SPLIT_SCRATCH
-
-    def split_buffers(self) -> tuple[Tensor, Tensor]:
-        """coeff_fwd's scratch for a K split: ``part`` (flat, ``cdt``, >= ``split_numel``) and ``count`` (int32, zeros).
-
-        Shared by every plan of the device and dtype and never freed (see
-        :func:`_split_scratch`); the kernel leaves ``count`` at zero. Two
-        launches that use them must not overlap: launches on one CUDA stream
-        run one after another (every site of a model, forward and backward,
-        and a captured graph's replays), so sites of one device must not run
-        on two streams at once.
-        """
-        split = self._split
-        if split is None:
-            split = _split_scratch(self)
-        return split
 
     def projection_tol(self, tol: float) -> float:
         """:func:`~mhc.projection.effective_tol` of ``tol`` for this plan's ``H_res``, worked out once."""
@@ -218,41 +172,6 @@ class Plan:
         if tol_eff is None:
             tol_eff = self._tol_eff[tol] = effective_tol(tol, self.n, self.cdt)
         return tol_eff
-
-
-_SPLIT_SCRATCH: dict = {}  # (device, dtype) -> (part, count), the largest so far
-_RETIRED_SCRATCH: list = []  # outgrown ones, which a captured CUDA graph may still use: never freed
-
-
-def _split_scratch(plan: Plan) -> tuple[Tensor, Tensor]:
-    """The device's split scratch, grown to fit ``plan`` where it does not; kept in ``plan`` once it fits.
-
-    Scratch is made outside CUDA graph capture and outlives every plan:
-    a graph captured with it keeps its addresses, so it is never freed, even
-    by :func:`clear` (``count`` is zeroed on allocation, which under capture
-    would run only at replay). Its size covers :data:`SPLIT_MAX_TOKENS` tokens
-    at the plan's ``ZP``, so it grows only for wider ``n`` or changed settings.
-    Under capture, before any eager call has made enough scratch, the call
-    gets buffers of its own from the graph's pool, ``count`` zeroed by a
-    memset node that each replay runs first.
-    """
-    key = (plan.device, plan.cdt)
-    kept = _SPLIT_SCRATCH.get(key)
-    if kept is None or kept[0].numel() < plan.split_numel or kept[1].numel() < plan.split_blocks:
-        dev, zp = plan.device, plan.ZP
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return (torch.empty(plan.split_numel, dtype=plan.cdt, device=dev),
-                    torch.zeros(plan.split_blocks, dtype=torch.int32, device=dev))
-        blocks = max(plan.split_blocks, _cdiv(SPLIT_MAX_TOKENS, SPLIT_BM), 0 if kept is None else kept[1].numel())
-        numel = max(plan.split_numel, SPLIT_MAX_PROGRAMS * blocks * SPLIT_BM * zp,
-                    0 if kept is None else kept[0].numel())
-        if kept is not None:
-            _RETIRED_SCRATCH.append(kept)
-        kept = _SPLIT_SCRATCH[key] = (
-            torch.empty(numel, dtype=plan.cdt, device=dev), torch.zeros(blocks, dtype=torch.int32, device=dev),
-        )
-    plan._split = kept
-    return kept
 
 
 _PLANS: dict = {}
@@ -270,22 +189,10 @@ def plan_for(x: Tensor) -> Plan:
 
 
 def clear() -> None:
-    """Forget every plan and every kept compiled variant (see :func:`mhc.fused.clear_plans`).
-
-    The split scratch stays: a captured CUDA graph may still use it (:func:`_split_scratch`).
-    """
+    """Forget every plan and every kept compiled variant (see :func:`mhc.fused.clear_plans`)."""
     _PLANS.clear()
     for launcher in LAUNCHERS.values():
         launcher.variants.clear()
-
-
-def coefficient_split(x: Tensor) -> int:
-    """How many programs share each token block's ``K = n·C`` in coeff_fwd for streams ``x [..., n, C]``.
-
-    1: one program per block of 64 tokens walks all of ``K``; more: the
-    few-token path (at most :data:`SPLIT_MAX_TOKENS` tokens), one launch still.
-    """
-    return plan_for(x).coeff_splits
 
 
 def compiled_variants() -> dict[str, int]:

@@ -46,9 +46,7 @@ def pre_forward(plan, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: floa
     h = x.new_empty((T, 2 * n), dtype=plan.cdt)
     R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
     u = x.new_empty((*x.shape[:-2], C))
-    # Without a K split the kernel reads neither scratch pointer: zr stands in for both.
-    part, count = plan.split_buffers() if plan.coeff_splits > 1 else (zr, zr)
-    _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, part, count, T, C, eps)
+    _coeff_fwd(plan.coeff_fwd, x, phi, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps)
     if plan.cuda_projection:
         H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(tol), NEWTON_MAX_ITER)
     else:
