@@ -335,7 +335,9 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
     # tokens per step the site's cost is its host time.
     pre = _site_pre if torch.is_grad_enabled() else _pre_forward
-    if plan.cuda_device is not None and _k.triton.runtime.driver.active.get_current_device() != plan.cuda_device:
+    # The token kernels launch under the streams' device themselves (a CUDA guard in C++).
+    device = plan.cuda_device
+    if not tokens and device is not None and _k.triton.runtime.driver.active.get_current_device() != device:
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
         with torch.cuda.device(plan.cuda_device):

@@ -27,28 +27,32 @@ MAX_TOKENS = 128  # up to here one block per token beats coeff_fwd's one program
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_extension = None  # the CUDA extension's module, kept by the first takes() that finds it
+
+
 def takes(x: Tensor) -> bool:
-    """Whether these kernels run streams ``x [T, n, C]`` (dense): CUDA, ``n`` in {4, 8}, ``T <= MAX_TOKENS``."""
-    return (
-        x.is_cuda and x.dtype in _DTYPES and x.shape[-2] in (4, 8) and x.numel() // (x.shape[-2] * x.shape[-1]) <= MAX_TOKENS
-        and projection_cuda.extension() is not None
-    )
+    """Whether these kernels run streams ``x [..., n, C]`` (dense): CUDA, ``n`` in {4, 8}, at most ``MAX_TOKENS`` tokens."""
+    global _extension
+    if not (x.is_cuda and x.dtype in _DTYPES and x.shape[-2] in (4, 8)
+            and x.numel() // (x.shape[-2] * x.shape[-1]) <= MAX_TOKENS):
+        return False
+    _extension = projection_cuda.extension()
+    return _extension is not None
 
 
 def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
         eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`mhc.fused_steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
-    ``x [..., n, C]`` dense, the parameters dense float32. ``tol_eff`` is the
+    Only for streams :func:`takes` accepted. ``x [..., n, C]`` dense, the parameters dense float32. ``tol_eff`` is the
     projection's effective tolerance; matrices that miss it are counted and
     polled like :func:`mhc.birkhoff_project`'s.
     """
-    u, zr, h, h_res = projection_cuda.extension().site_pre_tokens(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter)
-    if not torch.compiler.is_compiling():
-        projection_cuda.poll(h_res)
+    u, zr, h, h_res = _extension.site_pre_tokens(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter)
+    projection_cuda.poll(h_res)  # (never traced: under torch.compile this runs inside a custom op)
     return u, zr, h, h_res
 
 
 def post(x: Tensor, y: Tensor, h: Tensor, h_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (``H_post = 2·h[:, n:]``) of dense ``x [..., n, C]`` and ``y`` in its dtype."""
-    return projection_cuda.extension().site_post_tokens(x, y, h, h_res)
+    return _extension.site_post_tokens(x, y, h, h_res)
