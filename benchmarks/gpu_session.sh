@@ -7,6 +7,8 @@
 #   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
+# Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it),
+# DECODE_ARGS (default --profile), COMPILE_VARIANTS (bench_compile.py --variants).
 USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode compile compile1b)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
@@ -23,10 +25,10 @@ for stage in "$@"; do
   case "$stage" in
     setup)
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-      python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
-      python3 -m mhc.cuda_build >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; } ;;
+      python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+      python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
     tests)
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_projection_cuda.py tests/test_fused_block.py \
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} tests/test_fused_block.py \
         tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
         "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k cuda 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
@@ -34,11 +36,11 @@ for stage in "$@"; do
       OUT=$OUT timeout 200 bash benchmarks/build_peers.sh
       timeout 240 python3 benchmarks/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
     decode)
-      timeout 300 python3 benchmarks/bench_decode.py --profile --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+      timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile} 2>&1 | tee "$OUT/decode.log" ;;
     compile)
-      timeout 400 python3 benchmarks/bench_compile.py --variants "residual eager,residual compiled,mhc eager,mhc compiled" --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.log" ;;
+      timeout 400 python3 benchmarks/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)
-      timeout 500 python3 benchmarks/bench_compile.py --size 1b --batch 4 --variants "residual eager,residual compiled,mhc eager,mhc compiled" --json "$OUT/compile1b.json" 2>&1 | tee "$OUT/compile1b.log" ;;
+      timeout 500 python3 benchmarks/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
   esac
   echo "=== $stage: ${SECONDS}s"
 done
