@@ -322,8 +322,14 @@ def test_token_kernels_match_the_triton_steps(n, C, dtype, fresh_seed):
         plan = fused_plan.plan_for(x)
         u_t, zr_t, h_t, res_t = fused_steps.pre_forward(plan, x, *params, fast.norm_eps, fast.tol)
         u_k, zr_k, h_k, res_k = fused_tokens.pre(x, *params, fast.norm_eps, _projection_tol(fast.tol, n), 100)
-        assert _rel(zr_k, zr_t) < 1e-5 and _rel(h_k, h_t) < 1e-5, f"seed={fresh_seed}, T={token_count}"
-        assert _rel(res_k, res_t) < 1e-4, f"seed={fresh_seed}, T={token_count}"
+        # The token kernels' products are float32 FMAs; the Triton kernel's, for bf16 streams, take φ in
+        # two bf16 parts (16 significant bits): that one is the rounder of the two.
+        xf = x.double().reshape(token_count, n * C)
+        z64 = xf @ params[0].double().T * (xf.square().mean(-1, keepdim=True) + fast.norm_eps).rsqrt()
+        assert _rel(zr_k[:, :-1], z64) < 1e-5, f"seed={fresh_seed}, T={token_count}"
+        loose = 1e-5 if dtype == torch.float32 else 1e-4  # bf16x2 against exact products
+        assert _rel(zr_k, zr_t) < loose and _rel(h_k, h_t) < loose, f"seed={fresh_seed}, T={token_count}"
+        assert _rel(res_k, res_t) < 10 * loose, f"seed={fresh_seed}, T={token_count}"
         assert float(mhc.marginal_error(res_k).max()) <= 1e-5, f"seed={fresh_seed}"
         assert _rel(u_k, u_t) < (1e-5 if dtype == torch.float32 else 8e-3), f"seed={fresh_seed}"
         y = torch.randn(token_count, C, device="cuda", dtype=dtype)
@@ -412,9 +418,12 @@ def test_kept_launches_match_tritons_own():
     """After fused.clear_plans() a shape's first fwd+bwd goes through Triton's own launches and keeps every
     compiled variant; later calls launch those directly, with the bits of the first call, whichever
     inputs need gradients."""
+    from mhc import fused_tokens
+
     n = 4
     ref, fast = _blocks(n, 200, torch.bfloat16, seed=5)
-    x = torch.randn(3, 5, n, 200, device=DEVICE, dtype=torch.bfloat16)
+    # more tokens than mhc.fused_tokens takes, so that the forward runs the Triton kernels too
+    x = torch.randn(3, fused_tokens.MAX_TOKENS // 3 + 5, n, 200, device=DEVICE, dtype=torch.bfloat16)
     fused.clear_plans()
     assert set(fused.compiled_variants().values()) == {0}
 
@@ -457,8 +466,11 @@ def test_kept_launches_call_installed_launch_hooks():
     chain = triton.knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
         pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
+    from mhc import fused_tokens
+
     _, fast = _blocks(4, 96, torch.bfloat16, seed=4)
-    x = torch.randn(2, 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    # more tokens than mhc.fused_tokens takes, so that the forward runs the Triton kernels too
+    x = torch.randn(2, fused_tokens.MAX_TOKENS // 2 + 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     fast(x).sum().backward()  # compiles and keeps every variant
     names = []
 
