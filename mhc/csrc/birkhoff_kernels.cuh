@@ -154,6 +154,35 @@ __device__ __forceinline__ void store_matrix(scalar_t* __restrict__ p, const flo
   }
 }
 
+template <int N>
+__device__ __forceinline__ bool all_finite(const float (&T)[N][N]) {
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) finite = finite && isfinite(T[i][j]);
+  return finite;
+}
+
+// One matrix, in place (T: the logits in, the plan out): solved and counted in
+// g_unconverged if it misses tol, or NaN where the logits are not all finite
+// (err NaN, 0 iterations). Returns the Newton iterations.
+template <int N, typename Reload>
+__device__ __forceinline__ int project_matrix(float (&T)[N][N], bool finite, bool robust, Reload&& reload, float tol,
+                                              int max_iter, bool exact_err, double& err) {
+  err = CUDART_NAN;
+  if (!finite) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
+    return 0;
+  }
+  const int iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust, exact_err);
+  if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
+  return iters;
+}
+
 // One matrix per thread, no block-level coupling: a thread loads its matrix,
 // solves it and stores it, so a slow matrix holds up only its own warp.
 // n = 4 is capped at 64 registers (8 blocks of kThreads per SM): the extra
@@ -171,27 +200,14 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_fo
   const scalar_t* src = R + idx * NN;
   float T[N][N];
   load_matrix<N, scalar_t>(src, T, vec_ok);
-  bool finite = true;
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) finite = finite && isfinite(T[i][j]);
+  const bool finite = all_finite<N>(T);
   // One solver per warp where possible (see wants_robust).
   const bool robust = __any_sync(__activemask(), finite && wants_robust<N>(T));
-  int iters = 0;
-  double err = CUDART_NAN;
-  if (finite) {
-    // The robust solver re-reads R rather than keeping a copy in registers.
-    auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
-    // The float64 error only where the caller asks for it (info).
-    iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust, iters_out != nullptr);
-    if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
-  }
+  // The robust solver re-reads R rather than keeping a copy in registers.
+  auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
+  double err;
+  // The float64 error only where the caller asks for it (info).
+  const int iters = project_matrix<N>(T, finite, robust, reload, tol, max_iter, iters_out != nullptr, err);
   store_matrix<N, scalar_t>(out + idx * NN, T, vec_ok);
   if (iters_out != nullptr) {
     iters_out[idx] = iters;

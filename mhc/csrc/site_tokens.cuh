@@ -110,36 +110,20 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
 
   // H_res: the projection's solver on this token's logits (as birkhoff_forward_kernel does for one matrix).
   if (threadIdx.x == 0) {
-    float T[N][N];
-    bool finite = true;
+    float T[N][N], R[N][N];
 #pragma unroll
     for (int i = 0; i < N; ++i)
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        T[i][j] = coef[2 * N + i * N + j];
-        finite = finite && isfinite(T[i][j]);
-      }
-    if (finite) {
-      float R[N][N];
+      for (int j = 0; j < N; ++j) R[i][j] = T[i][j] = coef[2 * N + i * N + j];
+    auto reload = [&](float (&X)[N][N]) {
 #pragma unroll
       for (int i = 0; i < N; ++i)
 #pragma unroll
-        for (int j = 0; j < N; ++j) R[i][j] = T[i][j];
-      auto reload = [&](float (&X)[N][N]) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int j = 0; j < N; ++j) X[i][j] = R[i][j];
-      };
-      double err = CUDART_NAN;
-      solve_matrix<N>(T, reload, tol, max_iter, err, wants_robust<N>(T), false);
-      if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
-    }
+        for (int j = 0; j < N; ++j) X[i][j] = R[i][j];
+    };
+    const bool finite = all_finite<N>(T);
+    double err;
+    project_matrix<N>(T, finite, finite && wants_robust<N>(T), reload, tol, max_iter, false, err);
 #pragma unroll
     for (int i = 0; i < N; ++i)
 #pragma unroll
