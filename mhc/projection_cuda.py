@@ -281,10 +281,13 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
     float ``> 0`` and ``max_iter`` an int ``>= 0``. One call into the
     extension, which picks the autograd node when a graph is recorded and the
     kernel otherwise; the convergence counter is polled as in :func:`project`.
-    ``None`` under ``torch.compile`` (dynamo traces the op instead) or while
-    the extension is unavailable.
+    ``None`` under ``torch.compile`` (dynamo traces the op instead), under
+    functorch transforms, or while the extension is unavailable.
     """
-    if not _ENABLED or torch.compiler.is_compiling() or not logits.is_cuda:
+    # torch.compile traces the op instead; functorch's wrapped tensors (vmap, torch.func) need the dispatcher.
+    if not (_ENABLED and logits.is_cuda) or torch.compiler.is_compiling():
+        return None
+    if torch._C._are_functorch_transforms_active():
         return None
     if _project_or_none is None and not available():
         return None
