@@ -224,7 +224,10 @@ def reset_convergence_tracking(device=None) -> None:
 
 
 def poll(tensor: Tensor) -> None:
-    """Non-blocking look at the counter of ``tensor``'s device: every :data:`POLL_EVERY` eager calls, never while capturing."""
+    """Non-blocking look at the counter of ``tensor``'s device.
+
+    Every :data:`POLL_EVERY` eager calls, never while a CUDA graph is captured.
+    """
     global _calls
     _calls += 1
     if _calls % POLL_EVERY or torch.cuda.is_current_stream_capturing():
