@@ -66,7 +66,7 @@ SITE, BRANCH, GLUE, OTHER = "mhc site", "branch", "layer glue", "other"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/saved_bytes.py",
+        prog="python benchmarks/saved_bytes.py", allow_abbrev=False,
         description="Bytes autograd keeps for backward per token and per site: residual Llama vs its mHC conversion "
         "(fused site and fused=False). Runs on the CPU (fused kernels in Triton's interpreter) in seconds.",
     )

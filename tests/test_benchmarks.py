@@ -93,3 +93,32 @@ def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_p
     proc = subprocess.run(["bash", str(BENCHMARKS / "build_peers.sh")], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PEERS_DIR": str(tmp_path / "none"), "OUT": str(tmp_path)})
     assert proc.returncode == 0 and "peer build: SKIPPED, no source" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_saved_bytes_counts_the_streams_an_mhc_site_keeps_for_backward(tmp_path):
+    """benchmarks/saved_bytes.py on the CPU (fused site in Triton's interpreter): every variant saves something,
+    the branches save what the residual model's sublayers save, and an mHC site keeps at least its input streams
+    (n*C elements per token) beyond the residual model on both paths; the fused site exactly the streams, y and its
+    fp32 coefficients (zr [T, n*n+2n+1], h [T, 2n], H_res [T, n, n])."""
+    out, n, C = tmp_path / "saved.json", 4, 128
+    proc = _run(sys.executable, str(BENCHMARKS / "saved_bytes.py"), "--hidden", str(C), "--heads", "2",
+                "--intermediate", "256", "--vocab", "64", "--layers", "1", "--batch", "2", "--seq", "8",
+                "--dtype", "bf16", "--n-streams", str(n), "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "C/token/site" in proc.stdout and "# command: python" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    rows, c_bytes = data["variants"], data["c_bytes"]
+    assert c_bytes == C * 2 and data["sites"] == 2 and data["tokens"] == 16, data
+    for name, row in rows.items():
+        assert row["total_bytes"] > 0 and row["bytes_per_token_per_site"] > 0, (name, row)
+        branch = row["by_owner_C_per_token_per_site"]["branch"]
+        assert branch == rows["residual"]["by_owner_C_per_token_per_site"]["branch"], (name, row)
+    for name in ("mhc fused", "mhc fused=False"):
+        assert rows[name]["extra_C_per_token_per_site"] >= n, (name, rows[name])
+    fused_row = rows["mhc fused"]
+    assert fused_row["site_shapes_C_per_token_per_site"][f"[B,S,{n},{C}] bfloat16"] == n, fused_row
+    coefficients = (n * n + 2 * n + 1 + 2 * n + n * n) * 4 / c_bytes
+    assert fused_row["extra_C_per_token_per_site"] == pytest.approx(n + 1 + coefficients, abs=1e-9), fused_row
+    assert rows["mhc fused=False"]["extra_C_per_token_per_site"] > fused_row["extra_C_per_token_per_site"], rows
+    proc = _run(sys.executable, str(BENCHMARKS / "saved_bytes.py"), "--dtyp", "fp32")
+    assert proc.returncode == 2 and "unrecognized arguments: --dtyp" in proc.stderr, proc.stderr
