@@ -33,8 +33,13 @@ and activation checkpointing (``recompute=True`` keeps its inputs outside
 these hooks, so it is not measured here).
 
 Per token means divided by ``batch * seq``; per site by the number of
-residual sites, 2 per decoder layer. ``C`` units are bytes divided by
-``hidden_size * itemsize(dtype)`` of the activations.
+residual sites, 2 per decoder layer, so a per-site figure is the mean of an
+attention site and an MLP site (an mHC site keeps the same whichever branch it
+wraps; the branches differ). ``C`` units are bytes divided by
+``hidden_size * itemsize(dtype)`` of the activations. The branches' figures
+depend on the attention kernel: PyTorch's CPU SDPA keeps q, k, v, the output
+and the log-sum-exp, as the flash kernels on CUDA do, but a CUDA run (``--device
+cuda``, where the fused site runs compiled) is the authority for the GPU.
 """
 
 from __future__ import annotations
@@ -151,6 +156,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     """One forward of ``model(input_ids=ids)`` under saved-tensor hooks.
 
     Returns ``{"total": bytes, "by_owner": {owner: bytes}, "site_shapes": {"[B,S,n,C] dtype": bytes},
+    "branch_shapes": {"[B,S,C] dtype (module class)": bytes},
     "fused_nodes": count}``: each saved storage once, parameters excluded (see the module docstring).
     """
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -158,6 +164,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     seen: dict[int, int] = {}
     by_owner: dict[str, int] = defaultdict(int)
     site_shapes: dict[str, int] = defaultdict(int)
+    branch_shapes: dict[str, int] = defaultdict(int)
     batch, seq = ids.shape
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -170,6 +177,9 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
         by_owner[owner] += nbytes
         if owner == SITE:
             site_shapes[f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"] += nbytes
+        elif owner == BRANCH:
+            key = f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')} ({type(stack[-1]).__name__})"
+            branch_shapes[key] += nbytes
         return t
 
     def enter(module, args) -> None:
@@ -191,6 +201,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     fused_nodes = _count_nodes(logits.grad_fn, ("SitePre", "PostMix"))
     del logits
     return {"total": sum(seen.values()), "by_owner": dict(by_owner), "site_shapes": dict(site_shapes),
+            "branch_shapes": dict(branch_shapes),
             "fused_nodes": fused_nodes}
 
 
@@ -252,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             "extra_C_per_token_per_site": extra / c_bytes,
             "by_owner_C_per_token_per_site": {k: v / tokens / sites / c_bytes for k, v in r["by_owner"].items()},
             "site_shapes_C_per_token_per_site": {k: v / tokens / sites / c_bytes for k, v in r["site_shapes"].items()},
+            "branch_shapes_C_per_token_per_site": {
+                k: v / tokens / sites / c_bytes for k, v in r["branch_shapes"].items()},
             "fused_nodes": r["fused_nodes"],
         }
 
@@ -269,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         owners = ", ".join(f"{k} {v:.2f} C" for k, v in sorted(row["by_owner_C_per_token_per_site"].items()))
         print(f"\n{variant}: per token per site by owner: {owners}")
         for shape, c in sorted(row["site_shapes_C_per_token_per_site"].items(), key=lambda kv: -kv[1]):
-            print(f"  mhc site saves {shape:<28} {c:6.3f} C")
+            print(f"  mhc site saves {shape:<40} {c:6.3f} C")
+        if variant == "residual":  # the branches of the mHC variants save the same (their "branch" totals)
+            for shape, c in sorted(row["branch_shapes_C_per_token_per_site"].items(), key=lambda kv: -kv[1]):
+                print(f"  branch saves   {shape:<40} {c:6.3f} C")
     if args.json:
         common.write_json(args.json, {"header": header, "c_bytes": c_bytes, "tokens": tokens, "sites": sites,
                                       "variants": rows})
