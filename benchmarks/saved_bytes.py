@@ -57,12 +57,15 @@ import torch
 if not torch.cuda.is_available():  # without CUDA the fused kernels run only in Triton's interpreter
     os.environ["TRITON_INTERPRET"] = "1"
 
-import common  # noqa: E402  (benchmarks/common.py; TRITON_INTERPRET must be set before mhc imports Triton)
-import mhc  # noqa: E402
-from mhc import fused  # noqa: E402
-from mhc.hf import MHCDecoderLayer  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+# benchmarks/common.py; the imports below come after TRITON_INTERPRET, which must be set before mhc imports Triton.
+import common
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import mhc
+from mhc import fused
+from mhc.hf import MHCDecoderLayer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DECODER_LAYERS = (LlamaDecoderLayer, MHCDecoderLayer)
@@ -178,8 +181,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
         if owner == SITE:
             site_shapes[f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"] += nbytes
         elif owner == BRANCH:
-            key = f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')} ({type(stack[-1]).__name__})"
-            branch_shapes[key] += nbytes
+            name = f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"
+            branch_shapes[f"{name} ({type(stack[-1]).__name__})"] += nbytes
         return t
 
     def enter(module, args) -> None:
@@ -220,7 +223,7 @@ def _count_nodes(root, name_parts: tuple[str, ...]) -> int:
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except OSError:
         return "unknown"
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         **common.environment(),
-        "transformers": __import__("transformers").__version__,
+        "transformers": transformers.__version__,
         "commit": commit(),
         "command": "python " + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "model": f"Llama hidden {args.hidden}, {args.layers} layers ({sites} sites), {args.heads} heads, "
