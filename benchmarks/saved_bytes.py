@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="hidden size C (default 256)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2; 2 sites each)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     p.add_argument("--intermediate", type=int, default=688, help="MLP intermediate size (default 688)")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
@@ -92,11 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights' and inputs' seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="also write the header, totals and breakdowns to PATH")
     args = p.parse_args(argv)
-    for name in ("hidden", "layers", "heads", "intermediate", "vocab", "batch", "seq", "n_streams"):
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "n_streams"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.device not in ("cpu", "cuda"):
         p.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -121,7 +126,7 @@ def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     """``variant``: "residual", "mhc fused" or "mhc fused=False"; random weights from ``args.seed``, train mode."""
     cfg = LlamaConfig(
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
         max_position_embeddings=max(args.seq, 8), attn_implementation=args.attn,
     )
     torch.manual_seed(args.seed)
@@ -178,10 +183,13 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
         seen[ptr] = nbytes
         owner = _owner(stack)
         by_owner[owner] += nbytes
+        # the saved tensor's shape; its bytes are its whole storage's ("view": a larger one)
+        name = f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"
+        if t.numel() * t.element_size() < nbytes:
+            name += " view"
         if owner == SITE:
-            site_shapes[f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"] += nbytes
+            site_shapes[name] += nbytes
         elif owner == BRANCH:
-            name = f"{_shape_name(t.shape, batch, seq)} {str(t.dtype).removeprefix('torch.')}"
             branch_shapes[f"{name} ({type(stack[-1]).__name__})"] += nbytes
         return t
 
@@ -243,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "commit": commit(),
         "command": "python " + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
-        "model": f"Llama hidden {args.hidden}, {args.layers} layers ({sites} sites), {args.heads} heads, "
+        "model": f"Llama hidden {args.hidden}, {args.layers} layers ({sites} sites), "
+                 f"{args.heads} heads ({args.kv_heads} kv), "
                  f"intermediate {args.intermediate}, vocab {args.vocab}, {args.attn}, {args.dtype}; "
                  f"batch {args.batch} x seq {args.seq} = {tokens} tokens; mHC n={args.n_streams}, init=paper",
     }
