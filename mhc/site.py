@@ -20,6 +20,8 @@ converted model) the deviations are exactly zero, so the site returns
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -31,7 +33,30 @@ from .projection import birkhoff_project
 
 __all__ = ["coefficients", "residual_coefficients", "pre_mix", "post_mix"]
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
+
+def _without_autocast(step):
+    """Run ``step`` with autocast off on its first tensor's device.
+
+    Under bf16 autocast the matmuls and einsums of the coefficients and the
+    mixes would run in bf16 while their results claim float32; coefficient
+    math stays float32 (the sublayer, called outside these steps, keeps
+    autocast).
+    """
+
+    @functools.wraps(step)
+    def run(x, *args, **kwargs):
+        device_type = x.device.type
+        if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return step(x, *args, **kwargs)
+        return step(x, *args, **kwargs)
+
+    return run
+
+
+@_without_autocast
 def coefficients(
     x: Tensor,
     phi: Tensor,
@@ -110,6 +135,7 @@ def residual_coefficients(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return ones / n, ones, torch.eye(n, dtype=acc, device=x.device).expand(*x.shape[:-2], n, n)
 
 
+@_without_autocast
 def pre_mix(x: Tensor, H_pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``u = Σ_i H_pre[i] x_i``, around stream 0.
 
@@ -128,6 +154,7 @@ def pre_mix(x: Tensor, H_pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return u.to(x.dtype), anchor, dev
 
 
+@_without_autocast
 def post_mix(
     y: Tensor, anchor: Tensor, dev: Tensor, H_post: Tensor, H_res: Tensor, *, exact_rows: bool, dtype: torch.dtype
 ) -> Tensor:

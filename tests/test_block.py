@@ -290,3 +290,27 @@ def test_inductor_compile_forward_and_backward_match_eager(mode, fresh_seed):
     torch.testing.assert_close(dx, dx_ref, rtol=1e-4, atol=1e-6)
     for name, g in grads_ref.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["mhc", "hc"])
+def test_coefficients_and_mixes_stay_float32_under_autocast(mode, fresh_seed):
+    """bf16 autocast around a block rounds its sublayer, not its coefficients or mixes (the PyTorch path)."""
+    torch.manual_seed(fresh_seed)
+    n, C = 4, 32
+    block = MHCBlock(lambda u: torch.zeros_like(u), C, n, mode=mode, init="paper", fused=False)
+    with torch.no_grad():
+        block.alpha.fill_(1.0)
+    x = torch.randn(2, 8, n, C) * 10
+    expected_coefficients, expected = block.coefficients(x), block(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_coefficients, got = block.coefficients(x), block(x)
+    for e, g in zip(expected_coefficients, got_coefficients):
+        assert g.dtype == torch.float32 and torch.equal(e, g), f"seed={fresh_seed}"
+    assert torch.equal(got, expected), f"seed={fresh_seed}: the mixes ran under autocast"
+
+    lin = torch.nn.Linear(C, C)
+    with_linear = MHCBlock(lin, C, n, mode=mode, init="paper", fused=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = with_linear(x)
+        assert lin(x[..., 0, :]).dtype == torch.bfloat16  # the sublayer itself still runs under autocast
+    assert out.dtype == torch.float32
