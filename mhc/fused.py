@@ -32,6 +32,9 @@ the streams to add up). Double backward is not supported.
 Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused_steps`)
 run as ``torch.library`` custom ops with fake impls (:mod:`mhc.fused_ops`),
 so dynamo traces the site, and the sublayer between its steps, as one graph.
+A few tokens (at most :data:`mhc.fused_tokens.MAX_TOKENS`, a decode step) run
+both forwards on the CUDA extension's one-block-per-token kernels instead
+(:mod:`mhc.fused_tokens`), in every mode; the backward is the same.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ if _plans is not None:
     _plan, _dense = _plans.plan_for, _steps.dense
 
 
-# Plan -> whether its no-grad forward runs on mhc.fused_tokens (worked out once per plan).
+# Plan -> whether its forward runs on mhc.fused_tokens (worked out once per plan).
 _token_path: dict = {}
 
 
@@ -143,7 +146,7 @@ class _SiteState:
 
     def __init__(self, plan, eps: float, tol: float):
         self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
-        self.tokens = False  # the no-grad forward ran on mhc.fused_tokens
+        self.tokens = False  # the forward runs on mhc.fused_tokens (a few tokens)
 
 
 class _SitePre(torch.autograd.Function):

@@ -31,7 +31,11 @@ _extension = None  # the CUDA extension's module, kept by the first takes() that
 
 
 def takes(x: Tensor) -> bool:
-    """Whether these kernels run streams ``x [..., n, C]`` (dense): CUDA, ``n`` in {4, 8}, at most ``MAX_TOKENS`` tokens."""
+    """Whether these kernels run streams ``x [..., n, C]`` (dense).
+
+    True for CUDA float32 / bfloat16 / float16 streams with ``n`` in {4, 8} and
+    at most :data:`MAX_TOKENS` tokens, once the CUDA extension is available.
+    """
     global _extension
     if not (x.is_cuda and x.dtype in _DTYPES and x.shape[-2] in (4, 8)
             and x.numel() // (x.shape[-2] * x.shape[-1]) <= MAX_TOKENS):
@@ -44,9 +48,10 @@ def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_
         eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`mhc.fused_steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
-    Only for streams :func:`takes` accepted. ``x [..., n, C]`` dense, the parameters dense float32. ``tol_eff`` is the
-    projection's effective tolerance; matrices that miss it are counted and
-    polled like :func:`mhc.birkhoff_project`'s.
+    Only for streams :func:`takes` accepted. ``x [..., n, C]`` dense, the
+    parameters dense float32. ``tol_eff`` is the projection's effective
+    tolerance; matrices that miss it are counted and polled like
+    :func:`mhc.birkhoff_project`'s.
     """
     u, zr, h, h_res = _extension.site_pre_tokens(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, max_iter)
     projection_cuda.poll(h_res)  # (never traced: under torch.compile this runs inside a custom op)
