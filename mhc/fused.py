@@ -83,10 +83,6 @@ if _plans is not None:
     _plan, _dense = _plans.plan_for, _steps.dense
 
 
-# Plan -> whether its forward runs on mhc.fused_tokens (worked out once per plan).
-_token_path: dict = {}
-
-
 def available() -> bool:
     """Whether the fused Triton path can run; ``False`` only where Triton is not importable.
 
@@ -118,7 +114,6 @@ def clear_plans() -> None:
     """
     if _plans is not None:
         _plans.clear()
-    _token_path.clear()
 
 
 def compiled_variants() -> dict[str, int]:
@@ -142,11 +137,10 @@ class _SiteState:
     streams' device too.
     """
 
-    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "tokens")
+    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device")
 
     def __init__(self, plan, eps: float, tol: float):
         self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
-        self.tokens = False  # the forward runs on mhc.fused_tokens (a few tokens)
 
 
 class _SitePre(torch.autograd.Function):
@@ -328,19 +322,12 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
-    # A few tokens (a decode step) take the extension's one-block-per-token kernels (mhc.fused_tokens).
-    tokens = _token_path.get(plan)
-    if tokens is None:
-        if len(_token_path) >= 512:  # plans come and go (mhc.fused_plan keeps at most 256)
-            _token_path.clear()
-        tokens = _token_path[plan] = _tokens.takes(x)
-    state.tokens = tokens
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
     # tokens per step the site's cost is its host time.
     pre = _site_pre if torch.is_grad_enabled() else _pre_forward
     # The token kernels launch under the streams' device themselves (a CUDA guard in C++).
     device = plan.cuda_device
-    if not tokens and device is not None and _k.triton.runtime.driver.active.get_current_device() != device:
+    if not plan.tokens and device is not None and _k.triton.runtime.driver.active.get_current_device() != device:
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
         with torch.cuda.device(plan.cuda_device):
@@ -352,7 +339,7 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
 
 def _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
     """The first step's kernels: ``(u, zr, h, H_res)`` (:func:`mhc.fused_steps.pre_forward`)."""
-    if state.tokens:
+    if state.plan.tokens:
         tol_eff = state.plan.projection_tol(state.tol)
         return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, state.eps, tol_eff, NEWTON_MAX_ITER)
     return _steps.pre_forward(state.plan, x, phi, alpha, b_pre, b_post, b_res, state.eps, state.tol)
@@ -366,7 +353,7 @@ def _pre_forward(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
 
 def _post_forward(x, y, h, H_res, state: _SiteState):
     """The post-mix's kernel (:class:`_PostMix`'s forward, or the whole step with grad disabled)."""
-    if state.tokens:
+    if state.plan.tokens:
         return _tokens.post(x, y, h, H_res)
     return _steps.post_forward(state.plan, x, y, h, H_res)
 

@@ -46,7 +46,7 @@ def _site_pre_op(
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
-    if _tokens.takes(x):  # a decode step's few tokens, as in eager mode
+    if plan.tokens:  # a decode step's few tokens, as in eager mode
         return _tokens.pre(x, *params, eps, plan.projection_tol(tol), NEWTON_MAX_ITER)
     with _on_device(x):
         u, zr, h, H_res = _steps.pre_forward(plan, x, *params, eps, tol)
@@ -97,10 +97,12 @@ def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
 def _post_mix_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused_steps.post_forward`)."""
     x = _steps.dense(x)
-    if _tokens.takes(x):
-        return _tokens.post(x, _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res))
+    plan = _plans.plan_for(x)
+    y, h, H_res = _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res)
+    if plan.tokens:
+        return _tokens.post(x, y, h, H_res)
     with _on_device(x):
-        return _steps.post_forward(_plans.plan_for(x), x, _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res))
+        return _steps.post_forward(plan, x, y, h, H_res)
 
 
 @_post_mix_op.register_fake

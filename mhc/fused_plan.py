@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import fused_kernels as _k
+from . import fused_tokens as _tokens
 from . import projection_cuda as _projection_cuda
 from .projection import effective_tol
 
@@ -164,6 +165,8 @@ class Plan:
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
+        # A few tokens (a decode step): both forwards run on the extension's token kernels.
+        self.tokens = _tokens.takes_shape(shape, dtype, device)
         self._tol_eff: dict = {}
 
     def projection_tol(self, tol: float) -> float:

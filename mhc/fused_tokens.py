@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import projection_cuda
 
-__all__ = ["MAX_TOKENS", "takes", "pre", "post"]
+__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post"]
 
 MAX_TOKENS = 128  # up to here one block per token beats coeff_fwd's one program per 64 tokens
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,9 +36,14 @@ def takes(x: Tensor) -> bool:
     True for CUDA float32 / bfloat16 / float16 streams with ``n`` in {4, 8} and
     at most :data:`MAX_TOKENS` tokens, once the CUDA extension is available.
     """
+    return takes_shape(x.shape, x.dtype, x.device)
+
+
+def takes_shape(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """:func:`takes` for streams of this shape, dtype and device (what :class:`mhc.fused_plan.Plan` records)."""
     global _extension
-    if not (x.is_cuda and x.dtype in _DTYPES and x.shape[-2] in (4, 8)
-            and x.numel() // (x.shape[-2] * x.shape[-1]) <= MAX_TOKENS):
+    n, C = shape[-2:]
+    if not (device.type == "cuda" and dtype in _DTYPES and n in (4, 8) and shape.numel() // (n * C) <= MAX_TOKENS):
         return False
     _extension = projection_cuda.extension()
     return _extension is not None
