@@ -321,8 +321,21 @@ class MHCBlock(nn.Module):
                 f"MHCBlock expects streams of shape [..., {self.n_streams}, {self.hidden_size}], "
                 f"got {tuple(x.shape)}"
             )
-        if self._options.mode != "residual" and x.device != self.phi.device:
-            raise ValueError(f"streams are on {x.device} but the block's parameters are on {self.phi.device}")
+        if self._options.mode != "residual":
+            phi = self._parameters.get("phi")  # see _coefficient_parameters
+            device = (self.phi if phi is None else phi).device
+            if x.device != device:
+                raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
+
+    def _coefficient_parameters(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        # (φ, α, b_pre, b_post, b_res) from the parameter dict: five Module.__getattr__ lookups
+        # cost microseconds a site on the H200's host, and a decode step runs 24 sites. A
+        # parametrised or replaced coefficient is not in the dict, so it is looked up as usual.
+        p = self._parameters
+        try:
+            return p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"]
+        except KeyError:
+            return self.phi, self.alpha, self.b_pre, self.b_post, self.b_res
 
     def coefficients(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The mixing coefficients for streams ``x: [..., n, C]`` (the PyTorch reference, :mod:`mhc.site`).
@@ -372,9 +385,7 @@ class MHCBlock(nn.Module):
         fast = self.uses_fused(x)
         if fast:  # coefficients, H_res and the pre-mix: one fused node
             opts = self._options
-            u, mix = fused.site_pre_unchecked(
-                x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, opts.norm_eps, opts.tol
-            )
+            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol)
         else:
             H_pre, H_post, H_res = self.coefficients(x)
             u, anchor, dev = site.pre_mix(x, H_pre)

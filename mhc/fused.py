@@ -220,6 +220,8 @@ def _direct_apply(function: type):
 
 
 _site_pre, _post_mix = _direct_apply(_SitePre), _direct_apply(_PostMix)
+# The state of a site whose first step ran without grad on the token kernels (fused_tokens.pre_no_grad).
+_TOKENS_NO_GRAD = _SiteState(None, 0.0, 0.0)
 
 
 def site_pre(
@@ -317,6 +319,13 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     """
     if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused_ops)
         return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
+    if x.is_cuda and not torch.is_grad_enabled():
+        # Generation: a few tokens per step, where the site's cost is its host time. One call
+        # into the extension decides, converts and launches (None: not its sizes).
+        site = _tokens.pre_no_grad(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
+        if site is not None:
+            u, mix, x = site
+            return u, (x, mix, None, _TOKENS_NO_GRAD)
     x = _dense(x)  # a strided input is copied once here
     plan = _plan(x)
     cdt = plan.cdt
@@ -363,6 +372,12 @@ def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
     x, h, H_res, state = site
     if state is None:  # from site_pre under torch.compile
         return _ops.post_mix(y, site)
+    if state is _TOKENS_NO_GRAD:  # h holds mix (fused_tokens.pre_no_grad)
+        if not torch.is_grad_enabled():
+            return _tokens.post_no_grad(x, y, h)
+        # Grad came on inside the branch and stayed on: the post-mix node, as after the grad path's pre-step.
+        h, H_res = _tokens.unpack(h, x.shape[-2])
+        state = _SiteState(_plan(x), 0.0, 0.0)
     y = _dense(y, x.dtype)
     # Grad is checked again here, not carried over from site_pre: a branch run under
     # enable_grad still gets its gradient from the post-mix node.

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from . import projection_cuda
+from .projection_common import NEWTON_MAX_ITER
 
-__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post"]
+__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "unpack"]
 
 MAX_TOKENS = 128  # up to here one block per token beats coeff_fwd's one program per 64 tokens
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,3 +67,37 @@ def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_
 def post(x: Tensor, y: Tensor, h: Tensor, h_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (``H_post = 2·h[:, n:]``) of dense ``x [..., n, C]`` and ``y`` in its dtype."""
     return _extension.site_post_tokens(x, y, h, h_res)
+
+
+def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
+                eps: float, tol: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The first step without grad (generation): ``(u [..., C], mix, x)``, or ``None`` where these kernels do not run.
+
+    One call into the extension, which decides (CUDA streams of float32 /
+    bfloat16 / float16, ``n`` in {4, 8}, 1 to :data:`MAX_TOKENS` tokens), makes
+    the streams contiguous and the parameters float32 where they are not,
+    raises ``tol`` to the projection's effective tolerance and launches the
+    kernel once. Nothing the backward would need is written. ``mix`` is one
+    float32 tensor, ``h [T, 2n]`` then ``H_res [T, n, n]``; ``x`` the streams
+    as read (contiguous), both for :func:`post_no_grad`. Only for CUDA streams.
+    """
+    global _extension
+    if _extension is None:
+        _extension = projection_cuda.extension()
+        if _extension is None:
+            return None
+    site = _extension.site_pre_tokens_packed(x, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, MAX_TOKENS)
+    if site is not None:
+        projection_cuda.poll(site[1])
+    return site
+
+
+def post_no_grad(x: Tensor, y: Tensor, mix: Tensor) -> Tensor:
+    """``x' = H_res·x + H_post ⊗ y`` after :func:`pre_no_grad` (``x`` and ``mix`` from it; ``y`` any float dtype)."""
+    return _extension.site_post_tokens_packed(x, y, mix)
+
+
+def unpack(mix: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``(h [T, 2n], H_res [T, n, n])``, views of :func:`pre_no_grad`'s ``mix``."""
+    T = mix.numel() // (2 * n + n * n)
+    return mix[: T * 2 * n].view(T, 2 * n), mix[T * 2 * n:].view(T, n, n)

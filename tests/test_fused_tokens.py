@@ -126,3 +126,80 @@ def test_fused_decode_site_replays_in_a_cuda_graph(token_count, fresh_seed):
             static_x.copy_(x)
             graph.replay()
             assert torch.equal(static_out, fast(x)), f"seed={fresh_seed}: replay differs from eager"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_grad_token_path_takes_what_the_grad_path_takes(dtype, fresh_seed):
+    """The no-grad token call (mhc.fused_tokens.pre_no_grad / post_no_grad) converts what the grad path's
+    Python does: strided streams, coefficients cast to bf16, a branch output in another dtype. Same bits
+    as the recorded forward; None (the Triton path) for more than MAX_TOKENS tokens or float64."""
+    from mhc import fused_tokens
+
+    n, C = 4, 200
+
+    class Widen(torch.nn.Module):  # returns float32 for bf16 streams
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(C, C, device="cuda", dtype=dtype)
+
+        def forward(self, u):
+            return self.lin(u).float()
+
+    torch.manual_seed(fresh_seed)
+    block = mhc.MHCBlock(Widen(), C, n, init="paper").cuda()
+    with torch.no_grad():
+        block.phi.normal_(std=0.05)
+    wide = torch.randn(3, 2 * n, C, device="cuda", dtype=dtype)
+    for streams in (wide[:, ::2], wide[:, 1::2]):  # non-contiguous
+        assert not streams.is_contiguous()
+        recorded = block(streams.clone().requires_grad_())
+        with torch.no_grad():
+            plain = block(streams)
+        assert torch.equal(plain, recorded.detach()), f"seed={fresh_seed}"
+    low = mhc.MHCBlock(Widen(), C, n, init="paper").cuda()
+    low.load_state_dict(block.state_dict())
+    for name in ("phi", "alpha", "b_pre", "b_post", "b_res"):
+        setattr(low, name, torch.nn.Parameter(getattr(low, name).detach().to(torch.bfloat16)))
+    x = torch.randn(5, n, C, device="cuda", dtype=dtype)
+    recorded = low(x.clone().requires_grad_())
+    with torch.no_grad():
+        assert torch.equal(low(x), recorded.detach()), f"seed={fresh_seed}: bf16 coefficients"
+    params = [p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)]
+    big = torch.randn(fused_tokens.MAX_TOKENS + 1, n, C, device="cuda", dtype=dtype)
+    assert fused_tokens.pre_no_grad(big, *params, 1e-6, 1e-6) is None
+    assert fused_tokens.pre_no_grad(x.double(), *params, 1e-6, 1e-6) is None
+    u, mix, streams = fused_tokens.pre_no_grad(x, *params, 1e-6, 1e-6)
+    h, H_res = fused_tokens.unpack(mix, n)
+    assert u.shape == (5, C) and h.shape == (5, 2 * n) and H_res.shape == (5, n, n) and streams.data_ptr() == x.data_ptr()
+    with pytest.raises(RuntimeError, match="phi"):
+        fused_tokens.pre_no_grad(x, params[0][:, :-1], *params[1:], 1e-6, 1e-6)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
+def test_grad_switched_on_inside_the_branch_still_records_the_post_mix(fresh_seed):
+    """A branch that turns grad on and leaves it on after a no-grad pre-step: the post-mix is recorded
+    (the gradient reaches the branch through y), and its value is the
+    plain forward's."""
+    n, C = 4, 64
+    torch.manual_seed(fresh_seed)
+    lin = torch.nn.Linear(C, C).cuda()
+
+    def branch(u):
+        torch.set_grad_enabled(True)
+        return lin(u)
+
+    block = mhc.MHCBlock(branch, C, n, init="paper").cuda()
+    x = torch.randn(3, n, C, device="cuda")
+    try:
+        with torch.no_grad():
+            out = block(x)
+            assert torch.is_grad_enabled()
+            out.sum().backward()
+    finally:
+        torch.set_grad_enabled(True)
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
+    plain = mhc.MHCBlock(lin, C, n, init="paper").cuda()
+    plain.load_state_dict(block.state_dict(), strict=False)  # the coefficients; the branch is lin itself
+    with torch.no_grad():
+        assert torch.equal(out.detach(), plain(x)), f"seed={fresh_seed}"

@@ -20,6 +20,9 @@
 #include "site_tokens.cuh"
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
 #include <mutex>
 #include <string>
 
@@ -281,6 +284,58 @@ static int64_t check_streams(const at::Tensor& x) {
   return T;
 }
 
+static void launch_site_pre(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
+                            const at::Tensor& b_pre, const at::Tensor& b_post, const at::Tensor& b_res,
+                            float* zr, float* h, float* h_res, at::Tensor& u, double eps, double tol,
+                            int64_t max_iter) {
+  const int64_t T = x.numel() / (x.size(-2) * x.size(-1));
+  const int64_t n = x.size(-2), C = x.size(-1);
+  if (T == 0) return;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
+    ct* up = reinterpret_cast<ct*>(u.data_ptr());
+    const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
+                *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
+    if (n == 4) {
+      site_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps, (float)tol, (int)max_iter);
+    } else {
+      site_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps, (float)tol, (int)max_iter);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+static void launch_site_post(const at::Tensor& x, const at::Tensor& y, const float* h, const float* h_res,
+                             at::Tensor& out) {
+  const int64_t T = x.numel() / (x.size(-2) * x.size(-1));
+  const int64_t n = x.size(-2), C = x.size(-1);
+  if (T == 0) return;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid((unsigned)((C + kTokenThreads - 1) / kTokenThreads), (unsigned)T);
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
+    const ct* yp = reinterpret_cast<const ct*>(y.data_ptr());
+    ct* op = reinterpret_cast<ct*>(out.data_ptr());
+    if (n == 4) {
+      site_post_tokens_kernel<4, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h, h_res, op, (int)C);
+    } else {
+      site_post_tokens_kernel<8, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h, h_res, op, (int)C);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+static std::vector<int64_t> token_shape(const at::Tensor& x) {  // [..., n, C] -> [..., C]
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.back() = x.size(-1);
+  return shape;
+}
+
 std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
                                         const at::Tensor& b_pre, const at::Tensor& b_post,
                                         const at::Tensor& b_res, double eps, double tol, int64_t max_iter) {
@@ -296,27 +351,9 @@ std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& p
   at::Tensor zr = at::empty({T, Z + 1}, f32);
   at::Tensor h = at::empty({T, 2 * n}, f32);
   at::Tensor h_res = at::empty({T, n, n}, f32);
-  std::vector<int64_t> u_shape(x.sizes().begin(), x.sizes().end() - 1);
-  u_shape.back() = C;  // [..., C]
-  at::Tensor u = at::empty(u_shape, x.options());
-  if (T == 0) return {u, zr, h, h_res};
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
-    using ct = decltype(tag);
-    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
-    ct* up = reinterpret_cast<ct*>(u.data_ptr());
-    const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
-                *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
-    float *zp = zr.data_ptr<float>(), *hp = h.data_ptr<float>(), *rp = h_res.data_ptr<float>();
-    if (n == 4) {
-      site_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, pp, ap, bp, bq, br, zp, hp, rp, up, (int)C, (float)eps, (float)tol, (int)max_iter);
-    } else {
-      site_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, pp, ap, bp, bq, br, zp, hp, rp, up, (int)C, (float)eps, (float)tol, (int)max_iter);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  at::Tensor u = at::empty(token_shape(x), x.options());
+  launch_site_pre(x, phi, alpha, b_pre, b_post, b_res, zr.data_ptr<float>(), h.data_ptr<float>(),
+                  h_res.data_ptr<float>(), u, eps, tol, max_iter);
   return {u, zr, h, h_res};
 }
 
@@ -331,23 +368,66 @@ at::Tensor site_post_tokens(const at::Tensor& x, const at::Tensor& y, const at::
   check_site_param(h_res, x, "H_res", T * n * n);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
-  if (T == 0) return out;
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid((unsigned)((C + kTokenThreads - 1) / kTokenThreads), (unsigned)T);
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
-    using ct = decltype(tag);
-    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
-    const ct* yp = reinterpret_cast<const ct*>(y.data_ptr());
-    ct* op = reinterpret_cast<ct*>(out.data_ptr());
-    if (n == 4) {
-      site_post_tokens_kernel<4, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h.data_ptr<float>(),
-                                                                        h_res.data_ptr<float>(), op, (int)C);
-    } else {
-      site_post_tokens_kernel<8, ct><<<grid, kTokenThreads, 0, stream>>>(xp, yp, h.data_ptr<float>(),
-                                                                        h_res.data_ptr<float>(), op, (int)C);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_site_post(x, y, h.data_ptr<float>(), h_res.data_ptr<float>(), out);
+  return out;
+}
+
+// The no-grad forms, for generation, where a site's cost is its host time: each call is one
+// launch with no tensor the backward would need (no zr), h and H_res in one float32
+// allocation `mix` = [h (T·2n) | H_res (T·n·n)], and the conversions the Python side would
+// otherwise make (contiguous streams, float32 parameters, y in the streams' dtype) made here.
+static at::Tensor as_float32(const at::Tensor& p) {
+  return p.scalar_type() == at::kFloat && p.is_contiguous() ? p : p.to(at::kFloat).contiguous();
+}
+
+// Returns None for streams these kernels do not take (not CUDA, n not in {4, 8}, a dtype other
+// than float32 / bfloat16 / float16, no token or more than max_tokens), else (u, mix, streams),
+// the streams as the kernel read them (contiguous), for site_post_tokens_packed. tol is raised to
+// 4 n eps(float32), as project_or_none does.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> site_pre_tokens_packed(
+    const at::Tensor& x_in, const at::Tensor& phi_in, const at::Tensor& alpha_in, const at::Tensor& b_pre_in,
+    const at::Tensor& b_post_in, const at::Tensor& b_res_in, double eps, double tol, int64_t max_iter,
+    int64_t max_tokens) {
+  const int64_t d = x_in.dim();
+  if (!x_in.is_cuda() || d < 2) return std::nullopt;
+  const int64_t n = x_in.size(d - 2), C = x_in.size(d - 1);
+  const auto dt = x_in.scalar_type();
+  if ((n != 4 && n != 8) || C < 1 || (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16)) {
+    return std::nullopt;
+  }
+  const int64_t T = x_in.numel() / (n * C);
+  if (T < 1 || T > max_tokens) return std::nullopt;
+  const at::Tensor x = x_in.contiguous();
+  check_streams(x);
+  const int64_t Z = n * n + 2 * n;
+  const at::Tensor phi = as_float32(phi_in), alpha = as_float32(alpha_in), b_pre = as_float32(b_pre_in),
+                   b_post = as_float32(b_post_in), b_res = as_float32(b_res_in);
+  check_site_param(phi, x, "phi", Z * n * C);
+  check_site_param(alpha, x, "alpha", 3);
+  check_site_param(b_pre, x, "b_pre", n);
+  check_site_param(b_post, x, "b_post", n);
+  check_site_param(b_res, x, "b_res", n * n);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor mix = at::empty({T * (2 * n + n * n)}, x.options().dtype(at::kFloat));
+  at::Tensor u = at::empty(token_shape(x), x.options());
+  float* h = mix.data_ptr<float>();
+  const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
+  launch_site_pre(x, phi, alpha, b_pre, b_post, b_res, nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter);
+  return std::make_tuple(u, mix, x);
+}
+
+at::Tensor site_post_tokens_packed(const at::Tensor& x, const at::Tensor& y_in, const at::Tensor& mix) {
+  const int64_t T = check_streams(x);
+  const int64_t n = x.size(-2), C = x.size(-1);
+  TORCH_CHECK(y_in.device() == x.device() && y_in.is_floating_point() && y_in.numel() == T * C,
+              "mhc::site_post_tokens: y must be a floating-point [T, C] tensor on the streams' device");
+  const at::Tensor y = y_in.scalar_type() == x.scalar_type() && y_in.is_contiguous()
+                           ? y_in : y_in.to(x.scalar_type()).contiguous();
+  check_site_param(mix, x, "mix", T * (2 * n + n * n));
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty_like(x);
+  const float* h = mix.data_ptr<float>();
+  launch_site_post(x, y, h, h + T * 2 * n, out);
   return out;
 }
 
@@ -378,4 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project_or_none", &mhc_birkhoff::project_or_none, "birkhoff_project's unchecked CUDA path (see birkhoff.cu)");
   m.def("site_pre_tokens", &mhc_birkhoff::site_pre_tokens, "the site's first step for a few tokens");
   m.def("site_post_tokens", &mhc_birkhoff::site_post_tokens, "the site's post-mix for a few tokens");
+  m.def("site_pre_tokens_packed", &mhc_birkhoff::site_pre_tokens_packed,
+        "the site's first step for a few tokens without grad, or None where the kernels do not take the streams");
+  m.def("site_post_tokens_packed", &mhc_birkhoff::site_post_tokens_packed,
+        "the post-mix after site_pre_tokens_packed");
 }

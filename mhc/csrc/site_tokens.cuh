@@ -12,8 +12,9 @@
 // program, so a decode step (1-16 tokens) runs one program that walks all n·C
 // columns alone (about 50 µs of GPU time per site on the H200), and each Triton
 // launch costs ~17 µs of host time there, against ~5 µs for these. Layouts are
-// coeff_fwd's: zr [T, Z + 1] = z and 1/rms, h [T, 2n] = σ of H_pre's and
-// H_post's columns, H_res [T, n, n], all float32; x [T, n, C] and u [T, C],
+// coeff_fwd's: zr [T, Z + 1] = z and 1/rms (not written when zr is null: no
+// backward will read it), h [T, 2n] = σ of H_pre's and H_post's columns,
+// H_res [T, n, n], all float32; x [T, n, C] and u [T, C],
 // y [T, C], x' [T, n, C] in the streams' dtype. Products and sums in float32.
 #pragma once
 
@@ -45,7 +46,7 @@ template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
     const scalar_t* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
-    float* __restrict__ zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
+    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
     int C, float eps, float tol, int max_iter) {
   constexpr int Z = N * N + 2 * N;
   constexpr int kWarps = kTokenThreads / 32;
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
     } else {
       v = zc * alpha[2] + b_res[col - 2 * N];
     }
-    zr[t * (Z + 1) + col] = zc;
+    if (zr != nullptr) zr[t * (Z + 1) + col] = zc;
     if (col < 2 * N) {
       const float hv = torch_sigmoid(v);
       h_out[t * (2 * N) + col] = hv;
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
       coef[col] = v;
     }
   }
-  if (threadIdx.x == 0) zr[t * (Z + 1) + Z] = r;
+  if (threadIdx.x == 0 && zr != nullptr) zr[t * (Z + 1) + Z] = r;
   __syncthreads();
 
   // H_res: the projection's solver on this token's logits (as birkhoff_forward_kernel does for one matrix).
