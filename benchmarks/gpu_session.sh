@@ -4,15 +4,17 @@
 #   tests    the CUDA tests of the projection, the fused site, non-finite input and torch.compile
 #   peers    build mHC-proj / mHC.cu (benchmarks/build_peers.sh), then bench_projection_peers.py
 #   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile)
+#   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
 #   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
-# Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it),
+# Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
+# (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
 # DECODE_ARGS (default --profile), COMPILE_VARIANTS (bench_compile.py --variants).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode compile compile1b)"
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost compile compile1b)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|compile|compile1b) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|compile|compile1b) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -28,7 +30,7 @@ for stage in "$@"; do
       python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
       python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
     tests)
-      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} tests/test_fused_block.py tests/test_fused_tokens.py tests/test_fused_launches.py \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} ${SITE_TESTS-tests/test_fused_block.py} tests/test_fused_tokens.py tests/test_fused_launches.py \
         tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
         "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k cuda 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
@@ -37,6 +39,8 @@ for stage in "$@"; do
       timeout 240 python3 benchmarks/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
     decode)
       timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile} 2>&1 | tee "$OUT/decode.log" ;;
+    sitehost)
+      timeout 120 python3 benchmarks/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
     compile)
       timeout 400 python3 benchmarks/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)

@@ -1,0 +1,96 @@
+"""Host and device time of one decode-sized mHC site, piece by piece (CUDA, no grad).
+
+    python benchmarks/bench_site_host.py                 # C=768, n=4, bf16, 1 and 16 tokens
+    python benchmarks/bench_site_host.py --hidden 2048 --tokens 1,4
+
+A decode step of a small model is bound by its host time, so what a site
+costs there is the host time of its calls. Each row runs one call ``--calls``
+times: "host" is the time to enqueue them (perf_counter, no synchronisation,
+fewer calls than the launch queue holds), "wall" the time until the device
+has finished them too. Rows, all on the same streams ``x [T, n, C]``:
+
+* ``site``: a whole ``MHCBlock`` call with a branch that returns its input;
+* ``pre`` / ``post``: the extension's two no-grad token calls alone
+  (``mhc.fused_tokens.pre_no_grad`` / ``post_no_grad``);
+* ``pre_grad`` / ``post_grad``: the same kernels called as the grad path
+  calls them (``fused_tokens.pre`` / ``post``: four outputs, ``zr`` written,
+  the Python-side conversions done before the call);
+* ``add``: ``torch.add`` of two ``[T, C]`` tensors, the residual model's
+  cost per site for comparison; ``empty``: one ``torch.empty``.
+
+The best of ``--rounds`` interleaved rounds is kept per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import mhc
+from mhc import fused_tokens
+
+
+def timed(fn, calls: int) -> tuple[float, float]:
+    """``(host µs, wall µs)`` per call of ``fn`` over ``calls`` calls."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls
+
+
+def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    block = mhc.MHCBlock(lambda u: u, C, n, init="paper").cuda()
+    with torch.no_grad():
+        block.phi.normal_(std=0.02)
+    x = torch.randn(tokens, n, C, device="cuda", dtype=dtype)
+    params = [p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)]
+    u, mix, xs = fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol)
+    tol_eff = mhc.projection.effective_tol(block.tol, n, torch.float32)
+    _, _, h, h_res = fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER)
+    a, b = torch.randn(tokens, C, device="cuda", dtype=dtype), torch.randn(tokens, C, device="cuda", dtype=dtype)
+    return {
+        "site": lambda: block(x),
+        "pre": lambda: fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol),
+        "post": lambda: fused_tokens.post_no_grad(xs, u, mix),
+        "pre_grad": lambda: fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER),
+        "post_grad": lambda: fused_tokens.post(x, u, h, h_res),
+        "add": lambda: torch.add(a, b),
+        "empty": lambda: torch.empty(tokens, C, device="cuda", dtype=dtype),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=768, help="C (default 768)")
+    ap.add_argument("--streams", type=int, default=4, choices=(4, 8), help="n (default 4)")
+    ap.add_argument("--tokens", default="1,16", help="comma-separated token counts (default 1,16)")
+    ap.add_argument("--calls", type=int, default=300, help="calls per timing (default 300)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_site_host.py needs CUDA")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  C={args.hidden} n={args.streams} bf16")
+    print(f"  {'tokens':>6} {'call':>6} {'host µs':>9} {'wall µs':>9}")
+    with torch.no_grad():
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            rows = rows_for(tokens, args.hidden, args.streams, torch.bfloat16)
+            for fn in rows.values():  # warm: plans, allocator, first launches
+                timed(fn, 20)
+            best = {name: (float("inf"), float("inf")) for name in rows}
+            for _ in range(args.rounds):
+                for name, fn in rows.items():
+                    host, wall = timed(fn, args.calls)
+                    best[name] = (min(best[name][0], host), min(best[name][1], wall))
+            for name, (host, wall) in best.items():
+                print(f"  {tokens:6d} {name:>6} {host:9.2f} {wall:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
