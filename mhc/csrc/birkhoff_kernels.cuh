@@ -197,7 +197,7 @@ template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
 // (flushes_tiny), so one or a few wide matrices, the usual case up to
 // N(0, 15²), no longer put their warp, the slowest of a mid-size batch, on
 // the robust solver; at N(0, 30²) most lanes are wide and the vote still
-// fires (host model: .helper/proj/sim.cpp, not yet measured on the GPU).
+// fires (chosen on a host model of per-warp cost; not yet measured on the GPU).
 // n = 8 votes on any wide lane, as before.
 template <int N> constexpr int robust_votes() { return N == 4 ? 16 : 1; }
 
