@@ -607,7 +607,6 @@ MHC_HD bool fast_solve(float (&T)[N][N], Reload&& reload, float tol, int max_ite
                        bool exact_err) {
   constexpr int M = N - 1;
   it = 0;
-  bool flushed = false;  // some entries set to 0 (flushes_tiny)
   // Row softmax of R (accurate exps: these fix the problem, not the iterate).
   float tmin = 1.f;
 #pragma unroll
@@ -628,10 +627,7 @@ MHC_HD bool fast_solve(float (&T)[N][N], Reload&& reload, float tol, int max_ite
       tmin = fminf(tmin, T[i][j]);
     }
   }
-  if (!(tmin >= kTinyEntry)) {
-    if (!flushes_tiny<N>() || !flush_tiny<N>(T)) return false;
-    flushed = true;
-  }
+  if (!(tmin >= kTinyEntry) && (!flushes_tiny<N>() || !flush_tiny<N>(T))) return false;
   // A few Sinkhorn sweeps (columns, then rows), on row and column factors
   // u, v with T <- diag(u) T diag(v) once at the end: 2N² FMAs and 2N
   // reciprocals per sweep. Three save about one Newton iteration per warp
@@ -670,9 +666,10 @@ MHC_HD bool fast_solve(float (&T)[N][N], Reload&& reload, float tol, int max_ite
     double err = marginals<N>(T, tol, g, errf, tmin, exact_err);
     if (!(err > (double)tol) || it >= max_iter) {
       if constexpr (flushes_tiny<N>()) {
-        if (flushed) {
-          // The flushed entries' values in the solution, from R (re-read),
-          // and the marginals again (float64) with them.
+        if (tmin == 0.f) {
+          // Flushed entries (or one that underflowed in the last step): their
+          // values in the solution, from R (re-read), and the marginals again
+          // (float64) with them.
           float R[N][N];
           reload(R);
           if (!fill_flushed<N>(T, R)) return false;
@@ -684,12 +681,9 @@ MHC_HD bool fast_solve(float (&T)[N][N], Reload&& reload, float tol, int max_ite
       err_out = err;
       return true;
     }
-    if (!(tmin >= kTinyEntry)) {
-      if (!flushes_tiny<N>() || !flush_tiny<N>(T)) return false;
-      flushed = true;
-    }
-    // A support with no doubly-stochastic plan on it makes no progress.
-    if (flushed && it >= kFlushedMaxIter) return false;
+    // A flushed plan (tmin = 0 from then on) comes here at every iteration;
+    // on a support with no doubly-stochastic plan it would make no progress.
+    if (!(tmin >= kTinyEntry) && (!flushes_tiny<N>() || it >= kFlushedMaxIter || !flush_tiny<N>(T))) return false;
     ++it;
     float dp[N], slope, dsum, dmax, t, rows[N];
     if (!newton_direction<N>(T, g, dp, slope, dsum, dmax, kFastMaxStep)) return false;
