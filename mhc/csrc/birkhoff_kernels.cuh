@@ -201,8 +201,12 @@ template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
 // n = 8 votes on any wide lane, as before.
 template <int N> constexpr int robust_votes() { return N == 4 ? 16 : 1; }
 
-template <int N, typename scalar_t, int Votes = robust_votes<N>()>
-__global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_forward_kernel(
+// MinBlocks: blocks of kThreads per SM that the register allocation must
+// allow (forward_min_blocks). 1 lifts n = 4's 64-register cap: no spills, a
+// shorter dependency chain per matrix, for batches too small to fill the
+// GPU's warp slots anyway (a launch choice of birkhoff.cu; not yet measured).
+template <int N, typename scalar_t, int Votes = robust_votes<N>(), int MinBlocks = forward_min_blocks<N>()>
+__global__ void __launch_bounds__(kThreads, MinBlocks) birkhoff_forward_kernel(
     const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
     int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok) {
   constexpr int NN = N * N;
