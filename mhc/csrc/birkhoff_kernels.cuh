@@ -12,9 +12,9 @@
 // with log-domain trials and Sinkhorn sweeps, which a warp runs for all its
 // matrices when enough of them (robust_votes) have logits wide enough to
 // underflow, and a lane runs alone for the rare matrix the fast solver hands
-// back. A matrix runs
-// until it meets tol (measured in float64 like marginal_error) or max_iter;
-// matrices that miss tol are counted in a device-global counter (no sync).
+// back. A matrix runs until it meets tol (measured in float64 like
+// marginal_error) or max_iter; matrices that miss tol are counted in a
+// device-global counter (no sync).
 //
 // Backward: the implicit-function gradient from T and G alone; a block
 // stages its tile of matrices through shared memory (coalesced I/O).
