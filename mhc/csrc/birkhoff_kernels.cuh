@@ -10,11 +10,10 @@
 // line search: a fast solver that keeps only the plan and takes
 // multiplicative steps (N-1 exps and N/2 logs per trial), and a robust one
 // with log-domain trials and Sinkhorn sweeps, which a warp runs for all its
-// matrices when enough of them (robust_votes) have logits wide enough to
-// underflow, and a lane runs alone for the rare matrix the fast solver hands
-// back. A matrix runs until it meets tol (measured in float64 like
-// marginal_error) or max_iter; matrices that miss tol are counted in a
-// device-global counter (no sync).
+// matrices when any of them has logits wide enough to underflow, and a lane
+// runs alone for the rare matrix the fast solver hands back. A matrix runs
+// until it meets tol (measured in float64 like marginal_error) or max_iter;
+// matrices that miss tol are counted in a device-global counter (no sync).
 //
 // Backward: the implicit-function gradient from T and G alone; a block
 // stages its tile of matrices through shared memory (coalesced I/O).
@@ -191,22 +190,8 @@ __device__ __forceinline__ int project_matrix(float (&T)[N][N], bool finite, boo
 // at N(0,1)); n = 8 would spill heavily there and gets the register file.
 template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
 
-// A warp runs the robust solver for all its lanes when at least this many of
-// its matrices have a row spanning more than kRobustRange (wants_robust). At
-// n = 4 the fast solver flushes such rows' tiny entries and goes on
-// (flushes_tiny), so one or a few wide matrices, the usual case up to
-// N(0, 15²), no longer put their warp, the slowest of a mid-size batch, on
-// the robust solver; at N(0, 30²) most lanes are wide and the vote still
-// fires (chosen on a host model of per-warp cost; not yet measured on the GPU).
-// n = 8 votes on any wide lane, as before.
-template <int N> constexpr int robust_votes() { return N == 4 ? 16 : 1; }
-
-// MinBlocks: blocks of kThreads per SM that the register allocation must
-// allow (forward_min_blocks). 1 lifts n = 4's 64-register cap: no spills, a
-// shorter dependency chain per matrix, for batches too small to fill the
-// GPU's warp slots anyway (a launch choice of birkhoff.cu; not yet measured).
-template <int N, typename scalar_t, int Votes = robust_votes<N>(), int MinBlocks = forward_min_blocks<N>()>
-__global__ void __launch_bounds__(kThreads, MinBlocks) birkhoff_forward_kernel(
+template <int N, typename scalar_t>
+__global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_forward_kernel(
     const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
     int* __restrict__ iters_out, double* __restrict__ err_out, bool vec_ok) {
   constexpr int NN = N * N;
@@ -216,9 +201,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) birkhoff_forward_kernel(
   float T[N][N];
   load_matrix<N, scalar_t>(src, T, vec_ok);
   const bool finite = all_finite<N>(T);
-  // One solver per warp where possible (see wants_robust and robust_votes).
-  const unsigned wide = __ballot_sync(__activemask(), finite && wants_robust<N>(T));
-  const bool robust = __popc(wide) >= Votes;
+  // One solver per warp where possible (see wants_robust).
+  const bool robust = __any_sync(__activemask(), finite && wants_robust<N>(T));
   // The robust solver re-reads R rather than keeping a copy in registers.
   auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
   double err;
