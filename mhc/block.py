@@ -20,6 +20,7 @@ The block's settings are one :class:`mhc.MHCOptions`, checked in
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,55 +29,15 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
+from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
 from .deepseek_v4 import PARAMETER_NAMES, deepseek_v4_settings
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
 
 __all__ = ["MHCBlock"]
 
-# H_res at the default init: this much mass on the diagonal. Any doubly
-# stochastic start preserves the function; a mostly-diagonal one lets streams
-# keep their own content while the projection still has gradient (T(1-T) > 0).
-_RES_INIT_DIAGONAL = 0.9
-
 # MHCBlock's own keywords besides the option fields (for the did-you-mean of an unknown one).
 _BLOCK_KEYWORDS = ("hidden_size", "n_streams", "layer_index", "options", "pre_eps", "sinkhorn_eps")
-
-
-def _pre_init_weights(n: int, layer_index: int) -> Tensor:
-    """Unequal ``H_pre`` that sums to one, peaked on stream ``layer_index mod n``.
-
-    Uniform weights would give every stream the same gradient forever, so n
-    streams would be one residual stream in disguise (design.md, "Break the
-    symmetry"). The peak rotates with depth, as in HC's one-hot init.
-    """
-    off = min(0.01, 0.5 / n)
-    # Built on the CPU explicitly: HF may construct models under a meta-device context.
-    w = torch.full((n,), off, dtype=torch.float64, device="cpu")
-    w[layer_index % n] = 1.0 - off * (n - 1)
-    return w
-
-
-def _exact_sum_logits(weights: Tensor, peak: int) -> Tensor:
-    """float32 logits whose sigmoids are ``weights`` and sum to exactly 1.0 in float32.
-
-    The forward computes ``u = (Σ_i H_pre[i])·x_0 + ...``; with a sum of exactly
-    one, a converted model reproduces its original outputs bit for bit. One
-    small weight is nudged by ulps (its sigmoid moves in steps far finer than
-    the sum's rounding) until the float32 sum rounds to 1. For ``n = 1`` no
-    unsaturated logit does, and the weight stays ``1 - 1e-6``.
-    """
-    logits = torch.logit(weights.clamp(1e-6, 1 - 1e-6)).float()
-    n = weights.numel()
-    if n == 1:
-        return logits
-    tuned = (peak + 1) % n
-    for _ in range(1000):
-        total = torch.sigmoid(logits).sum()
-        if total == 1:
-            break
-        logits[tuned] = torch.nextafter(logits[tuned], torch.tensor(math.inf if total < 1 else -math.inf, device="cpu"))
-    return logits
 
 
 class MHCBlock(nn.Module):
@@ -167,6 +128,10 @@ class MHCBlock(nn.Module):
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
+        # Generation: the block whose first step rides on this one's post-mix launch (next_site),
+        # and the first step a previous block computed for this one (see _take_prefetched).
+        self._next_site: weakref.ref | None = None
+        self._prefetched: list = [None]
         self.hidden_size = sizes["hidden_size"]
         self.n_streams = sizes["n_streams"]
         self.layer_index = sizes["layer_index"]
@@ -288,7 +253,7 @@ class MHCBlock(nn.Module):
             reject_unknown_options(names, sorted(wanted), "MHCBlock.reset_parameters")
             wanted = names
         n = self.n_streams
-        pre = _pre_init_weights(n, self.layer_index)
+        pre = pre_init_weights(n, self.layer_index)
         with torch.no_grad():
             if "phi" in wanted:
                 if self.init == "identity":
@@ -300,10 +265,10 @@ class MHCBlock(nn.Module):
             if self.mode == "mhc":
                 # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal
                 # (mHC-lite: the identity permutation weighted so that its H_res has the same diagonal).
-                diag = math.log(_RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - _RES_INIT_DIAGONAL))
-                res = lite_identity_logits(n, _RES_INIT_DIAGONAL) if self._lite(self._options) else torch.eye(n) * diag
+                diag = math.log(RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - RES_INIT_DIAGONAL))
+                res = lite_identity_logits(n, RES_INIT_DIAGONAL) if self._lite(self._options) else torch.eye(n) * diag
                 values = {
-                    "b_pre": _exact_sum_logits(pre, self.layer_index % n),
+                    "b_pre": exact_sum_logits(pre, self.layer_index % n),
                     "b_post": torch.zeros(n),
                     "b_res": res,
                 }
@@ -326,6 +291,33 @@ class MHCBlock(nn.Module):
             device = (self.phi if phi is None else phi).device
             if x.device != device:
                 raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
+
+    def _take_prefetched(self, x: Tensor) -> tuple | None:
+        # The (u, site) the previous block's post-mix launch computed for this call, if x is that
+        # block's output, unmodified, and grad is still off; dropped either way.
+        slot = self._prefetched
+        stash = slot[0]
+        if stash is None:
+            return None
+        slot[0] = None
+        if stash[0] is not x or x._version != stash[1] or torch.is_grad_enabled():
+            return None
+        return stash[2], stash[3]
+
+    def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple] | None:
+        # (next_site, its coefficients) if this site ran on the no-grad token path and the next
+        # block's first step can ride on its post-mix: same streams shape, fused path, parameters
+        # on the streams' device.
+        ref = self._next_site
+        if ref is None or not fused.is_token_site(site) or torch.is_grad_enabled():
+            return None
+        after = ref()
+        if after is None or not after._fusable:
+            return None
+        if after.n_streams != self.n_streams or after.hidden_size != self.hidden_size:
+            return None
+        params = after._coefficient_parameters()
+        return (after, params) if params[0].get_device() == x.get_device() else None
 
     def _coefficient_parameters(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         # (φ, α, b_pre, b_post, b_res) from the parameter dict: five Module.__getattr__ lookups
@@ -374,6 +366,33 @@ class MHCBlock(nn.Module):
             and fused.available()
         )
 
+    @property
+    def next_site(self) -> MHCBlock | None:
+        """The block that runs next on this one's output, or ``None`` (the default; see :meth:`set_next_site`).
+
+        :class:`mhc.MHCForCausalLM` links its sites in order. In generation
+        (no grad, CUDA streams of at most ``mhc.fused_tokens.MAX_TOKENS``
+        tokens, both blocks on the fused path) this block's post-mix and the
+        next block's first step then run as one launch, with the bits of two
+        separate calls. The next block uses that first step only if it is
+        called on this block's output, unchanged; any other input runs its own.
+        Held weakly, and not kept by pickling or ``copy.deepcopy`` (the copy
+        runs unlinked, which is only slower).
+        """
+        ref = self._next_site
+        return ref() if ref is not None else None
+
+    def set_next_site(self, block: MHCBlock | None) -> None:
+        """Link :attr:`next_site` to ``block`` (an :class:`MHCBlock`, held weakly), or unlink it (``None``)."""
+        if block is not None and not isinstance(block, MHCBlock):
+            raise TypeError(f"next_site must be an MHCBlock or None, got {type(block).__name__}")
+        # Not a property setter: nn.Module.__setattr__ would register a block value as a submodule.
+        self.__dict__["_next_site"] = weakref.ref(block) if block is not None else None
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_next_site": None, "_prefetched": [None]}
+
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)
         if self._options.recompute and torch.is_grad_enabled():
@@ -382,8 +401,11 @@ class MHCBlock(nn.Module):
 
     def _site(self, x: Tensor, *args, **kwargs):
         # forward() checked the streams, uses_fused() what else the fused nodes need.
+        prefetched = self._take_prefetched(x)
         fast = self.uses_fused(x)
-        if fast:  # coefficients, H_res and the pre-mix: one fused node
+        if fast and prefetched is not None:  # the previous block's post-mix launch computed it
+            u, mix = prefetched
+        elif fast:  # coefficients, H_res and the pre-mix: one fused node
             opts = self._options
             u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol)
         else:
@@ -396,7 +418,14 @@ class MHCBlock(nn.Module):
             raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
 
         if fast:
-            x_new = fused.post_mix_unchecked(y, mix)
+            after = self._fusable_next(x, mix)
+            if after is None:
+                x_new = fused.post_mix_unchecked(y, mix)
+            else:
+                block, params = after
+                opts = block._options
+                x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol)
+                block._prefetched[0] = (x_new, x_new._version, u_next, mix_next)
         elif self._options.mode == "residual":
             x_new = x + y.unsqueeze(-2)
         else:

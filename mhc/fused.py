@@ -47,7 +47,8 @@ from .options import check_options
 from .projection_common import NEWTON_MAX_ITER
 
 __all__ = [
-    "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "clear_plans",
+    "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_then_pre_unchecked",
+    "is_token_site", "clear_plans",
     "compiled_variants", "SUPPORTED_DTYPES",
 ]
 
@@ -386,3 +387,20 @@ def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
         with torch.cuda.device(state.plan.cuda_device):
             return post(x, y, h, H_res, state)
     return post(x, y, h, H_res, state)
+
+
+def is_token_site(site: tuple) -> bool:
+    """Whether ``site`` (from :func:`site_pre`) ran on the no-grad token kernels (generation)."""
+    return site[3] is _TOKENS_NO_GRAD
+
+
+def post_then_pre_unchecked(y: Tensor, site: tuple, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float):
+    """:func:`post_mix_unchecked` and the next site's :func:`site_pre_unchecked` on its output, in one launch.
+
+    Only for a ``site`` where :func:`is_token_site` holds, with grad still
+    off; the next site's parameters must fit the streams. Returns
+    ``(x', u', site')``, the same bits as the two calls
+    (:func:`mhc.fused_tokens.post_pre_no_grad`).
+    """
+    x_new, u, mix = _tokens.post_pre_no_grad(site[0], y, site[1], phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
+    return x_new, u, (x_new, mix, None, _TOKENS_NO_GRAD)

@@ -22,7 +22,7 @@ from torch import Tensor
 from . import projection_cuda
 from .projection_common import NEWTON_MAX_ITER
 
-__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "unpack"]
+__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "post_pre_no_grad", "unpack"]
 
 MAX_TOKENS = 128  # up to here one block per token beats coeff_fwd's one program per 64 tokens
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,6 +95,20 @@ def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Te
 def post_no_grad(x: Tensor, y: Tensor, mix: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` after :func:`pre_no_grad` (``x`` and ``mix`` from it; ``y`` any float dtype)."""
     return _extension.site_post_tokens_packed(x, y, mix)
+
+
+def post_pre_no_grad(x: Tensor, y: Tensor, mix: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor,
+                     b_res: Tensor, eps: float, tol: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`post_no_grad` and the next site's :func:`pre_no_grad` on its result, in one launch: ``(x', u', mix')``.
+
+    ``x`` and ``mix`` from :func:`pre_no_grad` (so CUDA streams these kernels
+    take); the next site's parameters and scalars. The same bits as the two calls.
+    """
+    x_new, u, mix_next = _extension.site_post_pre_tokens_packed(
+        x, y, mix, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER
+    )
+    projection_cuda.poll(mix_next)
+    return x_new, u, mix_next
 
 
 def unpack(mix: Tensor, n: int) -> tuple[Tensor, Tensor]:

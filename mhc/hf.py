@@ -229,6 +229,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(layers[i], MHCDecoderLayer):
                 raise ValueError("the model already holds mHC layers")
             layers[i] = MHCDecoderLayer(layers[i], adapter, config, i, expand_input=i == 0)
+        sites = [getattr(layer, name) for layer in layers for name in layer.site_names]
+        for site, after in zip(sites, sites[1:]):  # generation fuses each boundary (MHCBlock.next_site)
+            site.set_next_site(after)
         final_norm = self.model.get_submodule(adapter.final_norm)
         self._final_norm_hook = final_norm.register_forward_pre_hook(self._reduce_before_final_norm)
         # Only names that hold parameters here (none in residual mode; no stream_reduce for reduce="mean"):

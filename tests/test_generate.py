@@ -199,3 +199,72 @@ def test_bench_decode_rejects_unknown_modes_and_bad_counts(bench_decode, capsys)
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--new-tokens", "0"])
     assert "--new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_converted_sites_are_linked_in_order_and_copies_run_unlinked():
+    """MHCForCausalLM links each site to the next (across layers too); deepcopy and pickling drop the links."""
+    import copy
+    import pickle
+
+    model = tiny_mhc_llama()
+    sites = [getattr(layer, name) for layer in model.decoder_layers() for name in layer.site_names]
+    assert len(sites) == 4
+    assert [s.next_site for s in sites] == [*sites[1:], None]
+    assert copy.deepcopy(sites[0]).next_site is None
+    assert pickle.loads(pickle.dumps(sites[0])).next_site is None
+    with pytest.raises(TypeError, match="next_site must be an MHCBlock"):
+        sites[0].set_next_site(torch.nn.Linear(2, 2))
+    # a link is not a submodule: no block holds another, no state-dict key goes through one
+    assert not any(isinstance(c, mhc.MHCBlock) for s in sites for c in s.children())
+    assert not any("next_site" in key for key in model.state_dict())
+
+
+@CUDA
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_site_boundaries_decode_the_unlinked_bits(batch, fresh_seed):
+    """Generation with each site boundary in one launch (post-mix + next pre-step) gives the logits of the
+    unlinked model bit for bit; the profiler sees the fused kernel at 3 of each forward's 4 site boundaries."""
+    model = tiny_mhc_llama(fresh_seed % 1000).cuda()
+    ids, mask = (t.cuda() for t in prompts(fresh_seed, batch=batch))
+    sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
+    links = [s.next_site for s in sites]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        tokens, logits = greedy(model, ids, mask)
+    names = [e.key for e in prof.key_averages()]
+    fused_calls = sum(e.count for e in prof.key_averages() if "site_post_pre_tokens_kernel" in e.key)
+    pre_calls = sum(e.count for e in prof.key_averages() if "site_pre_tokens_kernel" in e.key)
+    # NEW_TOKENS forwards (the prompt's 7·batch tokens too are at most MAX_TOKENS): 3 fused boundaries and
+    # 1 pre-step each
+    assert fused_calls == 3 * NEW_TOKENS and pre_calls == NEW_TOKENS, (fused_calls, pre_calls, names)
+    for s in sites:
+        s.set_next_site(None)
+    try:
+        plain_tokens, plain_logits = greedy(model, ids, mask)
+    finally:
+        for s, after in zip(sites, links):
+            s.set_next_site(after)
+    assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits), f"seed {fresh_seed}"
+
+
+@CUDA
+def test_next_site_runs_its_own_pre_step_on_other_input(fresh_seed):
+    """The first step the previous site computed is used only for that site's output, unmodified."""
+    torch.manual_seed(fresh_seed)
+    C, n = 64, 4
+    first, second = (mhc.MHCBlock(torch.nn.Linear(C, C), C, n, init="paper", layer_index=i).cuda() for i in range(2))
+    with torch.no_grad():
+        for block in (first, second):
+            block.phi.normal_(std=0.1)
+        first.set_next_site(second)
+        x = torch.randn(3, n, C, device="cuda")
+        out = first(x)
+        linked = second(out)  # the prefetched first step
+        out2 = first(x)
+        out2.mul_(1.5)  # modified in place: its own first step
+        modified = second(out2)
+        first(x)
+        other = second(out * 2)  # another tensor: its own first step
+        first.set_next_site(None)
+        assert torch.equal(linked, second(first(x))), f"seed {fresh_seed}"
+        assert torch.equal(modified, second(first(x) * 1.5)), f"seed {fresh_seed}"
+        assert torch.equal(other, second(out * 2)), f"seed {fresh_seed}"

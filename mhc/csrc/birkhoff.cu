@@ -438,6 +438,58 @@ at::Tensor site_post_tokens_packed(const at::Tensor& x, const at::Tensor& y_in, 
   return out;
 }
 
+// A site's post-mix after site_pre_tokens_packed and the next site's first step, in one launch
+// (generation: every site boundary of a decode step). Returns (x', u_next, mix_next), the last two as
+// site_pre_tokens_packed would return them for x'. The next site's parameters must fit the streams.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
+    const at::Tensor& x, const at::Tensor& y_in, const at::Tensor& mix, const at::Tensor& phi_in,
+    const at::Tensor& alpha_in, const at::Tensor& b_pre_in, const at::Tensor& b_post_in, const at::Tensor& b_res_in,
+    double eps, double tol, int64_t max_iter) {
+  const int64_t T = check_streams(x);
+  TORCH_CHECK(T >= 1, "mhc::site_tokens: no token");
+  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
+  TORCH_CHECK(y_in.device() == x.device() && y_in.is_floating_point() && y_in.numel() == T * C,
+              "mhc::site_tokens: y must be a floating-point [T, C] tensor on the streams' device");
+  const at::Tensor y = y_in.scalar_type() == x.scalar_type() && y_in.is_contiguous()
+                           ? y_in : y_in.to(x.scalar_type()).contiguous();
+  check_site_param(mix, x, "mix", T * (2 * n + n * n));
+  const at::Tensor phi = as_float32(phi_in), alpha = as_float32(alpha_in), b_pre = as_float32(b_pre_in),
+                   b_post = as_float32(b_post_in), b_res = as_float32(b_res_in);
+  check_site_param(phi, x, "phi", Z * n * C);
+  check_site_param(alpha, x, "alpha", 3);
+  check_site_param(b_pre, x, "b_pre", n);
+  check_site_param(b_post, x, "b_post", n);
+  check_site_param(b_res, x, "b_res", n * n);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = new_cuda(x.sizes(), x.scalar_type(), x.device());
+  at::Tensor mix_next = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
+  at::Tensor u_next = new_cuda(token_shape(x), x.scalar_type(), x.device());
+  const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using ct = decltype(tag);
+    const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
+    const ct* yp = reinterpret_cast<const ct*>(y.data_ptr());
+    ct* op = reinterpret_cast<ct*>(out.data_ptr());
+    ct* up = reinterpret_cast<ct*>(u_next.data_ptr());
+    const float* h = mix.data_ptr<float>();
+    float* hn = mix_next.data_ptr<float>();
+    const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
+                *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
+    if (n == 4) {
+      site_post_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn, hn + T * 2 * n, up, (int)C, (float)eps,
+          (float)tol_eff, (int)max_iter);
+    } else {
+      site_post_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
+          xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn, hn + T * 2 * n, up, (int)C, (float)eps,
+          (float)tol_eff, (int)max_iter);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, u_next, mix_next};
+}
+
 }  // namespace mhc_birkhoff
 
 TORCH_LIBRARY_FRAGMENT(mhc, m) {
@@ -469,4 +521,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the site's first step for a few tokens without grad, or None where the kernels do not take the streams");
   m.def("site_post_tokens_packed", &mhc_birkhoff::site_post_tokens_packed,
         "the post-mix after site_pre_tokens_packed");
+  m.def("site_post_pre_tokens_packed", &mhc_birkhoff::site_post_pre_tokens_packed,
+        "the post-mix after site_pre_tokens_packed and the next site's first step, in one launch");
 }

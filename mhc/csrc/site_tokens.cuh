@@ -42,19 +42,20 @@ __device__ __forceinline__ float pairwise_sum(const float* v) {
 // torch.sigmoid's bits on CUDA: 1 / (1 + exp(-v)) with expf and an IEEE division.
 __device__ __forceinline__ float torch_sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
+// The first step for token t, by the whole block. xt is the token's streams [n, C]; zr, h_out, h_res
+// and u the whole outputs (zr may be null). xt is read with ordinary loads: in the fused post-mix
+// kernel below this block wrote it moments before.
 template <int N, typename scalar_t>
-__global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
-    const scalar_t* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
+__device__ __forceinline__ void pre_token(
+    const scalar_t* xt, const float* __restrict__ phi, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
     float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
-    int C, float eps, float tol, int max_iter) {
+    int64_t t, int C, float eps, float tol, int max_iter) {
   constexpr int Z = N * N + 2 * N;
   constexpr int kWarps = kTokenThreads / 32;
   __shared__ float partial[kWarps][Z + 1];
   __shared__ float coef[Z];  // h for [0, 2n), the logits of H_res for [2n, Z)
-  const int64_t t = blockIdx.x;
   const int K = N * C;
-  const scalar_t* xt = x + t * K;
 
   // z and the sum of squares: each thread a strided share of the n·C columns.
   float acc[Z];
@@ -145,12 +146,21 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
 }
 
 template <int N, typename scalar_t>
-__global__ void __launch_bounds__(kTokenThreads) site_post_tokens_kernel(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ y, const float* __restrict__ h,
-    const float* __restrict__ h_res, scalar_t* __restrict__ out, int C) {
-  const int64_t t = blockIdx.y;
-  const int c = blockIdx.x * kTokenThreads + threadIdx.x;
-  if (c >= C) return;
+__global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
+    const scalar_t* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
+    const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
+    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
+    int C, float eps, float tol, int max_iter) {
+  const int64_t t = blockIdx.x;
+  pre_token<N, scalar_t>(x + t * N * C, phi, alpha, b_pre, b_post, b_res, zr, h_out, h_res, u, t, C, eps, tol,
+                         max_iter);
+}
+
+// x'_i[c] = x_0[c] + Σ_j H_res[i, j] (x_j[c] − x_0[c]) + H_post[i] y[c] for token t, column c.
+template <int N, typename scalar_t>
+__device__ __forceinline__ void post_column(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
+                                            const float* __restrict__ h, const float* __restrict__ h_res,
+                                            scalar_t* out, int64_t t, int c, int C) {
   const scalar_t* xt = x + t * N * C;
   float dev[N];
   const float x0 = to_float<scalar_t>(xt[c]);
@@ -165,6 +175,32 @@ __global__ void __launch_bounds__(kTokenThreads) site_post_tokens_kernel(
     for (int j = 0; j < N; ++j) mix = fmaf(__ldg(h_res + (t * N + i) * N + j), dev[j], mix);
     out[(t * N + i) * C + c] = from_float<scalar_t>(x0 + mix + 2.0f * __ldg(h + t * 2 * N + N + i) * yc);
   }
+}
+
+template <int N, typename scalar_t>
+__global__ void __launch_bounds__(kTokenThreads) site_post_tokens_kernel(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ y, const float* __restrict__ h,
+    const float* __restrict__ h_res, scalar_t* __restrict__ out, int C) {
+  const int c = blockIdx.x * kTokenThreads + threadIdx.x;
+  if (c < C) post_column<N, scalar_t>(x, y, h, h_res, out, blockIdx.y, c, C);
+}
+
+// One site's post-mix and the next site's first step, one block per token (generation): the
+// block writes its token's x' and, once every thread's columns are written (__syncthreads makes
+// them visible to the block), runs pre_token on them. Same arithmetic as the two kernels above,
+// so the same bits as their two launches; zr is not written (no backward).
+template <int N, typename scalar_t>
+__global__ void __launch_bounds__(kTokenThreads) site_post_pre_tokens_kernel(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ y, const float* __restrict__ h,
+    const float* __restrict__ h_res, scalar_t* out, const float* __restrict__ phi,
+    const float* __restrict__ alpha, const float* __restrict__ b_pre, const float* __restrict__ b_post,
+    const float* __restrict__ b_res, float* __restrict__ h_next, float* __restrict__ h_res_next,
+    scalar_t* __restrict__ u_next, int C, float eps, float tol, int max_iter) {
+  const int64_t t = blockIdx.x;
+  for (int c = threadIdx.x; c < C; c += kTokenThreads) post_column<N, scalar_t>(x, y, h, h_res, out, t, c, C);
+  __syncthreads();
+  pre_token<N, scalar_t>(out + t * N * C, phi, alpha, b_pre, b_post, b_res, nullptr, h_next, h_res_next, u_next, t,
+                         C, eps, tol, max_iter);
 }
 
 }  // namespace mhc_birkhoff
