@@ -12,6 +12,10 @@ has finished them too. Rows, all on the same streams ``x [T, n, C]``:
 * ``site``: a whole ``MHCBlock`` call with a branch that returns its input;
 * ``pre`` / ``post``: the extension's two no-grad token calls alone
   (``mhc.fused_tokens.pre_no_grad`` / ``post_no_grad``);
+* ``post_pre``: a site boundary in generation, the post-mix and the next
+  site's first step in one call (``mhc.fused_tokens.post_pre_no_grad``);
+* ``linked``: two linked blocks (``MHCBlock.set_next_site``) called in turn,
+  per block (three launches for the two: a first step, a boundary, a post-mix);
 * ``pre_grad`` / ``post_grad``: the same kernels called as the grad path
   calls them (``fused_tokens.pre`` / ``post``: four outputs, ``zr`` written,
   the Python-side conversions done before the call);
@@ -50,6 +54,10 @@ def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
     with torch.no_grad():
         block.phi.normal_(std=0.02)
     x = torch.randn(tokens, n, C, device="cuda", dtype=dtype)
+    first = mhc.MHCBlock(lambda u: u, C, n, init="paper").cuda()
+    second = mhc.MHCBlock(lambda u: u, C, n, init="paper", layer_index=1).cuda()
+    first.load_state_dict(block.state_dict())
+    first.set_next_site(second)
     params = [p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)]
     u, mix, xs = fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol)
     tol_eff = mhc.projection.effective_tol(block.tol, n, torch.float32)
@@ -59,6 +67,8 @@ def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
         "site": lambda: block(x),
         "pre": lambda: fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol),
         "post": lambda: fused_tokens.post_no_grad(xs, u, mix),
+        "post_pre": lambda: fused_tokens.post_pre_no_grad(xs, u, mix, *params, block.norm_eps, block.tol),
+        "linked": lambda: second(first(x)),
         "pre_grad": lambda: fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER),
         "post_grad": lambda: fused_tokens.post(x, u, h, h_res),
         "add": lambda: torch.add(a, b),
@@ -89,6 +99,8 @@ def main() -> None:
                     host, wall = timed(fn, args.calls)
                     best[name] = (min(best[name][0], host), min(best[name][1], wall))
             for name, (host, wall) in best.items():
+                if name == "linked":  # two blocks per call
+                    host, wall = host / 2, wall / 2
                 print(f"  {tokens:6d} {name:>6} {host:9.2f} {wall:9.2f}")
 
 
