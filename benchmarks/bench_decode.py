@@ -60,6 +60,7 @@ import datetime
 import inspect
 import io
 import logging
+import os
 import pstats
 import statistics
 import subprocess
@@ -83,7 +84,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:
-    """The checkout's commit, ``-dirty`` when tracked files differ from it."""
+    """``$COMMIT`` if set (benchmarks/gpu_session.sh: a copied tree's git may be stale), else the checkout's
+    commit, ``-dirty`` when tracked files differ from it."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
