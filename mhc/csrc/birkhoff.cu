@@ -20,6 +20,7 @@
 #include "birkhoff_kernels.cuh"
 #include "site_tokens.cuh"
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -387,6 +388,28 @@ static at::Tensor as_float32(const at::Tensor& p) {
   return p.scalar_type() == at::kFloat && p.is_contiguous() ? p : p.to(at::kFloat).contiguous();
 }
 
+// (phi, alpha, b_pre, b_post, b_res) as contiguous float32, checked against the streams x.
+static std::array<at::Tensor, 5> float32_site_params(const at::Tensor& x, const at::Tensor& phi,
+                                                     const at::Tensor& alpha, const at::Tensor& b_pre,
+                                                     const at::Tensor& b_post, const at::Tensor& b_res) {
+  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
+  std::array<at::Tensor, 5> p = {as_float32(phi), as_float32(alpha), as_float32(b_pre), as_float32(b_post),
+                                 as_float32(b_res)};
+  check_site_param(p[0], x, "phi", Z * n * C);
+  check_site_param(p[1], x, "alpha", 3);
+  check_site_param(p[2], x, "b_pre", n);
+  check_site_param(p[3], x, "b_post", n);
+  check_site_param(p[4], x, "b_res", n * n);
+  return p;
+}
+
+// The branch output y [T, C] in the streams' dtype, contiguous, checked against the streams x.
+static at::Tensor branch_output(const at::Tensor& y, const at::Tensor& x, int64_t T) {
+  TORCH_CHECK(y.device() == x.device() && y.is_floating_point() && y.numel() == T * x.size(-1),
+              "mhc::site_tokens: y must be a floating-point [T, C] tensor on the streams' device");
+  return y.scalar_type() == x.scalar_type() && y.is_contiguous() ? y : y.to(x.scalar_type()).contiguous();
+}
+
 // Returns None for streams these kernels do not take (not CUDA, n not in {4, 8}, a dtype other
 // than float32 / bfloat16 / float16, no token or more than max_tokens), else (u, mix, streams),
 // the streams as the kernel read them (contiguous), for site_post_tokens_packed. tol is raised to
@@ -406,30 +429,20 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> site_pre_tokens_pa
   if (T < 1 || T > max_tokens) return std::nullopt;
   const at::Tensor x = x_in.contiguous();
   check_streams(x);
-  const int64_t Z = n * n + 2 * n;
-  const at::Tensor phi = as_float32(phi_in), alpha = as_float32(alpha_in), b_pre = as_float32(b_pre_in),
-                   b_post = as_float32(b_post_in), b_res = as_float32(b_res_in);
-  check_site_param(phi, x, "phi", Z * n * C);
-  check_site_param(alpha, x, "alpha", 3);
-  check_site_param(b_pre, x, "b_pre", n);
-  check_site_param(b_post, x, "b_post", n);
-  check_site_param(b_res, x, "b_res", n * n);
+  const auto p = float32_site_params(x, phi_in, alpha_in, b_pre_in, b_post_in, b_res_in);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor mix = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u = new_cuda(token_shape(x), x.scalar_type(), x.device());
   float* h = mix.data_ptr<float>();
   const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
-  launch_site_pre(x, phi, alpha, b_pre, b_post, b_res, nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter);
+  launch_site_pre(x, p[0], p[1], p[2], p[3], p[4], nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter);
   return std::make_tuple(u, mix, x);
 }
 
 at::Tensor site_post_tokens_packed(const at::Tensor& x, const at::Tensor& y_in, const at::Tensor& mix) {
   const int64_t T = check_streams(x);
-  const int64_t n = x.size(-2), C = x.size(-1);
-  TORCH_CHECK(y_in.device() == x.device() && y_in.is_floating_point() && y_in.numel() == T * C,
-              "mhc::site_post_tokens: y must be a floating-point [T, C] tensor on the streams' device");
-  const at::Tensor y = y_in.scalar_type() == x.scalar_type() && y_in.is_contiguous()
-                           ? y_in : y_in.to(x.scalar_type()).contiguous();
+  const int64_t n = x.size(-2);
+  const at::Tensor y = branch_output(y_in, x, T);
   check_site_param(mix, x, "mix", T * (2 * n + n * n));
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = new_cuda(x.sizes(), x.scalar_type(), x.device());
@@ -447,19 +460,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
     double eps, double tol, int64_t max_iter) {
   const int64_t T = check_streams(x);
   TORCH_CHECK(T >= 1, "mhc::site_tokens: no token");
-  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
-  TORCH_CHECK(y_in.device() == x.device() && y_in.is_floating_point() && y_in.numel() == T * C,
-              "mhc::site_tokens: y must be a floating-point [T, C] tensor on the streams' device");
-  const at::Tensor y = y_in.scalar_type() == x.scalar_type() && y_in.is_contiguous()
-                           ? y_in : y_in.to(x.scalar_type()).contiguous();
+  const int64_t n = x.size(-2), C = x.size(-1);
+  const at::Tensor y = branch_output(y_in, x, T);
   check_site_param(mix, x, "mix", T * (2 * n + n * n));
-  const at::Tensor phi = as_float32(phi_in), alpha = as_float32(alpha_in), b_pre = as_float32(b_pre_in),
-                   b_post = as_float32(b_post_in), b_res = as_float32(b_res_in);
-  check_site_param(phi, x, "phi", Z * n * C);
-  check_site_param(alpha, x, "alpha", 3);
-  check_site_param(b_pre, x, "b_pre", n);
-  check_site_param(b_post, x, "b_post", n);
-  check_site_param(b_res, x, "b_res", n * n);
+  const auto p = float32_site_params(x, phi_in, alpha_in, b_pre_in, b_post_in, b_res_in);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = new_cuda(x.sizes(), x.scalar_type(), x.device());
   at::Tensor mix_next = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
@@ -474,8 +478,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
     ct* up = reinterpret_cast<ct*>(u_next.data_ptr());
     const float* h = mix.data_ptr<float>();
     float* hn = mix_next.data_ptr<float>();
-    const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
-                *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
+    const float *pp = p[0].data_ptr<float>(), *ap = p[1].data_ptr<float>(), *bp = p[2].data_ptr<float>(),
+                *bq = p[3].data_ptr<float>(), *br = p[4].data_ptr<float>();
     if (n == 4) {
       site_post_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
           xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn, hn + T * 2 * n, up, (int)C, (float)eps,
