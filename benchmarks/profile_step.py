@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
     python benchmarks/profile_step.py --timeline               # also where in the step the GPU waits
     python benchmarks/profile_step.py --steps 30               # also 30 steps one by one
+    python benchmarks/profile_step.py --compile                # both models under torch.compile(fullgraph=True)
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
@@ -14,6 +15,11 @@ may be host-bound; the host also waits when the launch queue fills, so that
 alone does not show it (``--timeline`` does). With a tiny batch the GPU never holds the host back, so the
 host time is what the Python side of a step costs on this machine. For the
 mHC model the table of its largest kernels follows.
+
+``--compile`` compiles each model's forward first
+(``model.forward = torch.compile(model.forward, fullgraph=True)``, as
+``bench_compile.py`` does; the warm-up steps compile) and prints the kernel
+table of both models, to compare what inductor made of each.
 
 ``--steps N`` times N more steps one by one, after the timed ones and before
 the profiled one. For each it gives the GPU time of the step and of its forward
@@ -48,12 +54,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
     ap.add_argument("--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)")
+    ap.add_argument("--compile", action="store_true", help="compile both models (fullgraph); both kernel tables")
     args = ap.parse_args()
     common.require_cuda("profile_step.py")
     cfg = common.llama_134m(max(2048, args.seq))
 
     for name, streams in (("residual", None), ("mhc n=4 fused", 4)):
         model = common.llama_model(cfg, streams, init="paper") if streams else common.llama_model(cfg)
+        if args.compile:
+            model.forward = torch.compile(model.forward, fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
 
@@ -91,7 +100,7 @@ def main() -> None:
         if args.timeline:
             print(f"{name}: host enqueue and GPU arrival, ms from the step's start")
             print(timeline(model, step))
-        if name != "residual":
+        if name != "residual" or args.compile:
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
         del model, opt
         torch.cuda.empty_cache()
