@@ -300,16 +300,19 @@ class MHCBlock(nn.Module):
         if stash is None:
             return None
         slot[0] = None
-        if stash[0] is not x or x._version != stash[1] or torch.is_grad_enabled():
+        if stash[0] is not x or torch.is_grad_enabled() or x.is_inference() or x._version != stash[1]:
             return None
         return stash[2], stash[3]
 
     def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple] | None:
         # (next_site, its coefficients) if this site ran on the no-grad token path and the next
         # block's first step can ride on its post-mix: same streams shape, fused path, parameters
-        # on the streams' device.
+        # on the streams' device. Not under inference_mode: its tensors keep no version counter,
+        # so an in-place change of x' before the next block (a steering hook) would go unseen.
         ref = self._next_site
         if ref is None or not fused.is_token_site(site) or torch.is_grad_enabled():
+            return None
+        if torch.is_inference_mode_enabled():
             return None
         after = ref()
         if after is None or not after._fusable:
@@ -376,8 +379,9 @@ class MHCBlock(nn.Module):
         next block's first step then run as one launch, with the bits of two
         separate calls. The next block uses that first step only if it is
         called on this block's output, unchanged; any other input runs its own.
-        Held weakly, and not kept by pickling or ``copy.deepcopy`` (the copy
-        runs unlinked, which is only slower).
+        Not under ``torch.inference_mode`` (its tensors keep no version counter
+        to tell an unchanged output). Held weakly, and not kept by pickling or
+        ``copy.deepcopy`` (the copy runs unlinked, which is only slower).
         """
         ref = self._next_site
         return ref() if ref is not None else None

@@ -223,7 +223,8 @@ def test_converted_sites_are_linked_in_order_and_copies_run_unlinked():
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fused_site_boundaries_decode_the_unlinked_bits(batch, fresh_seed):
     """Generation with each site boundary in one launch (post-mix + next pre-step) gives the logits of the
-    unlinked model bit for bit; the profiler sees the fused kernel at 3 of each forward's 4 site boundaries."""
+    unlinked model bit for bit; the profiler sees the fused kernel at 3 of each forward's 4 site boundaries.
+    Under inference_mode the sites run unfused (no version counter to trust), with the same bits."""
     model = tiny_mhc_llama(fresh_seed % 1000).cuda()
     ids, mask = (t.cuda() for t in prompts(fresh_seed, batch=batch))
     sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
@@ -244,6 +245,10 @@ def test_fused_site_boundaries_decode_the_unlinked_bits(batch, fresh_seed):
         for s, after in zip(sites, links):
             s.set_next_site(after)
     assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits), f"seed {fresh_seed}"
+    # under inference_mode (no version counters) the linked model runs its sites unfused, with the same bits
+    with torch.inference_mode():
+        inference_tokens, inference_logits = greedy(model, ids, mask)
+    assert torch.equal(inference_tokens, tokens) and torch.equal(inference_logits, logits), f"seed {fresh_seed}"
 
 
 @CUDA
