@@ -5,6 +5,7 @@
     python benchmarks/bench_decode.py --profile                # also the host-time profile of eager mHC decode steps
     python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
     python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
+    python benchmarks/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
     python benchmarks/bench_decode.py --json decode.json
     python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
 
@@ -12,8 +13,10 @@ Models (``--models``; default ``residual,mhc``): ``residual`` is
 ``LlamaForCausalLM`` with the 134M config of ``common.llama_134m`` (bf16 on
 CUDA, random weights drawn from ``--seed``); ``mhc`` the same weights
 converted with ``mhc.convert_to_mhc(model, n_streams=4, init="paper")`` (the
-default fused site); ``mhc-torch`` the same with ``fused=False`` (the
-PyTorch site, which inductor fuses in mode ``compiled``).
+default fused site); ``mhc-unlinked`` the same with its sites unlinked
+(``MHCBlock.set_next_site(None)``: each site boundary two launches, not one);
+``mhc-torch`` the same with ``fused=False`` (the PyTorch site, which inductor
+fuses in mode ``compiled``).
 Each ``generate()`` is greedy, a ``--prompt``-token random prompt (32),
 exactly ``--new-tokens`` new tokens (128: ``min_new_tokens = max_new_tokens``,
 no EOS). tokens/s = batch x new tokens / wall time of the whole call (its one
@@ -79,7 +82,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import mhc
 
 MODES = ("eager", "static", "compiled")
-MODELS = ("residual", "mhc", "mhc-torch")
+MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -102,12 +105,15 @@ def tiny_llama(seq: int) -> LlamaConfig:
 
 
 def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: int):
-    """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``; ``"mhc-torch"``
-    with ``fused=False``), in eval mode."""
+    """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``; ``"mhc-unlinked"``
+    with its sites unlinked; ``"mhc-torch"`` with ``fused=False``), in eval mode."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(device, dtype)
     if name != "residual":
         model = mhc.convert_to_mhc(model, n_streams=4, init="paper", fused=name != "mhc-torch")
+        if name == "mhc-unlinked":
+            for site in (m for m in model.modules() if isinstance(m, mhc.MHCBlock)):
+                site.set_next_site(None)
     model.generation_config.eos_token_id = None  # every call decodes exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -390,7 +396,7 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--models", default="residual,mhc",
-                    help="comma-separated, from: residual, mhc, mhc-torch (fused=False) (default residual,mhc)")
+                    help="comma-separated, from: residual, mhc, mhc-unlinked, mhc-torch (fused=False) (default residual,mhc)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; --tiny 8)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
@@ -471,7 +477,7 @@ def main(argv=None) -> None:
     print(f"\nGreedy decode, {'tiny Llama' if args.tiny else 'Llama 134M'}, {str(dtype)[6:]}, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens; tok/s = batch x new tokens / generate() wall time, best of "
           f"{args.rounds} interleaved medians of {args.steps}")
-    print(f"  {'mode':9} {'batch':>5} {'model':10} {'tok/s':>9} {'x residual':>11} {'first call s':>13}   "
+    print(f"  {'mode':9} {'batch':>5} {'model':12} {'tok/s':>9} {'x residual':>11} {'first call s':>13}   "
           "round medians (tok/s)")
     for key, info in results.items():
         mode, batch = key.split()
@@ -483,7 +489,7 @@ def main(argv=None) -> None:
             first = f"{row['first_call_s']:13.2f}" if "first_call_s" in row else f"{'-':>13}"
             medians = " ".join(f"{v:.1f}" for v in row.get("round_medians", []))
             value_text = f"{value:9.1f}" if value else f"{'failed':>9}"
-            print(f"  {mode:9} {batch:>5} {name:10} {value_text} {ratio} {first}   {medians}")
+            print(f"  {mode:9} {batch:>5} {name:12} {value_text} {ratio} {first}   {medians}")
 
     figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
     profiled = next((n for n in models if n != "residual"), None)
