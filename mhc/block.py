@@ -287,8 +287,7 @@ class MHCBlock(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         if self._options.mode != "residual":
-            phi = self._parameters.get("phi")  # see _coefficient_parameters
-            device = (self.phi if phi is None else phi).device
+            device = self._coefficient_parameters()[0].device
             if x.device != device:
                 raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
 
@@ -300,7 +299,8 @@ class MHCBlock(nn.Module):
         if stash is None:
             return None
         slot[0] = None
-        if stash[0] is not x or torch.is_grad_enabled() or x.is_inference() or x._version != stash[1]:
+        # (x is the stash's own tensor, made outside inference_mode, so it has a version counter.)
+        if stash[0] is not x or torch.is_grad_enabled() or x._version != stash[1]:
             return None
         return stash[2], stash[3]
 
@@ -394,8 +394,7 @@ class MHCBlock(nn.Module):
         self.__dict__["_next_site"] = weakref.ref(block) if block is not None else None
 
     def __getstate__(self):
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "_next_site": None, "_prefetched": [None]}
+        return {**self.__dict__, "_next_site": None, "_prefetched": [None]}
 
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)

@@ -64,6 +64,10 @@ static at::Tensor new_cuda(at::IntArrayRef size, at::ScalarType dtype, const at:
   return at::Tensor(at::detail::empty_cuda(size, dtype, device, std::nullopt));
 }
 
+// tol raised to 4 n eps(float32), the rounding floor of projection_common.effective_tol for the
+// float32-computed dtypes these kernels take.
+static double float32_tol(double tol, int64_t n) { return std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON); }
+
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 static void launch_forward(const at::Tensor& R, at::Tensor& out, double tol, int64_t max_iter, int* iters,
@@ -264,7 +268,7 @@ at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_ite
       (t != at::kFloat && t != at::kHalf && t != at::kBFloat16)) {
     return at::Tensor();
   }
-  const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
+  const double tol_eff = float32_tol(tol, n);
   const at::Tensor R = d == 3 ? logits : logits.reshape({-1, n, n});
   at::Tensor T = (at::GradMode::is_enabled() && R.requires_grad()) ? BirkhoffProject::apply(R, tol_eff, max_iter)
                                                                  : birkhoff_forward(R, tol_eff, max_iter);
@@ -345,22 +349,37 @@ static std::vector<int64_t> token_shape(const at::Tensor& x) {  // [..., n, C] -
   return shape;
 }
 
+static at::Tensor as_float32(const at::Tensor& p) {
+  return p.scalar_type() == at::kFloat && p.is_contiguous() ? p : p.to(at::kFloat).contiguous();
+}
+
+// (phi, alpha, b_pre, b_post, b_res) as contiguous float32, checked against the streams x.
+static std::array<at::Tensor, 5> float32_site_params(const at::Tensor& x, const at::Tensor& phi,
+                                                     const at::Tensor& alpha, const at::Tensor& b_pre,
+                                                     const at::Tensor& b_post, const at::Tensor& b_res) {
+  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
+  std::array<at::Tensor, 5> p = {as_float32(phi), as_float32(alpha), as_float32(b_pre), as_float32(b_post),
+                                 as_float32(b_res)};
+  check_site_param(p[0], x, "phi", Z * n * C);
+  check_site_param(p[1], x, "alpha", 3);
+  check_site_param(p[2], x, "b_pre", n);
+  check_site_param(p[3], x, "b_post", n);
+  check_site_param(p[4], x, "b_res", n * n);
+  return p;
+}
+
 std::vector<at::Tensor> site_pre_tokens(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
                                         const at::Tensor& b_pre, const at::Tensor& b_post,
                                         const at::Tensor& b_res, double eps, double tol, int64_t max_iter) {
   const int64_t T = check_streams(x);
-  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
-  check_site_param(phi, x, "phi", Z * n * C);
-  check_site_param(alpha, x, "alpha", 3);
-  check_site_param(b_pre, x, "b_pre", n);
-  check_site_param(b_post, x, "b_post", n);
-  check_site_param(b_res, x, "b_res", n * n);
+  const int64_t n = x.size(-2), Z = n * n + 2 * n;
+  const auto p = float32_site_params(x, phi, alpha, b_pre, b_post, b_res);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor zr = new_cuda({T, Z + 1}, at::kFloat, x.device());
   at::Tensor h = new_cuda({T, 2 * n}, at::kFloat, x.device());
   at::Tensor h_res = new_cuda({T, n, n}, at::kFloat, x.device());
   at::Tensor u = new_cuda(token_shape(x), x.scalar_type(), x.device());
-  launch_site_pre(x, phi, alpha, b_pre, b_post, b_res, zr.data_ptr<float>(), h.data_ptr<float>(),
+  launch_site_pre(x, p[0], p[1], p[2], p[3], p[4], zr.data_ptr<float>(), h.data_ptr<float>(),
                   h_res.data_ptr<float>(), u, eps, tol, max_iter);
   return {u, zr, h, h_res};
 }
@@ -384,24 +403,6 @@ at::Tensor site_post_tokens(const at::Tensor& x, const at::Tensor& y, const at::
 // launch with no tensor the backward would need (no zr), h and H_res in one float32
 // allocation `mix` = [h (T·2n) | H_res (T·n·n)], and the conversions the Python side would
 // otherwise make (contiguous streams, float32 parameters, y in the streams' dtype) made here.
-static at::Tensor as_float32(const at::Tensor& p) {
-  return p.scalar_type() == at::kFloat && p.is_contiguous() ? p : p.to(at::kFloat).contiguous();
-}
-
-// (phi, alpha, b_pre, b_post, b_res) as contiguous float32, checked against the streams x.
-static std::array<at::Tensor, 5> float32_site_params(const at::Tensor& x, const at::Tensor& phi,
-                                                     const at::Tensor& alpha, const at::Tensor& b_pre,
-                                                     const at::Tensor& b_post, const at::Tensor& b_res) {
-  const int64_t n = x.size(-2), C = x.size(-1), Z = n * n + 2 * n;
-  std::array<at::Tensor, 5> p = {as_float32(phi), as_float32(alpha), as_float32(b_pre), as_float32(b_post),
-                                 as_float32(b_res)};
-  check_site_param(p[0], x, "phi", Z * n * C);
-  check_site_param(p[1], x, "alpha", 3);
-  check_site_param(p[2], x, "b_pre", n);
-  check_site_param(p[3], x, "b_post", n);
-  check_site_param(p[4], x, "b_res", n * n);
-  return p;
-}
 
 // The branch output y [T, C] in the streams' dtype, contiguous, checked against the streams x.
 static at::Tensor branch_output(const at::Tensor& y, const at::Tensor& x, int64_t T) {
@@ -434,7 +435,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> site_pre_tokens_pa
   at::Tensor mix = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u = new_cuda(token_shape(x), x.scalar_type(), x.device());
   float* h = mix.data_ptr<float>();
-  const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
+  const double tol_eff = float32_tol(tol, n);
   launch_site_pre(x, p[0], p[1], p[2], p[3], p[4], nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter);
   return std::make_tuple(u, mix, x);
 }
@@ -468,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
   at::Tensor out = new_cuda(x.sizes(), x.scalar_type(), x.device());
   at::Tensor mix_next = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u_next = new_cuda(token_shape(x), x.scalar_type(), x.device());
-  const double tol_eff = std::max(tol, 4.0 * (double)n * (double)FLT_EPSILON);
+  const double tol_eff = float32_tol(tol, n);
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using ct = decltype(tag);
