@@ -28,24 +28,12 @@ The best of ``--rounds`` interleaved rounds is kept per row.
 from __future__ import annotations
 
 import argparse
-import time
 
+import common
 import torch
 
 import mhc
 from mhc import fused_tokens
-
-
-def timed(fn, calls: int) -> tuple[float, float]:
-    """``(host µs, wall µs)`` per call of ``fn`` over ``calls`` calls."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls
 
 
 def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
@@ -84,19 +72,18 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300, help="calls per timing (default 300)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_site_host.py needs CUDA")
+    common.require_cuda("bench_site_host.py")
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  C={args.hidden} n={args.streams} bf16")
     print(f"  {'tokens':>6} {'call':>6} {'host µs':>9} {'wall µs':>9}")
     with torch.no_grad():
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows = rows_for(tokens, args.hidden, args.streams, torch.bfloat16)
             for fn in rows.values():  # warm: plans, allocator, first launches
-                timed(fn, 20)
+                common.host_and_wall_us(fn, 20)
             best = {name: (float("inf"), float("inf")) for name in rows}
             for _ in range(args.rounds):
                 for name, fn in rows.items():
-                    host, wall = timed(fn, args.calls)
+                    host, wall = common.host_and_wall_us(fn, args.calls)
                     best[name] = (min(best[name][0], host), min(best[name][1], wall))
             for name, (host, wall) in best.items():
                 if name == "linked":  # two blocks per call

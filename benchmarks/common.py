@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "require_cuda", "environment", "time_calls", "Measurement", "interleaved", "copy_gbps", "llama_134m",
+    "require_cuda", "environment", "time_calls", "host_and_wall_us", "Measurement", "interleaved", "copy_gbps", "llama_134m",
     "llama_model", "training_step", "write_json",
 ]
 
@@ -56,6 +57,23 @@ def time_calls(fn: Callable[[], Any], steps: int, warmup: int = 0) -> list[float
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return times
+
+
+def host_and_wall_us(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """``(host µs, wall µs)`` per call of ``fn`` over ``calls`` calls (CUDA).
+
+    Host: until the last call has returned, with no synchronisation (keep
+    ``calls`` below what the launch queue holds, or the host waits on the
+    device); wall: until the device has finished them too.
+    """
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls
 
 
 @dataclass

@@ -5,16 +5,19 @@
 #   peers    build mHC-proj / mHC.cu (benchmarks/build_peers.sh), then bench_projection_peers.py
 #   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile)
 #   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
+#   projhost benchmarks/bench_projection_host.py (a small-batch projection call, layer by layer; after peers
+#            it has mHC-proj's call beside ours)
+#   fillab   benchmarks/projection_fill_ab/ab.py (the n = 4 forward kernel against bc1ec78's, do_bench)
 #   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
 # DECODE_ARGS (default --profile), COMPILE_VARIANTS (bench_compile.py --variants).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost compile compile1b)"
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|compile|compile1b) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -41,6 +44,10 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile} 2>&1 | tee "$OUT/decode.log" ;;
     sitehost)
       timeout 120 python3 benchmarks/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
+    projhost)
+      timeout 120 python3 benchmarks/bench_projection_host.py 2>&1 | tee "$OUT/projhost.log" ;;
+    fillab)
+      timeout 200 python3 benchmarks/projection_fill_ab/ab.py 2>&1 | tee "$OUT/fillab.log" | tail -60 ;;
     compile)
       timeout 400 python3 benchmarks/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)

@@ -47,16 +47,20 @@ __all__ = [
 ]
 
 
-_NEWTON = "newton"  # the default, compared by identity on the fast path (an equal string takes the checked path)
+# The defaults, compared by identity on the fast path (equal values passed explicitly are type-checked there).
+_NEWTON = "newton"
+_TOL = 1e-6
+_MAX_ITER = NEWTON_MAX_ITER
+_ITERS = 20
 
 
 def birkhoff_project(
     logits: Tensor,
     *,
-    tol: float = 1e-6,
-    max_iter: int = NEWTON_MAX_ITER,
+    tol: float = _TOL,
+    max_iter: int = _MAX_ITER,
     method: str = _NEWTON,
-    iters: int = 20,
+    iters: int = _ITERS,
     return_info: bool = False,
 ) -> Tensor | tuple[Tensor, ProjectionInfo]:
     """Project ``exp(logits)`` onto the Birkhoff polytope (doubly stochastic matrices).
@@ -92,9 +96,10 @@ def birkhoff_project(
     """
     # The common call (CUDA kernels, plain options) in a few exact type tests that imply every
     # check of check_arguments: at small batches the wrapper's host time is the call's cost.
-    if (
-        type(logits) is Tensor and type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int
-        and max_iter >= 0 and method is _NEWTON and type(iters) is int and iters >= 1 and return_info is False
+    if type(logits) is Tensor and method is _NEWTON and return_info is False and (
+        tol is _TOL and max_iter is _MAX_ITER and iters is _ITERS
+        or type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int and max_iter >= 0
+        and type(iters) is int and iters >= 1
     ):
         T = projection_cuda.project_fast(logits, tol, max_iter)
         if T is not None:

@@ -230,7 +230,13 @@ def poll(tensor: Tensor) -> None:
     """
     global _calls
     _calls += 1
-    if _calls % POLL_EVERY or torch.cuda.is_current_stream_capturing():
+    if not _calls % POLL_EVERY:
+        _look(tensor)
+
+
+def _look(tensor: Tensor) -> None:
+    """Read the counter value copied at the previous look, start the next copy, and warn if it grew."""
+    if torch.cuda.is_current_stream_capturing():
         return
     device = tensor.device
     dev = device.index if device.index is not None else torch.cuda.current_device()
@@ -282,22 +288,30 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
 
     ``logits`` must be a plain ``Tensor`` (not a subclass), ``tol`` a finite
     float ``> 0`` and ``max_iter`` an int ``>= 0``. One call into the
-    extension, which picks the autograd node when a graph is recorded and the
-    kernel otherwise; the convergence counter is polled as in :func:`project`.
-    ``None`` under ``torch.compile`` (dynamo traces the op instead), under
-    functorch transforms, or while the extension is unavailable.
+    extension, which decides whether its kernels take ``logits`` and picks the
+    autograd node when a graph is recorded; the convergence counter is polled
+    as in :func:`project`. ``None`` under ``torch.compile`` (dynamo traces the
+    op instead), under functorch transforms, or while the extension is
+    unavailable. At small batches this call's host time is the projection's
+    cost (issue #23), hence the bound names and the inlined poll count.
     """
-    # torch.compile traces the op instead; functorch's wrapped tensors (vmap, torch.func) need the dispatcher.
-    if not (_ENABLED and logits.is_cuda) or torch.compiler.is_compiling():
+    # torch.compile traces the op instead (functorch transforms: the extension answers None itself).
+    if _is_compiling():
         return None
-    if torch._C._are_functorch_transforms_active():
-        return None
-    if _project_or_none is None and not available():
-        return None
-    T = _project_or_none(logits, tol, max_iter)
+    if _project_or_none is None or not _ENABLED:
+        # Not loaded yet (a CPU tensor must not trigger the build) or switched off.
+        if not (_ENABLED and logits.is_cuda and available()):
+            return None
+    T = _project_or_none(logits, tol, max_iter)  # None unless CUDA, n in {4, 8} and fp32/bf16/fp16
     if T is not None:
-        poll(T)
+        global _calls  # poll(T), inlined
+        _calls += 1
+        if not _calls % POLL_EVERY:
+            _look(T)
     return T
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):

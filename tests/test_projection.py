@@ -222,6 +222,35 @@ def test_reference_entry_point_is_the_cpu_path(method):
     assert torch.equal(info.iterations, info_ref.iterations) and torch.equal(info.error, info_ref.error)
 
 
+
+def test_cpu_input_never_builds_the_cuda_extension(monkeypatch):
+    """The hot path's first call on a CPU tensor must not try to compile or load the kernels."""
+    from mhc import projection_cuda
+
+    def no_build():
+        raise AssertionError("the CUDA extension was asked for by a CPU call")
+
+    monkeypatch.setattr(projection_cuda, "_project_or_none", None)
+    monkeypatch.setattr(projection_cuda, "available", no_build)
+    monkeypatch.setattr(projection_cuda, "_try_load", no_build)
+    R = torch.randn(8, 4, 4, generator=fresh_generator())
+    assert torch.equal(birkhoff_project(R), birkhoff_project_reference(R))
+
+
+def test_hot_path_polls_the_counter_every_poll_every_calls(monkeypatch):
+    """With the extension's hot call mocked, the counter is looked at once per POLL_EVERY calls, on the output."""
+    from mhc import projection_cuda
+
+    looked = []
+    monkeypatch.setattr(projection_cuda, "_project_or_none", lambda logits, tol, max_iter: logits * 1)
+    monkeypatch.setattr(projection_cuda, "_look", looked.append)
+    monkeypatch.setattr(projection_cuda, "_calls", 0)
+    R = torch.randn(8, 4, 4, generator=fresh_generator())
+    outs = [birkhoff_project(R) for _ in range(2 * projection_cuda.POLL_EVERY + 1)]
+    assert len(looked) == 2 and looked[0] is outs[projection_cuda.POLL_EVERY - 1]
+    monkeypatch.setattr(projection_cuda, "_ENABLED", False)  # set_enabled(False): the reference again
+    assert torch.equal(birkhoff_project(R), birkhoff_project_reference(R)) and len(looked) == 2
+
 @pytest.mark.parametrize("method", ["newton", "sinkhorn"])
 def test_nonfinite_matrices_come_back_nan_and_others_stay_exact(method):
     g = fresh_generator()

@@ -105,6 +105,43 @@ def test_large_magnitude(n):
     assert bool((info.error <= info.tol).all())
 
 
+@pytest.mark.parametrize("layout", ["one_entry", "whole_column", "few_per_warp"])
+def test_n4_flushed_entries(layout):
+    """n = 4's fast solver flushes entries below 1e-30 and fills them back (birkhoff_core.cuh, fill_flushed).
+
+    Wide matrices sit among ordinary ones, fewer than the warp vote needs, so
+    they stay on the fast solver: one entry pushed 75 below its row (it must
+    come back tiny but right); a whole column pushed down by 75 (the same
+    projection as unshifted, every entry of that column flushed: the fast
+    solver must hand it back); 1-2 wide N(0, 25²) lanes per warp. Judged
+    against the float64 reference.
+    """
+    B = 1 << 16
+    R = _draw("normal10" if layout != "whole_column" else "normal1", (B, 4, 4))
+    unshifted = R.clone()
+    if layout == "one_entry":
+        R[::16, 1, 2] -= 75.0
+    elif layout == "whole_column":
+        R[::8, :, 0] -= 75.0
+    else:
+        lanes = torch.zeros(B, dtype=torch.bool, device="cuda")
+        for offset in (5, 21):  # two lanes in odd warps, one in even ones
+            lanes[offset::32] = True
+        lanes[21::64] = False
+        R[lanes] = torch.randn_like(R[lanes]) * 25
+    wide = int(((R.amax(-1) - R.amin(-1)) > 69.0).any(-1).sum())
+    assert wide > 0, "the draw has no wide matrix: the test would not reach the flush path"
+    T, info = mhc.birkhoff_project(R, return_info=True)
+    err = mhc.marginal_error(T)
+    _report(f"n=4 flushed {layout} ({wide} wide)", err)
+    assert info.num_unconverged == 0 and bool(torch.isfinite(T).all())
+    assert float(err.max()) <= 1e-5
+    T64 = _reference64(R)
+    assert float((T.double() - T64).abs().max()) <= 1e-4
+    if layout == "whole_column":  # a column's shift changes no doubly stochastic scaling
+        assert float((T - mhc.birkhoff_project(unshifted)).abs().max()) <= 1e-5
+
+
 def test_info_matches_cpu_semantics():
     R = _draw("normal1", (1000, 4, 4))
     T, info = mhc.birkhoff_project(R, return_info=True)
@@ -429,6 +466,14 @@ def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
     assert projection_cuda.project_fast(torch.randn(4, 5, 5, device="cuda"), 1e-6, 100) is None
     assert projection_cuda.project_fast(torch.randn(4, n, n, device="cuda", dtype=torch.float64), 1e-6, 100) is None
     assert projection_cuda.project_fast(torch.randn(4, n, 3, device="cuda"), 1e-6, 100) is None
+    # under functorch transforms the extension declines (wrapped tensors need the dispatcher)
+    R = torch.randn(6, 32, n, n, device="cuda")
+    torch.testing.assert_close(torch.func.vmap(mhc.birkhoff_project)(R), mhc.birkhoff_project(R), rtol=0, atol=1e-6)
+    G = torch.randn(32, n, n, device="cuda")
+    d_func = torch.func.grad(lambda r: (mhc.birkhoff_project(r) * G).sum())(R[0])
+    Rg = R[0].clone().requires_grad_()
+    (d_eager,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G)
+    torch.testing.assert_close(d_func, d_eager, rtol=0, atol=1e-6)
     # a Parameter (a Tensor subclass) takes the checked path and still gets its gradient
     p = torch.nn.Parameter(torch.randn(16, n, n, device="cuda"))
     mhc.birkhoff_project(p).sum().backward()

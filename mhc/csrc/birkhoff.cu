@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -256,12 +257,18 @@ at::Tensor birkhoff_forward_autograd(const at::Tensor& R, double tol, int64_t ma
 // birkhoff_project's hot path, called from Python without torch.ops' argument
 // parsing (about 5 us of host time per call on the H200's host, half a small
 // batch's whole cost). Returns an undefined tensor (None in Python) for inputs
-// the kernels do not take, which then go the checked way. Every option was
+// the kernels do not take, and under functorch transforms (vmap, torch.func:
+// their wrapped tensors need the dispatcher), which then go the checked way
+// (the same test as torch._C._are_functorch_transforms_active, without a
+// Python call). Every option was
 // checked by the caller; tol is raised here to 4 n eps(float32), the rounding
 // floor of projection_common.effective_tol for these (float32-computed) dtypes.
 at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_iter) {
   const int64_t d = logits.dim();
-  if (!logits.is_cuda() || d < 2) return at::Tensor();
+  if (!logits.is_cuda() || d < 2 ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    return at::Tensor();
+  }
   const int64_t n = logits.size(d - 1);
   const auto t = logits.scalar_type();
   if (logits.size(d - 2) != n || (n != 4 && n != 8) ||

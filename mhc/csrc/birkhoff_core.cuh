@@ -40,6 +40,15 @@ constexpr int kMaxExpand = 2;         // up to 4x the Newton step (3 doublings c
 // than it saves on N(0,1) at n = 8).
 template <int N> constexpr int init_sweeps() { return N <= 4 ? 3 : 5; }
 template <int N> constexpr float expand_err() { return N <= 4 ? 1e-3f : 1e-2f; }
+// n = 4: the fast solver sets entries below kTinyEntry to exactly 0 and goes
+// on (see flush_tiny and fill_flushed) instead of handing the matrix back:
+// at mid batch sizes the one warp that restarts a matrix in the robust solver
+// (or runs it for all 32 lanes) sets the whole kernel's time. n = 8 hands
+// the matrix back as before.
+template <int N> constexpr bool flushes_tiny() { return N <= 4; }
+constexpr int kFlushedMaxIter = 40;      // a plan with flushed entries that has not converged by then goes robust
+constexpr float kFlushedLog = -27.631f; // ln 1e-12: largest value a flushed entry may have in the solution
+                                         // (then every marginal moves by < N·1e-12 << tol; rechecked anyway)
 
 // Correctly rounded reciprocal, without the IEEE division's slow path.
 MHC_HD float mhc_rcp(float x) {
@@ -515,16 +524,87 @@ MHC_HD bool multiplicative_search(float (&T)[N][N], const float (&dp)[N], float 
   return true;
 }
 
+// Entries below kTinyEntry set to exactly 0, where multiplicative steps keep
+// them. False when a column is left without an entry (no doubly-stochastic
+// plan on that support).
+template <int N>
+MHC_HD bool flush_tiny(float (&T)[N][N]) {
+  bool cols_ok = true;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float cmax = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float t = T[i][j] >= kTinyEntry ? T[i][j] : 0.f;
+      T[i][j] = t;
+      cmax = fmaxf(cmax, t);
+    }
+    cols_ok = cols_ok && cmax > 0.f;
+  }
+  return cols_ok;
+}
+
+// A plan with flushed (zero) entries is diag(u) e^R diag(v) on its support,
+// so log T_ij - R_ij = a_i + b_j there, and the value a flushed entry (i, j)
+// has in that same scaling is R_ij + (a_i + b_k) + (a_l + b_j) - (a_l + b_k)
+// for any l != i, k != j with (i, k), (l, j), (l, k) in the support (the
+// largest over those cycles, against rounding). Where every such value is at
+// most e^kFlushedLog the plan is the solution up to them: they are written
+// into T and true is returned. False when one would be larger or has no such
+// cycle (T is then partly written; the caller restarts from R). R (the
+// logits) is overwritten.
+template <int N>
+MHC_HD bool fill_flushed(float (&T)[N][N], float (&R)[N][N]) {
+  uint64_t support = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (T[i][j] > 0.f) support |= 1ULL << (i * N + j);
+  auto in = [&](int i, int j) { return ((support >> (i * N + j)) & 1ULL) != 0; };
+  // R_ij -> a_i + b_j on the support.
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (in(i, j)) R[i][j] = logf(T[i][j]) - R[i][j];
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (in(i, j)) continue;
+      float best = 0.f;
+      bool found = false;
+#pragma unroll
+      for (int l = 0; l < N; ++l)
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          if (l == i || k == j || !(in(i, k) && in(l, j) && in(l, k))) continue;
+          const float v = R[i][k] + R[l][j] - R[l][k];
+          best = found ? fmaxf(best, v) : v;
+          found = true;
+        }
+      const float log_t = R[i][j] + best;
+      ok = ok && found && (log_t <= kFlushedLog);
+      T[i][j] = expf(fminf(log_t, 0.f));
+    }
+  return ok;
+}
+
 // ----------------------------------------------------------------------------
 // Fast solver: plan-only state, multiplicative steps throughout. On entry T
 // holds the (finite) logits R; on exit the plan. Returns false when the
-// matrix needs the robust solver (an entry near fp32 underflow, or no
-// accepted step); the caller then restarts from R with Solver below.
+// matrix needs the robust solver (n = 8: an entry near fp32 underflow; n = 4:
+// a flushed entry that the solution needs, or a flushed plan not converged by
+// kFlushedMaxIter; either: no accepted step); the caller then restarts from R
+// with Solver below. `reload(X)` writes R into X (only for flushed plans).
 // `it` counts Newton iterations, err_out gets the marginal error (float64
 // when `exact_err`, else possibly the fp32 estimate; see marginals).
 // ----------------------------------------------------------------------------
-template <int N>
-MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, double& err_out, bool exact_err) {
+template <int N, typename Reload>
+MHC_HD bool fast_solve(float (&T)[N][N], Reload&& reload, float tol, int max_iter, int& it, double& err_out,
+                       bool exact_err) {
   constexpr int M = N - 1;
   it = 0;
   // Row softmax of R (accurate exps: these fix the problem, not the iterate).
@@ -547,15 +627,16 @@ MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, doubl
       tmin = fminf(tmin, T[i][j]);
     }
   }
-  if (!(tmin >= kTinyEntry)) return false;
+  if (!(tmin >= kTinyEntry) && (!flushes_tiny<N>() || !flush_tiny<N>(T))) return false;
   // A few Sinkhorn sweeps (columns, then rows), on row and column factors
   // u, v with T <- diag(u) T diag(v) once at the end: 2N² FMAs and 2N
   // reciprocals per sweep. Three save about one Newton iteration per warp
   // on N(0,1) and half of one on N(0,10²) at n = 4 (more cost more than they
   // save; measured: notes/benchmarks.md). Each half-sweep shrinks the
   // smallest entry by at most a factor N, so from kTinyEntry every sum stays
-  // a normal float; an entry pushed below kTinyEntry sends the matrix to the
-  // robust solver at the first marginal check.
+  // a normal float; an entry pushed below kTinyEntry is flushed (n = 4) or
+  // sends the matrix to the robust solver at the first marginal check.
+  // Flushed entries stay 0 (each column keeps an entry >= kTinyEntry).
   float u[N], v[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) u[i] = 1.f;
@@ -582,12 +663,27 @@ MHC_HD bool fast_solve(float (&T)[N][N], float tol, int max_iter, int& it, doubl
   float prev_errf = 3.4e38f;
   for (;;) {
     float g[M], errf;
-    const double err = marginals<N>(T, tol, g, errf, tmin, exact_err);
+    double err = marginals<N>(T, tol, g, errf, tmin, exact_err);
     if (!(err > (double)tol) || it >= max_iter) {
+      if constexpr (flushes_tiny<N>()) {
+        if (tmin == 0.f) {
+          // Flushed entries (or one that underflowed in the last step): their
+          // values in the solution, from R (re-read), and the marginals again
+          // (float64) with them.
+          float R[N][N];
+          reload(R);
+          if (!fill_flushed<N>(T, R)) return false;
+          const bool met = !(err > (double)tol);
+          err = marginals<N>(T, tol, g, errf, tmin, true);
+          if (met && err > (double)tol) return false;
+        }
+      }
       err_out = err;
       return true;
     }
-    if (!(tmin >= kTinyEntry)) return false;
+    // A flushed plan (tmin = 0 from then on) comes here at every iteration;
+    // on a support with no doubly-stochastic plan it would make no progress.
+    if (!(tmin >= kTinyEntry) && (!flushes_tiny<N>() || it >= kFlushedMaxIter || !flush_tiny<N>(T))) return false;
     ++it;
     float dp[N], slope, dsum, dmax, t, rows[N];
     if (!newton_direction<N>(T, g, dp, slope, dsum, dmax, kFastMaxStep)) return false;
@@ -737,7 +833,7 @@ template <int N, typename Reload>
 MHC_HD int solve_matrix(float (&T)[N][N], Reload&& reload, float tol, int max_iter, double& err_out,
                         bool robust = false, bool exact_err = true) {
   int it = 0;
-  if (!robust && fast_solve<N>(T, tol, max_iter, it, err_out, exact_err)) return it;
+  if (!robust && fast_solve<N>(T, reload, tol, max_iter, it, err_out, exact_err)) return it;
   Solver<N> S;
   reload(S.L);
   S.init();

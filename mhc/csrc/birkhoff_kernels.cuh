@@ -10,10 +10,11 @@
 // line search: a fast solver that keeps only the plan and takes
 // multiplicative steps (N-1 exps and N/2 logs per trial), and a robust one
 // with log-domain trials and Sinkhorn sweeps, which a warp runs for all its
-// matrices when any of them has logits wide enough to underflow, and a lane
-// runs alone for the rare matrix the fast solver hands back. A matrix runs
-// until it meets tol (measured in float64 like marginal_error) or max_iter;
-// matrices that miss tol are counted in a device-global counter (no sync).
+// matrices when enough of them (robust_votes) have logits wide enough to
+// underflow, and a lane runs alone for the rare matrix the fast solver hands
+// back. A matrix runs until it meets tol (measured in float64 like
+// marginal_error) or max_iter; matrices that miss tol are counted in a
+// device-global counter (no sync).
 //
 // Backward: the implicit-function gradient from T and G alone; a block
 // stages its tile of matrices through shared memory (coalesced I/O).
@@ -190,6 +191,18 @@ __device__ __forceinline__ int project_matrix(float (&T)[N][N], bool finite, boo
 // at N(0,1)); n = 8 would spill heavily there and gets the register file.
 template <int N> constexpr int forward_min_blocks() { return N == 4 ? 8 : 1; }
 
+// A warp runs the robust solver for all its lanes when at least this many of
+// its matrices have a row spanning more than kRobustRange (wants_robust). At
+// n = 4 the fast solver flushes such rows' tiny entries and goes on
+// (flushes_tiny), so one or two wide matrices, the usual case up to
+// N(0, 15²), no longer put their warp, the slowest of a mid-size batch, on
+// the robust solver. Three votes, chosen on the H200 against 16 and against
+// any wide lane (benchmarks/projection_fill_ab, 2026-12-01): at N(0, 10²)
+// 32K matrices take 15.8 µs instead of 23.0 and 128K 28.5 instead of 34.2;
+// at N(0, 20²) and N(0, 30²), where many lanes are wide, 3 votes cost 1-8 %
+// (16 doubled the time at 20²). n = 8 votes on any wide lane, as before.
+template <int N> constexpr int robust_votes() { return N == 4 ? 3 : 1; }
+
 template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_forward_kernel(
     const scalar_t* __restrict__ R, scalar_t* __restrict__ out, int64_t B, float tol, int max_iter,
@@ -201,8 +214,9 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_fo
   float T[N][N];
   load_matrix<N, scalar_t>(src, T, vec_ok);
   const bool finite = all_finite<N>(T);
-  // One solver per warp where possible (see wants_robust).
-  const bool robust = __any_sync(__activemask(), finite && wants_robust<N>(T));
+  // One solver per warp where possible (see wants_robust and robust_votes).
+  const unsigned wide = __ballot_sync(__activemask(), finite && wants_robust<N>(T));
+  const bool robust = __popc(wide) >= robust_votes<N>();
   // The robust solver re-reads R rather than keeping a copy in registers.
   auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
   double err;

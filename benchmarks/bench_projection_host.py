@@ -1,0 +1,105 @@
+"""Host and device time of one small-batch projection call, layer by layer (CUDA, n = 4, fp32, no grad).
+
+    python benchmarks/bench_projection_host.py                  # N = 512 and 32K
+    python benchmarks/bench_projection_host.py --sizes 512 --calls 1000
+
+At small N a projection call costs what its host side costs: mHC-proj's
+chained protocol (``bench_projection_peers.py``) is host time there. This
+splits our call into its layers, beside mHC-proj's own call when it is
+installed (``benchmarks/build_peers.sh``). Each row runs one call ``--calls``
+times on the same input, an easy one (a projection's output, as in the
+chained protocol after its first call): "host" is the time to enqueue them
+(no synchronisation, fewer calls than the launch queue holds), "wall" the
+time until the device has finished them too; "chained" rows feed each call
+the previous output, as mHC-proj's protocol does. Rows:
+
+* ``public``: ``mhc.birkhoff_project(x)``;
+* ``fast``: ``mhc.projection_cuda.project_fast(x, tol, max_iter)``, the hot path
+  without ``birkhoff_project``'s option checks;
+* ``ext``: the extension's ``project_or_none`` called directly (the C++ side
+  alone: pybind, checks, allocation, launch);
+* ``op``: ``torch.ops.mhc.birkhoff_forward.default`` (the dispatcher's way);
+* ``peer``: mHC-proj's ``birkhoff_proj_n4(x, tol)["T"]``;
+* ``empty``: ``torch.empty_like(x)``; ``add``: ``torch.add(x, x)``.
+
+The best of ``--rounds`` interleaved rounds is kept per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+import torch
+
+import mhc
+from mhc import projection_cuda
+
+
+def peer_forward():
+    """mHC-proj's forward, or ``None`` when it is not installed here."""
+    try:
+        import mhc_proj
+
+        return mhc_proj.torch.birkhoff_proj_n4
+    except Exception:  # noqa: BLE001 - any import problem means "peer not built here"
+        return None
+
+
+def rows_for(N: int, tol: float, max_iter: int) -> dict:
+    torch.manual_seed(0)
+    x = mhc.birkhoff_project(torch.randn(N, 4, 4, device="cuda"))
+    ext = projection_cuda.extension()
+    tol_eff = mhc.projection.effective_tol(tol, 4, torch.float32)
+    rows = {
+        "public": lambda: mhc.birkhoff_project(x),
+        "fast": lambda: projection_cuda.project_fast(x, tol, max_iter),
+        "ext": lambda: ext.project_or_none(x, tol, max_iter),
+        "op": lambda: torch.ops.mhc.birkhoff_forward.default(x, tol_eff, max_iter),
+        "empty": lambda: torch.empty_like(x),
+        "add": lambda: torch.add(x, x),
+    }
+    chained = {"public chained": mhc.birkhoff_project}
+    peer = peer_forward()
+    if peer is not None:
+        rows["peer"] = lambda: peer(x, tol)["T"]
+        chained["peer chained"] = lambda y: peer(y, tol)["T"]
+    for name, step in chained.items():
+        state = [x]
+
+        def run(step=step, state=state):
+            state[0] = step(state[0])
+
+        rows[name] = run
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="512,32768", help="comma-separated batch sizes N (default 512,32768)")
+    ap.add_argument("--calls", type=int, default=300, help="calls per timing (default 300)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
+    args = ap.parse_args()
+    common.require_cuda("bench_projection_host.py")
+    if not projection_cuda.available():
+        raise SystemExit("the CUDA projection extension is unavailable (python -m mhc.cuda_build shows why)")
+    tol, max_iter = 1e-6, mhc.projection.NEWTON_MAX_ITER
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  n=4 fp32 tol={tol:g}"
+          f"  peer: {'mHC-proj' if peer_forward() else 'not installed'}")
+    print(f"  {'N':>7} {'call':>15} {'host µs':>9} {'wall µs':>9}")
+    with torch.no_grad():
+        for N in (int(s) for s in args.sizes.split(",")):
+            rows = rows_for(N, tol, max_iter)
+            for fn in rows.values():  # warm: allocator, first launches
+                common.host_and_wall_us(fn, 20)
+            best = {name: (float("inf"), float("inf")) for name in rows}
+            for _ in range(args.rounds):
+                for name, fn in rows.items():
+                    host, wall = common.host_and_wall_us(fn, args.calls)
+                    best[name] = (min(best[name][0], host), min(best[name][1], wall))
+            for name, (host, wall) in best.items():
+                print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
