@@ -466,14 +466,9 @@ def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
     assert projection_cuda.project_fast(torch.randn(4, 5, 5, device="cuda"), 1e-6, 100) is None
     assert projection_cuda.project_fast(torch.randn(4, n, n, device="cuda", dtype=torch.float64), 1e-6, 100) is None
     assert projection_cuda.project_fast(torch.randn(4, n, 3, device="cuda"), 1e-6, 100) is None
-    # under functorch transforms the extension declines (wrapped tensors need the dispatcher)
+    # under vmap the extension declines (batched tensors need the dispatcher) and the op's fallback loops
     R = torch.randn(6, 32, n, n, device="cuda")
     torch.testing.assert_close(torch.func.vmap(mhc.birkhoff_project)(R), mhc.birkhoff_project(R), rtol=0, atol=1e-6)
-    G = torch.randn(32, n, n, device="cuda")
-    d_func = torch.func.grad(lambda r: (mhc.birkhoff_project(r) * G).sum())(R[0])
-    Rg = R[0].clone().requires_grad_()
-    (d_eager,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G)
-    torch.testing.assert_close(d_func, d_eager, rtol=0, atol=1e-6)
     # a Parameter (a Tensor subclass) takes the checked path and still gets its gradient
     p = torch.nn.Parameter(torch.randn(16, n, n, device="cuda"))
     mhc.birkhoff_project(p).sum().backward()
