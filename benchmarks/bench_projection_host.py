@@ -90,13 +90,7 @@ def main() -> None:
     with torch.no_grad():
         for N in (int(s) for s in args.sizes.split(",")):
             rows = rows_for(N, tol, max_iter)
-            for fn in rows.values():  # warm: allocator, first launches
-                common.host_and_wall_us(fn, 20)
-            best = {name: (float("inf"), float("inf")) for name in rows}
-            for _ in range(args.rounds):
-                for name, fn in rows.items():
-                    host, wall = common.host_and_wall_us(fn, args.calls)
-                    best[name] = (min(best[name][0], host), min(best[name][1], wall))
+            best = common.best_host_and_wall_us(rows, args.calls, args.rounds)
             for name, (host, wall) in best.items():
                 print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
 

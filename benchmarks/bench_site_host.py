@@ -78,13 +78,7 @@ def main() -> None:
     with torch.no_grad():
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows = rows_for(tokens, args.hidden, args.streams, torch.bfloat16)
-            for fn in rows.values():  # warm: plans, allocator, first launches
-                common.host_and_wall_us(fn, 20)
-            best = {name: (float("inf"), float("inf")) for name in rows}
-            for _ in range(args.rounds):
-                for name, fn in rows.items():
-                    host, wall = common.host_and_wall_us(fn, args.calls)
-                    best[name] = (min(best[name][0], host), min(best[name][1], wall))
+            best = common.best_host_and_wall_us(rows, args.calls, args.rounds)
             for name, (host, wall) in best.items():
                 if name == "linked":  # two blocks per call
                     host, wall = host / 2, wall / 2
