@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
     p.add_argument("--n-streams", type=int, default=4, help="mHC streams n (default 4)")
+    p.add_argument("--keep-streams-every", type=int, default=1,
+                   help="the mHC models' keep_streams_every (default 1: every site keeps its streams)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation (default sdpa)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0, help="weights' and inputs' seed (default 0)")
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = args.heads
-    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "n_streams"):
+    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "n_streams",
+                 "keep_streams_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -132,7 +135,8 @@ def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg).to(args.device, DTYPES[args.dtype])
     if variant != "residual":
-        model = mhc.convert_to_mhc(model, n_streams=args.n_streams, init="paper", fused=variant == "mhc fused")
+        model = mhc.convert_to_mhc(model, n_streams=args.n_streams, init="paper", fused=variant == "mhc fused",
+                                   keep_streams_every=args.keep_streams_every if variant == "mhc fused" else 1)
         if variant == "mhc fused" and args.device == "cpu":
             for block in model.modules():
                 if isinstance(block, mhc.MHCBlock):
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"Llama hidden {args.hidden}, {args.layers} layers ({sites} sites), "
                  f"{args.heads} heads ({args.kv_heads} kv), "
                  f"intermediate {args.intermediate}, vocab {args.vocab}, {args.attn}, {args.dtype}; "
-                 f"batch {args.batch} x seq {args.seq} = {tokens} tokens; mHC n={args.n_streams}, init=paper",
+                 f"batch {args.batch} x seq {args.seq} = {tokens} tokens; mHC n={args.n_streams}, init=paper, "
+                 f"keep_streams_every={args.keep_streams_every} (fused)",
     }
     results = {}
     for variant in ("residual", "mhc fused", "mhc fused=False"):

@@ -128,8 +128,8 @@ class MHCBlock(nn.Module):
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
-        # Generation: the block whose first step rides on this one's post-mix launch (next_site),
-        # and the first step a previous block computed for this one (see _take_prefetched).
+        # The block that runs next on this one's output (next_site), and what a previous block left
+        # for this one: its first step (generation) or how to recompute its input (_take_prefetched).
         self._next_site: weakref.ref | None = None
         self._prefetched: list = [None]
         self.hidden_size = sizes["hidden_size"]
@@ -292,17 +292,19 @@ class MHCBlock(nn.Module):
                 raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
 
     def _take_prefetched(self, x: Tensor) -> tuple | None:
-        # The (u, site) the previous block's post-mix launch computed for this call, if x is that
-        # block's output, unmodified, and grad is still off; dropped either way.
+        # What the previous block left for this call, if x is that block's output, unmodified;
+        # dropped either way. Without grad (generation): (u, site), this block's first step, which
+        # the previous post-mix launch computed. With grad: (recipe,), how to recompute x in
+        # backward (keep_streams_every).
         slot = self._prefetched
         stash = slot[0]
         if stash is None:
             return None
         slot[0] = None
         # (x is the stash's own tensor, made outside inference_mode, so it has a version counter.)
-        if stash[0] is not x or torch.is_grad_enabled() or x._version != stash[1]:
+        if stash[0] is not x or (len(stash) == 3) != torch.is_grad_enabled() or x._version != stash[1]:
             return None
-        return stash[2], stash[3]
+        return stash[2:]
 
     def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple] | None:
         # (next_site, its coefficients) if this site ran on the no-grad token path and the next
@@ -380,7 +382,9 @@ class MHCBlock(nn.Module):
         separate calls. The next block uses that first step only if it is
         called on this block's output, unchanged; any other input runs its own.
         Not under ``torch.inference_mode`` (its tensors keep no version counter
-        to tell an unchanged output). Held weakly, and not kept by pickling or
+        to tell an unchanged output). In training with ``keep_streams_every > 1``
+        the next block keeps no copy of this one's output for backward and
+        recomputes it there (:class:`mhc.MHCOptions`). Held weakly, and not kept by pickling or
         ``copy.deepcopy`` (the copy runs unlinked, which is only slower).
         """
         ref = self._next_site
@@ -406,11 +410,12 @@ class MHCBlock(nn.Module):
         # forward() checked the streams, uses_fused() what else the fused nodes need.
         prefetched = self._take_prefetched(x)
         fast = self.uses_fused(x)
-        if fast and prefetched is not None:  # the previous block's post-mix launch computed it
+        if fast and prefetched is not None and len(prefetched) == 2:  # the previous post-mix launch computed it
             u, mix = prefetched
         elif fast:  # coefficients, H_res and the pre-mix: one fused node
             opts = self._options
-            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol)
+            recipe = prefetched[0] if prefetched is not None else None  # x recomputed in backward
+            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe)
         else:
             H_pre, H_post, H_res = self.coefficients(x)
             u, anchor, dev = site.pre_mix(x, H_pre)
@@ -422,7 +427,12 @@ class MHCBlock(nn.Module):
 
         if fast:
             after = self._fusable_next(x, mix)
-            if after is None:
+            if after is None and self._options.keep_streams_every > 1 and self._next_site is not None:
+                x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
+                block = self._next_site()
+                if recipe is not None and block is not None:
+                    block._prefetched[0] = (x_new, x_new._version, recipe)
+            elif after is None:
                 x_new = fused.post_mix_unchecked(y, mix)
             else:
                 block, params = after
@@ -448,6 +458,8 @@ class MHCBlock(nn.Module):
             s += f", sinkhorn_iters={opts.sinkhorn_iters}, sinkhorn_eps={self._sinkhorn_eps:g}"
         if opts.recompute:
             s += ", recompute=True"
+        if opts.keep_streams_every > 1:
+            s += f", keep_streams_every={opts.keep_streams_every}"
         return s
 
 

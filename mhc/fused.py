@@ -47,7 +47,8 @@ from .options import check_options
 from .projection_common import NEWTON_MAX_ITER
 
 __all__ = [
-    "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_then_pre_unchecked",
+    "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_mix_recording",
+    "post_then_pre_unchecked",
     "is_token_site", "clear_plans",
     "compiled_variants", "SUPPORTED_DTYPES",
 ]
@@ -135,13 +136,52 @@ class _SiteState:
     ``Function.apply`` costs host time). ``d_out`` is ``dx'`` (detached), set
     by ``_PostMix``'s backward. ``switch_device``: the forward found another
     CUDA device current than the streams', so the post-mix launches under the
-    streams' device too.
+    streams' device too. ``streams``: ``None`` when the nodes keep the
+    streams ``x`` for backward, else the :class:`_StreamsRecipe` that
+    recomputes them there (``keep_streams_every``).
     """
 
-    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device")
+    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams")
 
     def __init__(self, plan, eps: float, tol: float):
         self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
+        self.streams = None
+
+
+class _StreamsRecipe:
+    """A site's output streams ``x' = H_res·x + H_post ⊗ y``, kept as how to compute them again.
+
+    The next site's nodes hold this instead of ``x'``. ``source`` is the
+    site's own input streams (a tensor) or their recipe in turn; ``y``, ``h``
+    and ``H_res`` are tensors the site's nodes keep anyway, so a recipe costs
+    no activation memory. :meth:`get` runs the post-mix kernel again the
+    first time the backward needs ``x'`` (with the same inputs and kernel, so
+    the same bits) and keeps the result, and the chain's, until
+    :meth:`release` (the next site's last use of ``x'``, its pre-step
+    backward). ``depth``: post-mixes since the last kept streams.
+    """
+
+    __slots__ = ("source", "y", "h", "H_res", "state", "depth", "value")
+
+    def __init__(self, source, y: Tensor, h: Tensor, H_res: Tensor, state: _SiteState, depth: int):
+        self.source, self.y, self.h, self.H_res, self.state, self.depth = source, y, h, H_res, state, depth
+        self.value = None
+
+    def get(self) -> Tensor:
+        if self.value is None:
+            if self.state is None:
+                raise RuntimeError(
+                    "mhc: these streams were recomputed and released by an earlier backward through this graph; "
+                    "keep_streams_every > 1 supports one backward per forward (use keep_streams_every=1 for "
+                    "retain_graph=True)"
+                )
+            source = self.source.get() if isinstance(self.source, _StreamsRecipe) else self.source
+            with torch.no_grad():
+                self.value = _post_launch(_post_forward, source, self.y, self.h, self.H_res, self.state)
+        return self.value
+
+    def release(self) -> None:
+        self.source = self.y = self.h = self.H_res = self.state = self.value = None
 
 
 class _SitePre(torch.autograd.Function):
@@ -161,20 +201,29 @@ class _SitePre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
         u, zr, h, H_res = _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state)
-        ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+        if state.streams is None:
+            ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+        else:  # recomputed in backward (keep_streams_every)
+            ctx.save_for_backward(phi, alpha, zr, h, H_res)
         ctx.state = state
         return u, h, H_res
 
     @staticmethod
     @once_differentiable
     def backward(ctx, du, d_h, d_res):
-        x, phi, alpha, zr, h, H_res = ctx.saved_tensors
         state: _SiteState = ctx.state
+        recipe = state.streams
+        if recipe is None:
+            x, phi, alpha, zr, h, H_res = ctx.saved_tensors
+        else:
+            x, (phi, alpha, zr, h, H_res) = recipe.get(), ctx.saved_tensors
         # dx' is None when the site's output took no part in the loss (only H_post / H_res did).
         d_out, state.d_out = state.d_out, None
         dx, dphi, d_alpha, db_pre, db_post, db_res = _steps.pre_backward(
             state.plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, *ctx.needs_input_grad[:2]
         )
+        if recipe is not None:  # the streams' last use in backward
+            recipe.release()
         return dx, dphi, d_alpha, db_pre, db_post, db_res, None
 
 
@@ -187,14 +236,20 @@ class _PostMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, h_res: Tensor, state: _SiteState):
         out = _post_forward(x, y, h, h_res, state)
-        ctx.save_for_backward(x, y, h)
+        if state.streams is None:
+            ctx.save_for_backward(x, y, h)
+        else:  # recomputed in backward (keep_streams_every)
+            ctx.save_for_backward(y, h)
         ctx.state = state
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
-        x, y, h = ctx.saved_tensors
+        if ctx.state.streams is None:
+            x, y, h = ctx.saved_tensors
+        else:
+            x, (y, h) = ctx.state.streams.get(), ctx.saved_tensors
         dout = _dense(dout)
         dy, g_h, g_res = _steps.post_backward(ctx.state.plan, dout, x, y, h)
         ctx.state.d_out = dout
@@ -311,12 +366,16 @@ def post_mix(y: Tensor, site: tuple) -> Tensor:
     return post_mix_unchecked(y, site)
 
 
-def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, tuple]:
+def site_pre_unchecked(
+    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, streams: _StreamsRecipe | None = None
+) -> tuple[Tensor, tuple]:
     """:func:`site_pre` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`).
 
     ``norm_eps`` and ``tol`` must be Python floats. On the H200's host every
     Python-level check of a site costs microseconds, 24 sites a step, and the
-    forward of a ~125M model is bound by its host time.
+    forward of a ~125M model is bound by its host time. ``streams``: how to
+    recompute ``x`` in backward (from :func:`post_mix_recording` of the site
+    that made ``x``); the nodes then keep no streams. Ignored without grad.
     """
     if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused_ops)
         return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
@@ -332,6 +391,7 @@ def site_pre_unchecked(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
+    state.streams = streams
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
     # tokens per step the site's cost is its host time.
     pre = _site_pre if torch.is_grad_enabled() else _pre_forward
@@ -379,10 +439,32 @@ def post_mix_unchecked(y: Tensor, site: tuple) -> Tensor:
         # Grad came on inside the branch and stayed on: the post-mix node, as after the grad path's pre-step.
         h, H_res = _tokens.unpack(h, x.shape[-2])
         state = _SiteState(_plan(x), 0.0, 0.0)
-    y = _dense(y, x.dtype)
     # Grad is checked again here, not carried over from site_pre: a branch run under
     # enable_grad still gets its gradient from the post-mix node.
-    post = _post_mix if torch.is_grad_enabled() else _post_forward
+    return _post_launch(_post_mix if torch.is_grad_enabled() else _post_forward, x, _dense(y, x.dtype), h, H_res, state)
+
+
+def post_mix_recording(y: Tensor, site: tuple, keep_every: int) -> tuple[Tensor, _StreamsRecipe | None]:
+    """:func:`post_mix_unchecked`, and how to recompute its output in backward, for the next site.
+
+    Returns ``(x', recipe)``. ``recipe`` is ``None`` where the next site must
+    keep ``x'`` itself: ``keep_every`` post-mixes since the last kept streams,
+    no grad, or a site that is not on the eager grad path (``torch.compile``,
+    the no-grad token kernels).
+    """
+    x, h, H_res, state = site
+    if state is None or state is _TOKENS_NO_GRAD or not torch.is_grad_enabled():
+        return post_mix_unchecked(y, site), None
+    y = _dense(y, x.dtype)
+    out = _post_launch(_post_mix, x, y, h, H_res, state)
+    depth = 1 if state.streams is None else state.streams.depth + 1
+    if depth >= keep_every:
+        return out, None
+    return out, _StreamsRecipe(x if state.streams is None else state.streams, y, h, H_res, state, depth)
+
+
+def _post_launch(post, x, y, h, H_res, state: _SiteState) -> Tensor:
+    """``post(x, y, h, H_res, state)`` under the streams' device when the forward found another one current."""
     if state.switch_device:
         with torch.cuda.device(state.plan.cuda_device):
             return post(x, y, h, H_res, state)

@@ -91,6 +91,8 @@ class MHCConfig(_BaseConfig):
         fused: run CUDA streams on the fused Triton kernels (``MHCBlock(fused=...)``).
         recompute: each site keeps only its inputs for backward and runs its
             forward again there (``MHCBlock(recompute=...)``).
+        keep_streams_every: keep the streams for backward only at every
+            ``k``-th site and recompute the others' (:class:`mhc.MHCOptions`).
         alpha_init: initial dynamic scale ``α``.
         norm_eps: epsilon of the coefficient RMSNorm.
         expand: how the embedding enters the streams; ``"copy"`` (the only
@@ -126,6 +128,7 @@ class MHCConfig(_BaseConfig):
         sinkhorn_iters: int = 20,
         fused: bool = True,
         recompute: bool = False,
+        keep_streams_every: int = 1,
         alpha_init: float = 0.01,
         norm_eps: float = 1e-6,
         expand: str = "copy",
@@ -150,7 +153,7 @@ class MHCConfig(_BaseConfig):
         n_streams = check_options(n_streams=n_streams)["n_streams"]
         opts = MHCOptions(
             mode=mode, init=init, projection=projection, tol=tol, sinkhorn_iters=sinkhorn_iters, fused=fused,
-            recompute=recompute, alpha_init=alpha_init, norm_eps=norm_eps,
+            recompute=recompute, keep_streams_every=keep_streams_every, alpha_init=alpha_init, norm_eps=norm_eps,
         )
         if expand != "copy":
             raise ValueError(f"expand must be 'copy', got {expand!r}")

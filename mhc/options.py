@@ -77,6 +77,7 @@ _OPTION_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sinkhorn_iters": lambda k, v: _integer(k, v, 1),
     "fused": _flag,
     "recompute": _flag,
+    "keep_streams_every": lambda k, v: _integer(k, v, 1),
     # A block's own epsilons (MHCBlock keywords, not MHCOptions fields): the DeepSeek-V4 form sets them.
     "pre_eps": _non_negative,
     "sinkhorn_eps": _non_negative,
@@ -110,7 +111,8 @@ def check_options(**options: Any) -> dict[str, Any]:
     bools): ``hidden_size``, ``n_streams`` and ``sinkhorn_iters`` ``>= 1``,
     ``layer_index >= 0``. ``tol`` and ``norm_eps`` are finite and ``> 0``,
     ``pre_eps`` and ``sinkhorn_eps`` finite and ``>= 0``, ``alpha_init``
-    finite; ``fused`` and ``recompute`` are bools.
+    finite; ``fused`` and ``recompute`` are bools; ``keep_streams_every`` an
+    int ``>= 1``.
 
     Raises:
         TypeError: an unknown option (naming the closest known one) or a value of the wrong type.
@@ -153,6 +155,16 @@ class MHCOptions:
             ``False`` keeps the PyTorch path everywhere.
         recompute: keep only the site's inputs for backward and run its
             forward again there, the sublayer included (default ``False``).
+        keep_streams_every: in a chain of linked fused sites
+            (:attr:`mhc.MHCBlock.next_site`; :class:`mhc.MHCForCausalLM` links
+            its sites in order), keep the input streams for backward only at
+            every ``k``-th site; the sites between recompute theirs in
+            backward from the last kept ones, one post-mix kernel each
+            (``H_res·x + H_post ⊗ y`` from tensors the previous site keeps
+            anyway), which saves ``n·C`` per token at each such site. ``1``
+            (the default) keeps them at every site. Only the eager fused path
+            on CUDA records the chain; elsewhere every site keeps its streams.
+            Cannot be combined with ``recompute=True``, which keeps no streams.
         alpha_init: initial value of the three dynamic scales ``α``, finite (default ``0.01``).
         norm_eps: epsilon of the coefficient RMSNorm, finite and ``> 0`` (default ``1e-6``).
 
@@ -169,12 +181,18 @@ class MHCOptions:
     sinkhorn_iters: int = 20
     fused: bool = True
     recompute: bool = False
+    keep_streams_every: int = 1
     alpha_init: float = 0.01
     norm_eps: float = 1e-6
 
     def __post_init__(self):
         for name, value in check_options(**self.to_dict()).items():
             object.__setattr__(self, name, value)
+        if self.recompute and self.keep_streams_every > 1:
+            raise ValueError(
+                f"recompute=True keeps no streams for backward; keep_streams_every={self.keep_streams_every} "
+                "(recompute the streams between kept ones) cannot be combined with it"
+            )
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

@@ -39,6 +39,9 @@ BAD_VALUES = [
     ("alpha_init", True, TypeError),
     ("fused", 1, TypeError),
     ("recompute", "yes", TypeError),
+    ("keep_streams_every", 0, ValueError),
+    ("keep_streams_every", 2.0, TypeError),
+    ("keep_streams_every", True, TypeError),
     ("mode", "mch", ValueError),
     ("init", "zeros", ValueError),
     ("projection", "Newton", ValueError),
@@ -160,11 +163,12 @@ OPTION_BAD_VALUES = [(name, value, error) for name, value, error in BAD_VALUES i
 
 def test_options_fields_are_the_site_settings():
     assert MHCOptions.fields() == (
-        "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "alpha_init", "norm_eps"
+        "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "keep_streams_every",
+        "alpha_init", "norm_eps",
     )
     defaults = MHCOptions().to_dict()
     assert defaults == dict(mode="mhc", init="identity", projection="newton", tol=1e-6, sinkhorn_iters=20,
-                            fused=True, recompute=False, alpha_init=0.01, norm_eps=1e-6)
+                            fused=True, recompute=False, keep_streams_every=1, alpha_init=0.01, norm_eps=1e-6)
     assert json.loads(json.dumps(defaults)) == defaults  # plain values
 
 
