@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "require_cuda", "environment", "time_calls", "host_and_wall_us", "best_host_and_wall_us", "Measurement",
-    "interleaved", "copy_gbps", "llama_134m", "llama_model", "training_step", "write_json",
+    "require_cuda", "environment", "time_calls", "host_and_wall_us", "best_host_and_wall_us", "step_peak_memory",
+    "Measurement", "interleaved", "copy_gbps", "llama_134m", "llama_model", "training_step", "write_json",
 ]
 
 
@@ -91,6 +91,25 @@ def best_host_and_wall_us(
             host, wall = host_and_wall_us(fn, calls)
             best[name] = (min(best[name][0], host), min(best[name][1], wall))
     return best
+
+
+def step_peak_memory(model, step: Callable[[], None]) -> dict[str, float]:
+    """GB: what ``model`` keeps between steps (parameters and ``step.optimizer``'s state) and one step's peak.
+
+    ``step`` from :func:`training_step`, run at least once (the optimizer's
+    state exists). The peak is that resident memory plus the step's peak above
+    everything allocated before it (activations, gradients, temporaries), so
+    models that share a process are measured as if each were alone.
+    """
+    state = [t for s in step.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    above = torch.cuda.max_memory_allocated() - before
+    return {"resident_gb": resident / 1e9, "peak_gb": (resident + above) / 1e9}
 
 
 @dataclass
@@ -168,6 +187,8 @@ def training_step(model, ids: torch.Tensor, lr: float = 1e-4) -> Callable[[], No
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    step.optimizer = opt  # for step_peak_memory's resident bytes
 
     return step
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -63,6 +64,32 @@ def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch
     assert result["b"].round_medians == [4.0, 6.0] and result["b"].ms == 4.0
     with pytest.raises(ValueError, match="rounds"):
         common.interleaved({"a": lambda: None}, rounds=0)
+
+
+def test_common_step_peak_memory_adds_the_model_resident_bytes_to_the_step_peak(monkeypatch):
+    """common.step_peak_memory: parameters + optimizer state, plus the step's peak above what was allocated before."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    model = torch.nn.Linear(10, 10)  # 110 float32 parameters
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        model(torch.randn(3, 10)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.optimizer = opt
+    step()  # exp_avg and exp_avg_sq: 2 * 110 floats, plus 2 scalar step counts
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 1700)
+    figures = common.step_peak_memory(model, step)
+    resident = 110 * 4 * 3 + 2 * 4
+    assert figures["resident_gb"] == resident / 1e9 and figures["peak_gb"] == (resident + 700) / 1e9
 
 
 def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_path):
