@@ -429,8 +429,8 @@ class MHCBlock(nn.Module):
             after = self._fusable_next(x, mix)
             if after is None and self._options.keep_streams_every > 1 and self._next_site is not None:
                 x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
-                block = self._next_site()
-                if recipe is not None and block is not None:
+                block = self._next_site() if recipe is not None else None  # (None under torch.compile)
+                if block is not None:
                     block._prefetched[0] = (x_new, x_new._version, recipe)
             elif after is None:
                 x_new = fused.post_mix_unchecked(y, mix)
