@@ -48,9 +48,7 @@ from .projection_common import NEWTON_MAX_ITER
 
 __all__ = [
     "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_mix_recording",
-    "post_then_pre_unchecked",
-    "is_token_site", "clear_plans",
-    "compiled_variants", "SUPPORTED_DTYPES",
+    "post_then_pre_unchecked", "is_token_site", "clear_plans", "compiled_variants", "SUPPORTED_DTYPES",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -144,8 +142,7 @@ class _SiteState:
     __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams")
 
     def __init__(self, plan, eps: float, tol: float):
-        self.plan, self.eps, self.tol, self.d_out, self.switch_device = plan, eps, tol, None, False
-        self.streams = None
+        self.plan, self.eps, self.tol, self.d_out, self.switch_device, self.streams = plan, eps, tol, None, False, None
 
 
 class _StreamsRecipe:
@@ -391,7 +388,8 @@ def site_pre_unchecked(
     cdt = plan.cdt
     params = (_dense(phi, cdt), _dense(alpha, cdt), _dense(b_pre, cdt), _dense(b_post, cdt), _dense(b_res, cdt))
     state = _SiteState(plan, norm_eps, tol)
-    state.streams = streams
+    if streams is not None and not _under_checkpoint():
+        state.streams = streams
     # Without grad (generation) no node is recorded, so the kernels run without one: at a few
     # tokens per step the site's cost is its host time.
     pre = _site_pre if torch.is_grad_enabled() else _pre_forward
@@ -449,11 +447,12 @@ def post_mix_recording(y: Tensor, site: tuple, keep_every: int) -> tuple[Tensor,
 
     Returns ``(x', recipe)``. ``recipe`` is ``None`` where the next site must
     keep ``x'`` itself: ``keep_every`` post-mixes since the last kept streams,
-    no grad, or a site that is not on the eager grad path (``torch.compile``,
-    the no-grad token kernels).
+    no grad, activation checkpointing (``torch.utils.checkpoint``), or a site
+    that is not on the eager grad path (``torch.compile``, the no-grad token
+    kernels).
     """
     x, h, H_res, state = site
-    if state is None or state is _TOKENS_NO_GRAD or not torch.is_grad_enabled():
+    if state is None or state is _TOKENS_NO_GRAD or not torch.is_grad_enabled() or _under_checkpoint():
         return post_mix_unchecked(y, site), None
     y = _dense(y, x.dtype)
     out = _post_launch(_post_mix, x, y, h, H_res, state)
@@ -461,6 +460,17 @@ def post_mix_recording(y: Tensor, site: tuple, keep_every: int) -> tuple[Tensor,
     if depth >= keep_every:
         return out, None
     return out, _StreamsRecipe(x if state.streams is None else state.streams, y, h, H_res, state, depth)
+
+
+def _under_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint manages what autograd saves here (its forward or its recomputation).
+
+    Recipes stay off there: checkpointing checks that both passes save the
+    same tensors, which a recipe taken across its boundary in one pass only
+    would break, and it keeps less than a recipe would pin.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def _post_launch(post, x, y, h, H_res, state: _SiteState) -> Tensor:

@@ -163,7 +163,8 @@ class MHCOptions:
             (``H_res·x + H_post ⊗ y`` from tensors the previous site keeps
             anyway), which saves ``n·C`` per token at each such site. ``1``
             (the default) keeps them at every site. Only the eager fused path
-            on CUDA records the chain; elsewhere every site keeps its streams.
+            on CUDA records the chain, and not under activation checkpointing
+            (``torch.utils.checkpoint``); elsewhere every site keeps its streams.
             Cannot be combined with ``recompute=True``, which keeps no streams.
         alpha_init: initial value of the three dynamic scales ``α``, finite (default ``0.01``).
         norm_eps: epsilon of the coefficient RMSNorm, finite and ``> 0`` (default ``1e-6``).

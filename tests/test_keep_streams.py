@@ -188,3 +188,37 @@ def test_converted_llama_recomputes_streams_between_layers(monkeypatch, fresh_se
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b)), f"seed {fresh_seed}"
     one = 2 * 11 * N * 32 * 4
     assert streams_a == 6 * one and streams_b == 2 * one, (streams_a, streams_b, one)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "granite", "mixtral", "gpt_neox", "phi", "gpt2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_every_layout_gets_the_kept_streams_gradients(family, checkpointing, monkeypatch):
+    """One family per adapter layout (tests/test_families.py's REPRESENTATIVE), fused sites in the interpreter on
+    the CPU: keep_streams_every=2 gives keep_streams_every=1's gradients bit for bit, also under HF's activation
+    checkpointing, and without checkpointing it saves fewer stream tensors wherever sites follow one another."""
+    from test_families import enable_checkpointing, family_model, perturb, token_ids
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    results = []
+    for keep_every in (1, 2):
+        model = mhc.convert_to_mhc(family_model(family), n_streams=N, keep_streams_every=keep_every).to(DEVICE)
+        perturb(model)
+        model.train()
+        for m in model.modules():  # dropout would draw different masks in the two runs
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        if checkpointing:
+            enable_checkpointing(model)
+        x = token_ids(batch=2, seq=8).to(DEVICE)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        streams = sum(1 for t in saved if t.dim() == 4 and t.shape[:3] == (2, 8, N))
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, streams))
+    (loss_a, grads_a, streams_a), (loss_b, grads_b, streams_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a), family
+    if not checkpointing:
+        assert streams_b < streams_a, (family, streams_a, streams_b)
