@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 checks of issues #23 and #27, in stages, logs under $OUT (default ./gpu_out):
 #   setup    install mhc (editable) and build the CUDA projection
-#   tests    the CUDA tests of the projection, the fused site, non-finite input and torch.compile
+#   tests    the CUDA tests of the projection, the fused site, keep_streams_every, non-finite input and torch.compile
 #   peers    build mHC-proj / mHC.cu (benchmarks/build_peers.sh), then bench_projection_peers.py
 #   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile)
 #   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
@@ -34,7 +34,7 @@ for stage in "$@"; do
       python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
     tests)
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} ${SITE_TESTS-tests/test_fused_block.py} tests/test_fused_tokens.py tests/test_fused_launches.py \
-        tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
+        tests/test_keep_streams.py tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
         "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k "cuda or boundaries or other_input" 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
     peers)
