@@ -427,18 +427,18 @@ class MHCBlock(nn.Module):
 
         if fast:
             after = self._fusable_next(x, mix)
-            if after is None and self._options.keep_streams_every > 1 and self._next_site is not None:
-                x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
-                block = self._next_site() if recipe is not None else None  # (None under torch.compile)
-                if block is not None:
-                    block._prefetched[0] = (x_new, x_new._version, recipe)
-            elif after is None:
-                x_new = fused.post_mix_unchecked(y, mix)
-            else:
+            if after is not None:  # generation: this post-mix and the next block's first step in one launch
                 block, params = after
                 opts = block._options
                 x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol)
                 block._prefetched[0] = (x_new, x_new._version, u_next, mix_next)
+            elif self._options.keep_streams_every > 1 and self._next_site is not None:
+                x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
+                block = self._next_site() if recipe is not None else None  # (None under torch.compile)
+                if block is not None:
+                    block._prefetched[0] = (x_new, x_new._version, recipe)
+            else:
+                x_new = fused.post_mix_unchecked(y, mix)
         elif self._options.mode == "residual":
             x_new = x + y.unsqueeze(-2)
         else:

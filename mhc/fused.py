@@ -454,8 +454,8 @@ def post_mix_recording(y: Tensor, site: tuple, keep_every: int) -> tuple[Tensor,
     x, h, H_res, state = site
     if state is None or state is _TOKENS_NO_GRAD or not torch.is_grad_enabled() or _under_checkpoint():
         return post_mix_unchecked(y, site), None
-    y = _dense(y, x.dtype)
-    out = _post_launch(_post_mix, x, y, h, H_res, state)
+    y = _dense(y, x.dtype)  # the tensor the post-mix node keeps (dense already, so not copied again there)
+    out = post_mix_unchecked(y, site)
     depth = 1 if state.streams is None else state.streams.depth + 1
     if depth >= keep_every:
         return out, None

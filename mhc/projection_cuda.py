@@ -293,10 +293,10 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
     as in :func:`project`. ``None`` under ``torch.compile`` (dynamo traces the
     op instead), under functorch transforms, or while the extension is
     unavailable. At small batches this call's host time is the projection's
-    cost (issue #23), hence the bound names and the inlined poll count.
+    cost (issue #23).
     """
     # torch.compile traces the op instead (functorch transforms: the extension answers None itself).
-    if _is_compiling():
+    if torch.compiler.is_compiling():
         return None
     if _project_or_none is None or not _ENABLED:
         # Not loaded yet (a CPU tensor must not trigger the build) or switched off.
@@ -304,14 +304,8 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
             return None
     T = _project_or_none(logits, tol, max_iter)  # None unless CUDA, n in {4, 8} and fp32/bf16/fp16
     if T is not None:
-        global _calls  # poll(T), inlined
-        _calls += 1
-        if not _calls % POLL_EVERY:
-            _look(T)
+        poll(T)
     return T
-
-
-_is_compiling = torch.compiler.is_compiling
 
 
 def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
