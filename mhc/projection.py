@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from . import projection_cuda
@@ -52,6 +53,7 @@ _NEWTON = "newton"
 _TOL = 1e-6
 _MAX_ITER = NEWTON_MAX_ITER
 _ITERS = 20
+_is_compiling = torch.compiler.is_compiling  # dynamo knows the function, not the name
 
 
 def birkhoff_project(
@@ -95,15 +97,18 @@ def birkhoff_project(
             of range (``tol`` NaN, Inf or <= 0; unknown ``method``).
     """
     # The common call (CUDA kernels, plain options) in a few exact type tests that imply every
-    # check of check_arguments: at small batches the wrapper's host time is the call's cost.
+    # check of check_arguments, then projection_cuda.project_fast's call made inline: at small
+    # batches this wrapper's host time is the call's cost, and one Python frame is 5% of it.
     if type(logits) is Tensor and method is _NEWTON and return_info is False and (
         tol is _TOL and max_iter is _MAX_ITER and iters is _ITERS
         or type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int and max_iter >= 0
         and type(iters) is int and iters >= 1
     ):
-        T = projection_cuda.project_fast(logits, tol, max_iter)
-        if T is not None:
-            return T
+        forward = projection_cuda.fast_forward  # None until the extension loads, or when switched off
+        if forward is not None and not _is_compiling():  # dynamo traces the op instead
+            T = forward(logits, tol, max_iter)  # None where the kernels do not take logits
+            if T is not None:
+                return T
     check_arguments(logits, tol, max_iter, method, iters, return_info)
     if method == "newton" and logits.is_cuda:
         # Fused kernels for n in {4, 8} and fp32/bf16/fp16 (mhc/projection_cuda.py).

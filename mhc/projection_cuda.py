@@ -44,8 +44,8 @@ from .projection_common import ConvergenceWarning, effective_tol, newton_report
 from .projection_reference import birkhoff_backward
 
 __all__ = [
-    "available", "extension", "supports", "project", "project_fast", "project_no_autograd", "poll", "unconverged_count",
-    "check_convergence", "reset_convergence_tracking", "set_enabled",
+    "available", "extension", "fast_forward", "supports", "project", "project_fast", "project_no_autograd", "poll",
+    "unconverged_count", "check_convergence", "reset_convergence_tracking", "set_enabled",
 ]
 
 SUPPORTED_N = (4, 8)
@@ -54,7 +54,7 @@ POLL_EVERY = 64  # eager calls between two non-blocking looks at the counter
 
 _LOADED: bool | None = None  # None: not tried yet
 _module = None  # the extension's Python module, once loaded
-_project_or_none = None  # its unchecked forward (csrc/birkhoff.cu)
+fast_forward = None  # its project_or_none while loaded and enabled, else None (see project_fast)
 _ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
 _lock = threading.Lock()
 _calls = 0
@@ -80,10 +80,11 @@ def set_enabled(enabled: bool) -> bool:
     on the PyTorch Newton path even for CUDA tensors (the training config's
     ``fused_projection: false``, or an A/B against the reference).
     """
-    global _ENABLED
+    global _ENABLED, fast_forward
     if not isinstance(enabled, bool):
         raise TypeError(f"set_enabled takes a bool, got {type(enabled).__name__}")
     previous, _ENABLED = _ENABLED, enabled
+    fast_forward = _module.project_or_none if enabled and _module is not None else None
     return previous
 
 
@@ -105,8 +106,11 @@ def _try_load() -> None:
         try:
             module = _build.load()
             _register()
-            global _project_or_none, _module
-            _module, _project_or_none = module, module.project_or_none
+            module.set_poll(_counter_seen, POLL_EVERY)
+            global fast_forward, _module
+            _module = module
+            if _ENABLED:
+                fast_forward = module.project_or_none
             _LOADED = True
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
             _LOADED = False
@@ -221,17 +225,26 @@ def reset_convergence_tracking(device=None) -> None:
     torch.ops.mhc.birkhoff_unconverged(dev, 1)
     _last_warned.pop(dev, None)
     _calls = 0
+    _module.set_poll(_counter_seen, POLL_EVERY)  # restarts the extension's own count (fast_forward's calls)
 
 
 def poll(tensor: Tensor) -> None:
     """Non-blocking look at the counter of ``tensor``'s device.
 
     Every :data:`POLL_EVERY` eager calls, never while a CUDA graph is captured.
+    For the calls made from Python (:func:`project`, :func:`project_no_autograd`);
+    :data:`fast_forward` counts its own calls in the extension and looks the same
+    way, reporting to :func:`_counter_seen`.
     """
     global _calls
     _calls += 1
     if not _calls % POLL_EVERY:
         _look(tensor)
+
+
+def _counter_seen(dev: int, count: int) -> None:
+    """The extension's callback when its look at the counter of ``cuda:dev`` saw ``count > 0``."""
+    _warn_if_grown(dev, count)
 
 
 def _look(tensor: Tensor) -> None:
@@ -287,25 +300,24 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
     """:func:`mhc.birkhoff_project` for checked options, or ``None`` where the CUDA kernels do not take ``logits``.
 
     ``logits`` must be a plain ``Tensor`` (not a subclass), ``tol`` a finite
-    float ``> 0`` and ``max_iter`` an int ``>= 0``. One call into the
-    extension, which decides whether its kernels take ``logits`` and picks the
-    autograd node when a graph is recorded; the convergence counter is polled
-    as in :func:`project`. ``None`` under ``torch.compile`` (dynamo traces the
-    op instead), under functorch transforms, or while the extension is
-    unavailable. At small batches this call's host time is the projection's
-    cost (issue #23).
+    float ``> 0`` and ``max_iter`` an int ``>= 0``. One call of
+    :data:`fast_forward`, the extension's ``project_or_none``: it decides
+    whether its kernels take ``logits``, picks the autograd node when a graph
+    is recorded and polls the convergence counter every :data:`POLL_EVERY`
+    calls. ``None`` under ``torch.compile`` (dynamo traces the op instead),
+    under functorch transforms, or while the extension is unavailable.
+    :func:`mhc.birkhoff_project` makes the same call inline: at small batches
+    its host time is the projection's cost (issue #23).
     """
-    # torch.compile traces the op instead (functorch transforms: the extension answers None itself).
     if torch.compiler.is_compiling():
         return None
-    if _project_or_none is None or not _ENABLED:
+    forward = fast_forward
+    if forward is None:
         # Not loaded yet (a CPU tensor must not trigger the build) or switched off.
         if not (_ENABLED and logits.is_cuda and available()):
             return None
-    T = _project_or_none(logits, tol, max_iter)  # None unless CUDA, n in {4, 8} and fp32/bf16/fp16
-    if T is not None:
-        poll(T)
-    return T
+        forward = fast_forward
+    return forward(logits, tol, max_iter)
 
 
 def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mhc import ConvergenceWarning, MHCBlock, birkhoff_project, marginal_error
-from mhc.projection import birkhoff_backward, birkhoff_project_reference
+from mhc.projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project_reference
 
 DISTRIBUTIONS = {
     "normal1": lambda shape, g: torch.randn(shape, generator=g),
@@ -230,26 +230,38 @@ def test_cpu_input_never_builds_the_cuda_extension(monkeypatch):
     def no_build():
         raise AssertionError("the CUDA extension was asked for by a CPU call")
 
-    monkeypatch.setattr(projection_cuda, "_project_or_none", None)
+    monkeypatch.setattr(projection_cuda, "fast_forward", None)
     monkeypatch.setattr(projection_cuda, "available", no_build)
     monkeypatch.setattr(projection_cuda, "_try_load", no_build)
     R = torch.randn(8, 4, 4, generator=fresh_generator())
     assert torch.equal(birkhoff_project(R), birkhoff_project_reference(R))
 
 
-def test_hot_path_polls_the_counter_every_poll_every_calls(monkeypatch):
-    """With the extension's hot call mocked, the counter is looked at once per POLL_EVERY calls, on the output."""
+def test_hot_path_calls_the_extension_once_and_set_enabled_switches_it_off(monkeypatch):
+    """With the extension's hot call mocked, birkhoff_project with plain options is that one call (its answer
+    returned as is); other options, a subclass or set_enabled(False) go the checked way."""
     from mhc import projection_cuda
 
-    looked = []
-    monkeypatch.setattr(projection_cuda, "_project_or_none", lambda logits, tol, max_iter: logits * 1)
-    monkeypatch.setattr(projection_cuda, "_look", looked.append)
-    monkeypatch.setattr(projection_cuda, "_calls", 0)
+    calls = []
+
+    def hot_call(logits, tol, max_iter):
+        calls.append((tol, max_iter))
+        return logits * 1
+
+    monkeypatch.setattr(projection_cuda, "fast_forward", hot_call)
     R = torch.randn(8, 4, 4, generator=fresh_generator())
-    outs = [birkhoff_project(R) for _ in range(2 * projection_cuda.POLL_EVERY + 1)]
-    assert len(looked) == 2 and looked[0] is outs[projection_cuda.POLL_EVERY - 1]
-    monkeypatch.setattr(projection_cuda, "_ENABLED", False)  # set_enabled(False): the reference again
-    assert torch.equal(birkhoff_project(R), birkhoff_project_reference(R)) and len(looked) == 2
+    outs = [birkhoff_project(R) for _ in range(3)]
+    assert calls == [(1e-6, NEWTON_MAX_ITER)] * 3 and all(torch.equal(T, R) for T in outs)
+    assert torch.equal(birkhoff_project(R, tol=1e-7, max_iter=7), R) and calls[-1] == (1e-7, 7)
+    reference = birkhoff_project_reference(R)
+    assert torch.equal(birkhoff_project(R, return_info=True)[0], reference) and len(calls) == 4
+    assert torch.equal(birkhoff_project(torch.nn.Parameter(R)), reference) and len(calls) == 4
+    previous = projection_cuda.set_enabled(False)
+    try:
+        assert projection_cuda.fast_forward is None
+        assert torch.equal(birkhoff_project(R), reference) and len(calls) == 4
+    finally:
+        projection_cuda.set_enabled(previous)
 
 @pytest.mark.parametrize("method", ["newton", "sinkhorn"])
 def test_nonfinite_matrices_come_back_nan_and_others_stay_exact(method):

@@ -383,6 +383,54 @@ def test_project_no_autograd_is_the_same_kernel():
     assert projection_cuda.unconverged_count(reset=True) == 2 * info.num_unconverged > 0
 
 
+def test_hot_path_looks_at_the_counter_every_poll_every_calls():
+    """birkhoff_project's hot call counts itself in the extension: every POLL_EVERY calls it starts a copy of the
+    counter, and the next look hands the value copied to the warning, which fires once for one growth. A reset
+    forgets copies made before it, and no look runs while a CUDA graph is captured."""
+    from mhc import projection_cuda
+
+    R = _draw("normal10", (4096, 4, 4))
+    projection_cuda.reset_convergence_tracking()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = mhc.birkhoff_project(R, max_iter=0, return_info=True)
+        every = projection_cuda.POLL_EVERY
+        for _ in range(every):  # leaves a copy of a count > 0 in flight, which the reset must drop
+            mhc.birkhoff_project(R, max_iter=0)
+    per_call = info.num_unconverged
+    assert per_call > 0
+    projection_cuda.reset_convergence_tracking()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2 * every - 1):
+            mhc.birkhoff_project(R, max_iter=0)
+            torch.cuda.synchronize()
+        assert not caught  # the first look only started the copy
+        mhc.birkhoff_project(R, max_iter=0)
+    assert [w.category for w in caught] == [P.ConvergenceWarning]
+    assert f"{every * per_call} more matrices" in str(caught[0].message)
+
+    seen = []
+    projection_cuda.extension().set_poll(lambda dev, count: seen.append(count), 1)
+    try:
+        static_in = R.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            mhc.birkhoff_project(static_in, max_iter=0)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        looks = len(seen)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            mhc.birkhoff_project(static_in, max_iter=0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert len(seen) == looks
+    finally:
+        projection_cuda.reset_convergence_tracking()
+
+
 # ----------------------------------------------------------------------------
 # torch.compile, CUDA graphs, streams.
 # ----------------------------------------------------------------------------

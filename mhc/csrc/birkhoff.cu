@@ -174,6 +174,10 @@ int64_t birkhoff_unconverged(int64_t device, int64_t mode) {
       const unsigned long long zero = 0;
       C10_CUDA_CHECK(cudaMemcpyToSymbol(g_unconverged, &zero, sizeof(zero)));
       C10_CUDA_CHECK(cudaDeviceSynchronize());
+      // A copy made before the reset must not be reported after it.
+      std::lock_guard<std::mutex> lock(g_poll_mutex);
+      g_pending[device] = false;
+      g_last_seen[device] = -1;
     }
     return (int64_t)v;
   }
@@ -254,15 +258,49 @@ at::Tensor birkhoff_forward_autograd(const at::Tensor& R, double tol, int64_t ma
   return BirkhoffProject::apply(R, tol, max_iter);
 }
 
+// The hot path's look at the unconverged counter. Every g_poll_every calls of
+// project_or_none it does what birkhoff_unconverged's mode 2 does (never while
+// the stream is captured into a CUDA graph) and, when the count it saw is > 0,
+// calls the Python callback set by set_poll with (device, count), which warns if
+// the count grew. Counting in C++ rather than in a Python wrapper took a Python
+// frame off every call. project_or_none is only called from Python, with the
+// GIL held, which serialises the count.
+static PyObject* g_poll_callback = nullptr;  // a new reference, kept for the process
+static int64_t g_poll_every = 0;              // 0: no looks
+static int64_t g_poll_calls = 0;
+
+void set_poll(py::object callback, int64_t every) {
+  TORCH_CHECK(every >= 0, "mhc::set_poll: every must be >= 0");
+  TORCH_CHECK(callback.is_none() || PyCallable_Check(callback.ptr()), "mhc::set_poll: callback must be callable");
+  PyObject* previous = g_poll_callback;
+  g_poll_callback = callback.is_none() ? nullptr : callback.inc_ref().ptr();
+  Py_XDECREF(previous);
+  g_poll_every = every;
+  g_poll_calls = 0;
+}
+
+static void poll_counter(const at::Tensor& out) {
+  if (g_poll_every == 0 || ++g_poll_calls < g_poll_every) return;
+  g_poll_calls = 0;
+  const c10::DeviceIndex dev = out.device().index();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(dev).stream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  const int64_t seen = birkhoff_unconverged(dev, 2);
+  if (seen > 0 && g_poll_callback != nullptr) {
+    py::reinterpret_borrow<py::object>(g_poll_callback)((int64_t)dev, seen);  // a Python exception propagates
+  }
+}
+
 // birkhoff_project's hot path, called from Python without torch.ops' argument
 // parsing (about 5 us of host time per call on the H200's host, half a small
 // batch's whole cost). Returns an undefined tensor (None in Python) for inputs
 // the kernels do not take, and under functorch transforms (vmap, torch.func:
 // their wrapped tensors need the dispatcher), which then go the checked way
 // (the same test as torch._C._are_functorch_transforms_active, without a
-// Python call). Every option was
-// checked by the caller; tol is raised here to 4 n eps(float32), the rounding
-// floor of projection_common.effective_tol for these (float32-computed) dtypes.
+// Python call). Every option was checked by the caller; tol is raised here to
+// 4 n eps(float32), the rounding floor of projection_common.effective_tol for
+// these (float32-computed) dtypes. Polls the counter (poll_counter).
 at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_iter) {
   const int64_t d = logits.dim();
   if (!logits.is_cuda() || d < 2 ||
@@ -279,6 +317,7 @@ at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_ite
   const at::Tensor R = d == 3 ? logits : logits.reshape({-1, n, n});
   at::Tensor T = (at::GradMode::is_enabled() && R.requires_grad()) ? BirkhoffProject::apply(R, tol_eff, max_iter)
                                                                  : birkhoff_forward(R, tol_eff, max_iter);
+  poll_counter(T);
   return d == 3 ? T : T.reshape(logits.sizes());
 }
 
@@ -527,6 +566,7 @@ TORCH_LIBRARY_IMPL(mhc, Autograd, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project_or_none", &mhc_birkhoff::project_or_none, "birkhoff_project's unchecked CUDA path (see birkhoff.cu)");
+  m.def("set_poll", &mhc_birkhoff::set_poll, "project_or_none's counter look: callback(device, count), every N calls");
   m.def("site_pre_tokens", &mhc_birkhoff::site_pre_tokens, "the site's first step for a few tokens");
   m.def("site_post_tokens", &mhc_birkhoff::site_post_tokens, "the site's post-mix for a few tokens");
   m.def("site_pre_tokens_packed", &mhc_birkhoff::site_pre_tokens_packed,
