@@ -23,6 +23,12 @@ the previous output, as mHC-proj's protocol does. Rows:
 * ``empty``: ``torch.empty_like(x)``; ``add``: ``torch.add(x, x)``.
 
 The best of ``--rounds`` interleaved rounds is kept per row.
+
+Then, per N, mHC-proj's chained protocol itself (each call in its own
+``torch.no_grad()``, 100 calls from ``10 * randn`` between two CUDA events)
+for ours and the peer, with each call's kernel time from ``torch.profiler``:
+where the kernels' mean time is close to the events' per-call time the
+protocol is device-bound, where it is well under, host-bound.
 """
 
 from __future__ import annotations
@@ -74,11 +80,50 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
     return rows
 
 
+def chained_protocol(N: int, calls: int = 100) -> dict[str, tuple[float, float]]:
+    """{system: (events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol, best of 3."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(N)
+    x0 = 10 * torch.randn(N, 4, 4, device="cuda")
+    systems = {"ours": mhc.birkhoff_project}
+    peer = peer_forward()
+    if peer is not None:
+        systems["mHC-proj"] = lambda y: peer(y, 1e-6)["T"]
+    out = {}
+    for name, project in systems.items():
+        def run(project=project) -> float:
+            x = x0.clone()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                with torch.no_grad():
+                    x = project(x)
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) * 1e3 / calls
+
+        for _ in range(2):  # warm-up, as the protocol's 100 untimed calls
+            run()
+        events = min(run() for _ in range(3))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+        # Device-side events, less the restart's clone and the counter's copies.
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
+        kernel_us = sum(e.time_range.elapsed_us() for e in kernels) / calls
+        out[name] = (events, kernel_us)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="512,32768", help="comma-separated batch sizes N (default 512,32768)")
     ap.add_argument("--calls", type=int, default=300, help="calls per timing (default 300)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
+    ap.add_argument("--chained-sizes", default="512,2048,8192,32768,131072",
+                    help="N for the chained protocol with kernel times (default 512,...,131072; empty: none)")
     args = ap.parse_args()
     common.require_cuda("bench_projection_host.py")
     if not projection_cuda.available():
@@ -93,6 +138,10 @@ def main() -> None:
             best = common.best_host_and_wall_us(rows, args.calls, args.rounds)
             for name, (host, wall) in best.items():
                 print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
+    print("# mHC-proj's chained protocol: events µs per call / mean kernel µs per call (torch.profiler)")
+    for N in (int(s) for s in args.chained_sizes.split(",") if s):
+        cells = chained_protocol(N)
+        print(f"  {N:7d} " + "  ".join(f"{name} {ev:6.2f} / {k:6.2f}" for name, (ev, k) in cells.items()))
 
 
 if __name__ == "__main__":
