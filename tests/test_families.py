@@ -110,7 +110,7 @@ def perturb(model, seed: int = 0, scale: float = 0.5) -> None:
         for m in model.modules():
             if isinstance(m, MHCBlock) and m.mode != "residual":
                 for p in (m.phi, m.b_pre, m.b_post, m.b_res):
-                    p.add_(scale * torch.randn(p.shape, generator=g))
+                    p.add_(scale * torch.randn(p.shape, generator=g).to(p.device))  # the same draw on any device
 
 
 def max_logit_diff(family: str) -> tuple[float, float, MHCForCausalLM]:
