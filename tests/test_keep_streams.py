@@ -104,6 +104,22 @@ def test_recomputed_streams_give_the_kept_streams_bits(keep_every, dtype, fresh_
     assert stream_bytes(saved_recomputed, x.shape) == kept_sites * one
 
 
+@pytest.mark.parametrize("keep_every", [2, 4])
+def test_backward_recomputes_each_dropped_stream_once(keep_every, monkeypatch):
+    """The backward runs one post-mix per site whose input streams were dropped, not one per use or per chain
+    link: the recomputed chain is cached until the site's last use of its streams."""
+    blocks = linked_chain(keep_every)
+    x = torch.randn(2, 5, N, C, device=DEVICE).requires_grad_()
+    out = x
+    for block in blocks:
+        out = block(out)
+    launches = []
+    post_forward = fused._post_forward
+    monkeypatch.setattr(fused, "_post_forward", lambda *args: launches.append(1) or post_forward(*args))
+    out.sum().backward()
+    assert len(launches) == SITES - len(range(0, SITES, keep_every))
+
+
 def test_streams_are_recomputed_only_through_an_unchanged_link(fresh_seed):
     """A site called on anything but its linked predecessor's own output keeps its streams."""
     blocks = linked_chain(4)
