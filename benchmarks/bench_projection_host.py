@@ -81,39 +81,32 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
 
 
 def chained_protocol(N: int, calls: int = 100) -> dict[str, tuple[float, float]]:
-    """{system: (events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol, best of 3."""
+    """{system: (events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol, best of 3.
+
+    The protocol is ``bench_projection_peers.py``'s (its ``Clock.chained_us`` and ``no_grad_step``); one
+    more pass without warm-up runs under ``torch.profiler`` for the kernel times.
+    """
     from torch.profiler import ProfilerActivity, profile
+
+    from bench_projection_peers import Clock, no_grad_step
 
     torch.manual_seed(N)
     x0 = 10 * torch.randn(N, 4, 4, device="cuda")
+    clock = Clock(x0.device)
     systems = {"ours": mhc.birkhoff_project}
     peer = peer_forward()
     if peer is not None:
         systems["mHC-proj"] = lambda y: peer(y, 1e-6)["T"]
     out = {}
     for name, project in systems.items():
-        def run(project=project) -> float:
-            x = x0.clone()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(calls):
-                with torch.no_grad():
-                    x = project(x)
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) * 1e3 / calls
-
-        for _ in range(2):  # warm-up, as the protocol's 100 untimed calls
-            run()
-        events = min(run() for _ in range(3))
+        step = no_grad_step(project)
+        events = min(clock.chained_us(step, x0, calls, warmup=calls) for _ in range(3))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
+            clock.chained_us(step, x0, calls, warmup=0)
         # Device-side events, less the restart's clone and the counter's copies.
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
-        kernel_us = sum(e.time_range.elapsed_us() for e in kernels) / calls
-        out[name] = (events, kernel_us)
+        out[name] = (events, sum(e.time_range.elapsed_us() for e in kernels) / calls)
     return out
 
 

@@ -243,7 +243,11 @@ def poll(tensor: Tensor) -> None:
 
 
 def _counter_seen(dev: int, count: int) -> None:
-    """The extension's callback when its look at the counter of ``cuda:dev`` saw ``count > 0``."""
+    """The extension's callback when its look at the counter of ``cuda:dev`` saw ``count > 0``.
+
+    A frame of its own, as ``poll``'s two: ``_warn_if_grown``'s ``stacklevel`` then
+    points at the code that called :func:`mhc.birkhoff_project`.
+    """
     _warn_if_grown(dev, count)
 
 
