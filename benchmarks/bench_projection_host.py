@@ -17,7 +17,8 @@ the previous output, as mHC-proj's protocol does. Rows:
 * ``fast``: ``mhc.projection_cuda.project_fast(x, tol, max_iter)``, the hot path
   without ``birkhoff_project``'s option checks;
 * ``ext``: the extension's ``project_or_none`` called directly (the C++ side
-  alone: pybind, checks, allocation, launch);
+  alone: the CPython call, checks, allocation, launch); ``ext pybind``: the same
+  function through pybind11's binding;
 * ``op``: ``torch.ops.mhc.birkhoff_forward.default`` (the dispatcher's way);
 * ``peer``: mHC-proj's ``birkhoff_proj_n4(x, tol)["T"]``;
 * ``empty``: ``torch.empty_like(x)``; ``add``: ``torch.add(x, x)``.
@@ -61,6 +62,7 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
         "public": lambda: mhc.birkhoff_project(x),
         "fast": lambda: projection_cuda.project_fast(x, tol, max_iter),
         "ext": lambda: ext.project_or_none(x, tol, max_iter),
+        "ext pybind": lambda: ext.project_or_none_pybind(x, tol, max_iter),
         "op": lambda: torch.ops.mhc.birkhoff_forward.default(x, tol_eff, max_iter),
         "empty": lambda: torch.empty_like(x),
         "add": lambda: torch.add(x, x),
@@ -80,12 +82,31 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
     return rows
 
 
-def chained_protocol(N: int, calls: int = 100) -> dict[str, tuple[float, float]]:
-    """{system: (events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol, best of 3.
+class HotCall:
+    """``with HotCall(function):`` makes ``birkhoff_project``'s hot call ``function`` (None: unchanged)."""
 
-    The protocol is ``bench_projection_peers.py``'s (its ``Clock.chained_us`` and ``no_grad_step``); one
-    more pass without warm-up runs under ``torch.profiler`` for the kernel times.
+    def __init__(self, function):
+        self.function = function
+
+    def __enter__(self):
+        self.saved = projection_cuda.fast_forward
+        if self.function is not None:
+            projection_cuda.fast_forward = self.function
+
+    def __exit__(self, *exc):
+        projection_cuda.fast_forward = self.saved
+
+
+def chained_protocol(N: int, calls: int = 100, rounds: int = 5) -> dict[str, tuple[float, float, float]]:
+    """{system: (best, median events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol.
+
+    The protocol is ``bench_projection_peers.py``'s (its ``Clock.chained_us`` and ``no_grad_step``), run
+    ``rounds`` times with the systems interleaved; one more pass without warm-up runs under
+    ``torch.profiler`` for the kernel times. "ours pybind" is ``birkhoff_project`` with its hot call
+    made through the extension's pybind11 binding instead of the plain CPython one.
     """
+    import statistics
+
     from torch.profiler import ProfilerActivity, profile
 
     from bench_projection_peers import Clock, no_grad_step
@@ -93,20 +114,27 @@ def chained_protocol(N: int, calls: int = 100) -> dict[str, tuple[float, float]]
     torch.manual_seed(N)
     x0 = 10 * torch.randn(N, 4, 4, device="cuda")
     clock = Clock(x0.device)
-    systems = {"ours": mhc.birkhoff_project}
+    ext = projection_cuda.extension()
+    systems = {"ours": (mhc.birkhoff_project, None)}
+    if hasattr(ext, "project_or_none_pybind"):
+        systems["ours pybind"] = (mhc.birkhoff_project, ext.project_or_none_pybind)
     peer = peer_forward()
     if peer is not None:
-        systems["mHC-proj"] = lambda y: peer(y, 1e-6)["T"]
+        systems["mHC-proj"] = (lambda y: peer(y, 1e-6)["T"], None)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, (project, hot_call) in systems.items():
+            with HotCall(hot_call):
+                times[name].append(clock.chained_us(no_grad_step(project), x0, calls, warmup=calls))
     out = {}
-    for name, project in systems.items():
-        step = no_grad_step(project)
-        events = min(clock.chained_us(step, x0, calls, warmup=calls) for _ in range(3))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            clock.chained_us(step, x0, calls, warmup=0)
+    for name, (project, hot_call) in systems.items():
+        with HotCall(hot_call), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            clock.chained_us(no_grad_step(project), x0, calls, warmup=0)
         # Device-side events, less the restart's clone and the counter's copies.
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
-        out[name] = (events, sum(e.time_range.elapsed_us() for e in kernels) / calls)
+        out[name] = (min(times[name]), statistics.median(times[name]),
+                     sum(e.time_range.elapsed_us() for e in kernels) / calls)
     return out
 
 
@@ -117,6 +145,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
     ap.add_argument("--chained-sizes", default="512,2048,8192,32768,131072",
                     help="N for the chained protocol with kernel times (default 512,...,131072; empty: none)")
+    ap.add_argument("--chained-rounds", type=int, default=5, help="interleaved rounds of the chained protocol")
     args = ap.parse_args()
     common.require_cuda("bench_projection_host.py")
     if not projection_cuda.available():
@@ -131,10 +160,12 @@ def main() -> None:
             best = common.best_host_and_wall_us(rows, args.calls, args.rounds)
             for name, (host, wall) in best.items():
                 print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
-    print("# mHC-proj's chained protocol: events µs per call / mean kernel µs per call (torch.profiler)")
+    print(f"# mHC-proj's chained protocol, {args.chained_rounds} interleaved rounds: events µs per call, best /"
+          " median, then mean kernel µs per call (torch.profiler)")
     for N in (int(s) for s in args.chained_sizes.split(",") if s):
-        cells = chained_protocol(N)
-        print(f"  {N:7d} " + "  ".join(f"{name} {ev:6.2f} / {k:6.2f}" for name, (ev, k) in cells.items()))
+        cells = chained_protocol(N, rounds=args.chained_rounds)
+        print(f"  {N:7d} " + "  ".join(f"{name} {best:6.2f} / {med:6.2f} / {k:5.2f}"
+                                        for name, (best, med, k) in cells.items()))
 
 
 if __name__ == "__main__":

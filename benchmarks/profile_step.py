@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --timeline               # also where in the step the GPU waits
     python benchmarks/profile_step.py --steps 30               # also 30 steps one by one
     python benchmarks/profile_step.py --compile                # both models under torch.compile(fullgraph=True)
+    python benchmarks/profile_step.py --keep-streams-every 5   # also the mHC model with keep_streams_every=5
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
@@ -55,12 +56,18 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
     ap.add_argument("--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)")
     ap.add_argument("--compile", action="store_true", help="compile both models (fullgraph); both kernel tables")
+    ap.add_argument("--keep-streams-every", type=int, default=0, metavar="K",
+                    help="also the mHC model with keep_streams_every=K, with its kernel table (default: not run)")
     args = ap.parse_args()
     common.require_cuda("profile_step.py")
     cfg = common.llama_134m(max(2048, args.seq))
 
-    for name, streams in (("residual", None), ("mhc n=4 fused", 4)):
-        model = common.llama_model(cfg, streams, init="paper") if streams else common.llama_model(cfg)
+    models = [("residual", None, {}), ("mhc n=4 fused", 4, {"init": "paper"})]
+    if args.keep_streams_every:
+        k = args.keep_streams_every
+        models.append((f"mhc n=4 keep {k}", 4, {"init": "paper", "keep_streams_every": k}))
+    for name, streams, options in models:
+        model = common.llama_model(cfg, streams, **options) if streams else common.llama_model(cfg)
         if args.compile:
             model.forward = torch.compile(model.forward, fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -431,6 +431,40 @@ def test_hot_path_looks_at_the_counter_every_poll_every_calls():
         projection_cuda.reset_convergence_tracking()
 
 
+def test_hot_call_binding_checks_its_arguments_and_passes_errors_on():
+    """The extension's project_or_none is a plain CPython function: it must reject what pybind11 would have
+    rejected, hand back None for inputs the kernels do not take, agree with the pybind11 binding of the same
+    function, and raise the poll callback's exception rather than lose it."""
+    from mhc import projection_cuda
+
+    ext = projection_cuda.extension()
+    R = _draw("normal10", (300, 4, 4))
+    T = ext.project_or_none(R, 1e-6, 100)
+    assert torch.equal(T, ext.project_or_none_pybind(R, 1e-6, 100))
+    assert (T.double() - mhc.birkhoff_project_reference(R.double())).abs().max() < 1e-5
+    assert ext.project_or_none(R.cpu(), 1e-6, 100) is None
+    assert ext.project_or_none(R[..., :3, :3], 1e-6, 100) is None
+    assert ext.project_or_none(R.double(), 1e-6, 100) is None
+    for bad in ((R, 1e-6), (R, 1e-6, 100, 1), ("R", 1e-6, 100), (R, "tol", 100), (R, 1e-6, 1.5)):
+        with pytest.raises(TypeError):
+            ext.project_or_none(*bad)
+    with pytest.raises(TypeError):
+        ext.project_or_none(R, tol=1e-6, max_iter=100)  # positional only
+
+    def fail(device, count):
+        raise KeyError("from the callback")
+
+    hard = _draw("normal10", (4096, 4, 4))
+    ext.set_poll(fail, 1)
+    try:
+        with pytest.raises(KeyError, match="from the callback"):
+            for _ in range(4):  # the first look only starts the copy of the counter
+                ext.project_or_none(hard, 1e-6, 0)
+                torch.cuda.synchronize()
+    finally:
+        projection_cuda.reset_convergence_tracking()
+
+
 # ----------------------------------------------------------------------------
 # torch.compile, CUDA graphs, streams.
 # ----------------------------------------------------------------------------
