@@ -17,8 +17,7 @@ the previous output, as mHC-proj's protocol does. Rows:
 * ``fast``: ``mhc.projection_cuda.project_fast(x, tol, max_iter)``, the hot path
   without ``birkhoff_project``'s option checks;
 * ``ext``: the extension's ``project_or_none`` called directly (the C++ side
-  alone: the CPython call, checks, allocation, launch); ``ext pybind``: the same
-  function through pybind11's binding;
+  alone: the CPython call, checks, allocation, launch);
 * ``op``: ``torch.ops.mhc.birkhoff_forward.default`` (the dispatcher's way);
 * ``peer``: mHC-proj's ``birkhoff_proj_n4(x, tol)["T"]``;
 * ``empty``: ``torch.empty_like(x)``; ``add``: ``torch.add(x, x)``.
@@ -62,7 +61,6 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
         "public": lambda: mhc.birkhoff_project(x),
         "fast": lambda: projection_cuda.project_fast(x, tol, max_iter),
         "ext": lambda: ext.project_or_none(x, tol, max_iter),
-        "ext pybind": lambda: ext.project_or_none_pybind(x, tol, max_iter),
         "op": lambda: torch.ops.mhc.birkhoff_forward.default(x, tol_eff, max_iter),
         "empty": lambda: torch.empty_like(x),
         "add": lambda: torch.add(x, x),
@@ -82,28 +80,12 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
     return rows
 
 
-class HotCall:
-    """``with HotCall(function):`` makes ``birkhoff_project``'s hot call ``function`` (None: unchanged)."""
-
-    def __init__(self, function):
-        self.function = function
-
-    def __enter__(self):
-        self.saved = projection_cuda.fast_forward
-        if self.function is not None:
-            projection_cuda.fast_forward = self.function
-
-    def __exit__(self, *exc):
-        projection_cuda.fast_forward = self.saved
-
-
 def chained_protocol(N: int, calls: int = 100, rounds: int = 5) -> dict[str, tuple[float, float, float]]:
     """{system: (best, median events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol.
 
     The protocol is ``bench_projection_peers.py``'s (its ``Clock.chained_us`` and ``no_grad_step``), run
     ``rounds`` times with the systems interleaved; one more pass without warm-up runs under
-    ``torch.profiler`` for the kernel times. "ours pybind" is ``birkhoff_project`` with its hot call
-    made through the extension's pybind11 binding instead of the plain CPython one.
+    ``torch.profiler`` for the kernel times.
     """
     import statistics
 
@@ -114,21 +96,17 @@ def chained_protocol(N: int, calls: int = 100, rounds: int = 5) -> dict[str, tup
     torch.manual_seed(N)
     x0 = 10 * torch.randn(N, 4, 4, device="cuda")
     clock = Clock(x0.device)
-    ext = projection_cuda.extension()
-    systems = {"ours": (mhc.birkhoff_project, None)}
-    if hasattr(ext, "project_or_none_pybind"):
-        systems["ours pybind"] = (mhc.birkhoff_project, ext.project_or_none_pybind)
+    systems = {"ours": mhc.birkhoff_project}
     peer = peer_forward()
     if peer is not None:
-        systems["mHC-proj"] = (lambda y: peer(y, 1e-6)["T"], None)
+        systems["mHC-proj"] = lambda y: peer(y, 1e-6)["T"]
     times: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(rounds):
-        for name, (project, hot_call) in systems.items():
-            with HotCall(hot_call):
-                times[name].append(clock.chained_us(no_grad_step(project), x0, calls, warmup=calls))
+        for name, project in systems.items():
+            times[name].append(clock.chained_us(no_grad_step(project), x0, calls, warmup=calls))
     out = {}
-    for name, (project, hot_call) in systems.items():
-        with HotCall(hot_call), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for name, project in systems.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             clock.chained_us(no_grad_step(project), x0, calls, warmup=0)
         # Device-side events, less the restart's clone and the counter's copies.
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA

@@ -543,11 +543,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
   return {out, u_next, mix_next};
 }
 
-// project_or_none as a plain CPython function (METH_FASTCALL): pybind11's call
-// machinery (overload loop, argument vectors, type casters) took 0.79 us a call
-// on a CPU host against 0.14 us for this, with the same function behind it, and
-// at small batches the call's host time is the projection's cost. Arguments:
-// (logits: Tensor, tol: float, max_iter: int), positional; returns a Tensor or None.
+// project_or_none as a plain CPython function (METH_FASTCALL). pybind11's call
+// machinery (overload loop, argument vectors, type casters) cost 0.54-0.70 us
+// more a call on the H200's host (8.36 against 7.66 us at N = 512, 8.65 against
+// 8.11 at 32K, commit 215327d), and at small batches the call's host time is the
+// projection's cost. Arguments: (logits: Tensor, tol: float, max_iter: int),
+// positional; returns a Tensor or None.
 static PyObject* project_or_none_py(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   try {
     if (nargs != 3 || !THPVariable_Check(args[0])) {
@@ -601,8 +602,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   PyObject* project_or_none = PyCFunction_NewEx(&mhc_birkhoff::project_or_none_def, nullptr, nullptr);
   if (project_or_none == nullptr) throw py::error_already_set();
   m.add_object("project_or_none", py::reinterpret_steal<py::object>(project_or_none));
-  // pybind11's binding of the same function, for the A/B of the two call paths (bench_projection_host.py).
-  m.def("project_or_none_pybind", &mhc_birkhoff::project_or_none, "project_or_none through pybind11");
   m.def("set_poll", &mhc_birkhoff::set_poll, "project_or_none's counter look: callback(device, count), every N calls");
   m.def("site_pre_tokens", &mhc_birkhoff::site_pre_tokens, "the site's first step for a few tokens");
   m.def("site_post_tokens", &mhc_birkhoff::site_post_tokens, "the site's post-mix for a few tokens");
