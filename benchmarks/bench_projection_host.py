@@ -37,6 +37,7 @@ import argparse
 
 import common
 import torch
+from torch import Tensor
 
 import mhc
 from mhc import projection_cuda
@@ -80,39 +81,53 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
     return rows
 
 
-def chained_protocol(N: int, calls: int = 100, rounds: int = 5) -> dict[str, tuple[float, float, float]]:
-    """{system: (best, median events µs per call, mean kernel µs per call)} for mHC-proj's chained protocol.
+def chained_systems(N: int) -> tuple[Tensor, dict]:
+    """mHC-proj's chained protocol's start ``10 * randn`` and {system: step} (each call in its own no_grad)."""
+    from bench_projection_peers import no_grad_step
 
-    The protocol is ``bench_projection_peers.py``'s (its ``Clock.chained_us`` and ``no_grad_step``), run
-    ``rounds`` times with the systems interleaved; one more pass without warm-up runs under
-    ``torch.profiler`` for the kernel times.
+    torch.manual_seed(N)
+    x0 = 10 * torch.randn(N, 4, 4, device="cuda")
+    systems = {"ours": no_grad_step(mhc.birkhoff_project)}
+    peer = peer_forward()
+    if peer is not None:
+        systems["mHC-proj"] = no_grad_step(lambda y: peer(y, 1e-6)["T"])
+    return x0, systems
+
+
+def chained_protocol(sizes: list[int], calls: int = 100, rounds: int = 5) -> dict[int, dict]:
+    """{N: {system: (best, median events µs per call, mean kernel µs per call)}} for mHC-proj's chained protocol.
+
+    The protocol is ``bench_projection_peers.py``'s ``Clock.chained_us``, run ``rounds`` times with the
+    systems interleaved. Then, for the kernel times, one more pass per N and system without warm-up runs
+    under ``torch.profiler``, only after every timing, so that no timing follows a profiler session (the
+    profiler's hooks are a suspect for the 2x swings of this table's events column between neighbouring N).
     """
     import statistics
 
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_projection_peers import Clock, no_grad_step
+    from bench_projection_peers import Clock
 
-    torch.manual_seed(N)
-    x0 = 10 * torch.randn(N, 4, 4, device="cuda")
-    clock = Clock(x0.device)
-    systems = {"ours": mhc.birkhoff_project}
-    peer = peer_forward()
-    if peer is not None:
-        systems["mHC-proj"] = lambda y: peer(y, 1e-6)["T"]
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(rounds):
-        for name, project in systems.items():
-            times[name].append(clock.chained_us(no_grad_step(project), x0, calls, warmup=calls))
-    out = {}
-    for name, project in systems.items():
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            clock.chained_us(no_grad_step(project), x0, calls, warmup=0)
-        # Device-side events, less the restart's clone and the counter's copies.
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
-        out[name] = (min(times[name]), statistics.median(times[name]),
-                     sum(e.time_range.elapsed_us() for e in kernels) / calls)
+    clock = Clock(torch.device("cuda"))
+    times: dict[int, dict[str, list[float]]] = {}
+    for N in sizes:
+        x0, systems = chained_systems(N)
+        times[N] = {name: [] for name in systems}
+        for _ in range(rounds):
+            for name, step in systems.items():
+                times[N][name].append(clock.chained_us(step, x0, calls, warmup=calls))
+    out: dict[int, dict] = {}
+    for N in sizes:
+        x0, systems = chained_systems(N)
+        out[N] = {}
+        for name, step in systems.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                clock.chained_us(step, x0, calls, warmup=0)
+            # Device-side events, less the restart's clone and the counter's copies.
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
+            out[N][name] = (min(times[N][name]), statistics.median(times[N][name]),
+                            sum(e.time_range.elapsed_us() for e in kernels) / calls)
     return out
 
 
@@ -140,8 +155,8 @@ def main() -> None:
                 print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
     print(f"# mHC-proj's chained protocol, {args.chained_rounds} interleaved rounds: events µs per call, best /"
           " median, then mean kernel µs per call (torch.profiler)")
-    for N in (int(s) for s in args.chained_sizes.split(",") if s):
-        cells = chained_protocol(N, rounds=args.chained_rounds)
+    sizes = [int(s) for s in args.chained_sizes.split(",") if s]
+    for N, cells in chained_protocol(sizes, rounds=args.chained_rounds).items():
         print(f"  {N:7d} " + "  ".join(f"{name} {best:6.2f} / {med:6.2f} / {k:5.2f}"
                                         for name, (best, med, k) in cells.items()))
 
