@@ -153,6 +153,53 @@ def copy_gbps(numel: int = 2**28, dtype: torch.dtype = torch.bfloat16, steps: in
     return 2 * a.numel() * a.element_size() / ms / 1e6
 
 
+def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
+    """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
+
+    Each stream-sized array read or written once (a kernel that reads one twice, such as ``coeff_fwd``'s
+    pre-mix, is counted once: the floor), plus the float32 per-token coefficients it reads or writes
+    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
+    """
+    nC, Z = n * C, n * n + 2 * n
+    streams = {  # stream elements per token
+        "coeff_fwd": nC + C,  # x; u
+        "postmix_fwd": nC + C + nC,  # x, y; x'
+        "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
+        "coeff_bwd": C + nC,  # du, x
+        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx
+        "phi_grad": nC,  # x
+    }
+    coefficients = {  # float32 values per token
+        "coeff_fwd": (Z + 1) + 2 * n + n * n,
+        "postmix_fwd": 2 * n + n * n,
+        "postmix_bwd": 2 * n + 2 * n + n * n,
+        "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),
+        "stream_grad": (2 * Z + 4) + 2 * n + n * n,
+        "phi_grad": Z,
+    }
+    return {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
+
+
+def kernel_bandwidth_rows(averages, bytes_per_call: dict[str, int], copy: float) -> list[tuple]:
+    """``(kernel, calls, µs per call, GB/s, × copy)`` for each kernel of ``bytes_per_call`` found in ``averages``.
+
+    ``averages``: ``torch.profiler``'s ``key_averages()`` (entries with ``key``, ``count`` and
+    ``self_device_time_total`` in µs); a Triton kernel's entry is named after the kernel. ``copy``: a
+    device copy's GB/s in the same process (:func:`copy_gbps`).
+    """
+    rows = []
+    for name, nbytes in bytes_per_call.items():
+        hits = [e for e in averages if (e.key == name or e.key.startswith(name + "_")) and e.count > 0
+                and e.self_device_time_total > 0]
+        if not hits:
+            continue
+        calls = sum(e.count for e in hits)
+        us = sum(e.self_device_time_total for e in hits) / calls
+        gbps = nbytes / us / 1e3
+        rows.append((name, calls, us, gbps, gbps / copy))
+    return rows
+
+
 def llama_134m(seq: int = 2048):
     """The LlamaConfig of the model-step benchmark: hidden 768, 12 layers, 12 heads, intermediate 2048,
     vocabulary 32000 (~134M parameters), SDPA attention."""

@@ -11,7 +11,8 @@ For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
 host time (until the step's Python code returns, before a sync) and of the
 wall time (after the sync), and the sum of the CUDA kernel times of one more
-step under ``torch.profiler``. A step whose host time approaches its GPU time
+step under ``torch.profiler``, then the fused site's kernels with their bandwidth over a device
+copy's (each kernel's bytes at its floor). A step whose host time approaches its GPU time
 may be host-bound; the host also waits when the launch queue fills, so that
 alone does not show it (``--timeline`` does). With a tiny batch the GPU never holds the host back, so the
 host time is what the Python side of a step costs on this machine. For the
@@ -62,6 +63,8 @@ def main() -> None:
     common.require_cuda("profile_step.py")
     cfg = common.llama_134m(max(2048, args.seq))
 
+    copy = common.copy_gbps()
+    print(f"device copy: {copy:.0f} GB/s")
     models = [("residual", None, {}), ("mhc n=4 fused", 4, {"init": "paper"})]
     if args.keep_streams_every:
         k = args.keep_streams_every
@@ -109,8 +112,23 @@ def main() -> None:
             print(timeline(model, step))
         if name != "residual" or args.compile:
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+        if streams:
+            print(site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, cfg.hidden_size, copy))
         del model, opt
         torch.cuda.empty_cache()
+
+
+def site_kernel_table(averages, T: int, n: int, C: int, copy: float) -> str:
+    """The fused site's kernels in one profiled step: µs per call and bandwidth over a device copy's.
+
+    Bytes are :func:`common.site_kernel_bytes` (bf16 streams, each array counted once): what the
+    kernel must move, so ``× copy`` is how near it runs to the memory floor (issue #22 asks 0.85).
+    """
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C), copy)
+    lines = [f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
+             f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}"]
+    lines += [f"  {k:12} {c:5d} {us:8.1f} {g:7.0f} {x:6.2f}" for k, c, us, g, x in rows]
+    return "\n".join(lines)
 
 
 def _marker(marks: list):

@@ -149,3 +149,32 @@ def test_saved_bytes_counts_the_streams_an_mhc_site_keeps_for_backward(tmp_path)
     assert rows["mhc fused=False"]["extra_C_per_token_per_site"] > fused_row["extra_C_per_token_per_site"], rows
     proc = _run(sys.executable, str(BENCHMARKS / "saved_bytes.py"), "--dtyp", "fp32")
     assert proc.returncode == 2 and "unrecognized arguments: --dtyp" in proc.stderr, proc.stderr
+
+
+def test_site_kernel_bandwidth_rows_from_profiler_averages():
+    """common.site_kernel_bytes and kernel_bandwidth_rows (profile_step's per-kernel table) on fake averages."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    T, n, C = 16384, 4, 768
+    nbytes = common.site_kernel_bytes(T, n, C)
+    assert set(nbytes) == {"coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"}
+    # x and x' in bf16 (2 n C), y (C), then h and H_res in float32 (2n + n²), per token:
+    assert nbytes["postmix_fwd"] == T * ((2 * n * C + C) * 2 + (2 * n + n * n) * 4)
+    assert nbytes["stream_grad"] > nbytes["postmix_bwd"] > nbytes["postmix_fwd"] > nbytes["coeff_fwd"]
+    averages = [
+        SimpleNamespace(key="postmix_fwd", count=24, self_device_time_total=24 * 57.0),
+        SimpleNamespace(key="postmix_fwd_0d1d", count=19, self_device_time_total=19 * 57.0),  # a suffixed name
+        SimpleNamespace(key="coeff_fwd", count=0, self_device_time_total=0.0),  # not run: left out
+        SimpleNamespace(key="ampere_bf16_gemm", count=50, self_device_time_total=9e3),
+    ]
+    rows = common.kernel_bandwidth_rows(averages, nbytes, copy=4000.0)
+    assert [r[:2] for r in rows] == [("postmix_fwd", 43)]
+    _, _, us, gbps, of_copy = rows[0]
+    assert us == pytest.approx(57.0)
+    assert gbps == pytest.approx(nbytes["postmix_fwd"] / 57.0 / 1e3)
+    assert of_copy == pytest.approx(gbps / 4000.0)
