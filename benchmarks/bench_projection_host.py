@@ -109,16 +109,15 @@ def chained_protocol(sizes: list[int], calls: int = 100, rounds: int = 5) -> dic
     from bench_projection_peers import Clock
 
     clock = Clock(torch.device("cuda"))
+    setups = {N: chained_systems(N) for N in sizes}
     times: dict[int, dict[str, list[float]]] = {}
-    for N in sizes:
-        x0, systems = chained_systems(N)
+    for N, (x0, systems) in setups.items():
         times[N] = {name: [] for name in systems}
         for _ in range(rounds):
             for name, step in systems.items():
                 times[N][name].append(clock.chained_us(step, x0, calls, warmup=calls))
     out: dict[int, dict] = {}
-    for N in sizes:
-        x0, systems = chained_systems(N)
+    for N, (x0, systems) in setups.items():
         out[N] = {}
         for name, step in systems.items():
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
