@@ -378,6 +378,15 @@ def profile(model, args, cfg) -> dict:
                "cpu_total_us": e.cpu_time_total / steps}
         ops.append(row)
         print(f"  {e.key[:60]:60} {row['calls']:7.1f} {row['self_cpu_us']:12.1f} {row['cpu_total_us']:13.1f}")
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)
+    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    print(f"\nGPU kernels, {steps} decode steps: {gpu_us:.0f} µs of kernel time per step (a step whose kernels take "
+          "far less than its wall time waits on the host); top by device time, per step")
+    print(f"  {'kernel':60} {'calls':>7} {'device µs':>10} {'µs a call':>10}")
+    for e in kernels[: args.profile_top]:
+        per_step = e.self_device_time_total / steps
+        print(f"  {e.key[:60]:60} {e.count / steps:7.1f} {per_step:10.1f} {e.self_device_time_total / e.count:10.2f}")
 
     decode = prefill()
     profiler = cProfile.Profile()
@@ -388,7 +397,7 @@ def profile(model, args, cfg) -> dict:
     stats.sort_stats("cumulative").print_stats(args.profile_top)
     print(f"\ncProfile of {steps} decode steps (totals, not per step):")
     print(text.getvalue())
-    return {"batch": batch, "steps": steps, "step_us": step_us, "hooks": hooks, "ops": ops}
+    return {"batch": batch, "steps": steps, "step_us": step_us, "hooks": hooks, "ops": ops, "gpu_kernels_us": gpu_us}
 
 
 def parse_args(argv=None):
