@@ -6,6 +6,7 @@
     python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
     python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
     python benchmarks/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
+    python benchmarks/bench_decode.py --modes '' --step-times  # raw decode steps: host and wall time per model
     python benchmarks/bench_decode.py --json decode.json
     python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
 
@@ -316,6 +317,46 @@ def decoder(model, batch: int, steps: int, args, cfg):
     return prefill
 
 
+def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
+    """Per batch and model, interleaved, best of ``rounds``: the prefill's wall time, and the mean host time
+    (until the forward returns) and wall time (after a sync, as ``generate()`` syncs every step) of
+    ``--profile-steps`` raw eager decode steps (dynamic cache, no ``generate()`` around them)."""
+    cache_name = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    table: dict = {}
+    for batch in args.batches:
+        ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
+        rows = table[batch] = {name: {"prefill_ms": [], "host_us": [], "wall_us": []} for name in models}
+        for _ in range(rounds):
+            for name, model in models.items():
+                with torch.no_grad():
+                    sync(args.device)
+                    t0 = time.perf_counter()
+                    out = model(input_ids=ids, use_cache=True)
+                    sync(args.device)
+                    rows[name]["prefill_ms"].append((time.perf_counter() - t0) * 1e3)
+                    host = wall = 0.0
+                    for _ in range(args.profile_steps):
+                        t0 = time.perf_counter()
+                        token = out.logits[:, -1:].argmax(-1)
+                        out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+                        t1 = time.perf_counter()
+                        sync(args.device)
+                        host += t1 - t0
+                        wall += time.perf_counter() - t0
+                rows[name]["host_us"].append(host * 1e6 / args.profile_steps)
+                rows[name]["wall_us"].append(wall * 1e6 / args.profile_steps)
+        print(f"\nRaw eager decode steps, batch {batch} (best of {rounds} interleaved rounds of "
+              f"{args.profile_steps} steps; a sync after every step)")
+        print(f"  {'model':12} {'prefill ms':>11} {'host µs':>9} {'wall µs':>9} {'wall x residual':>16}")
+        base = min(rows["residual"]["wall_us"]) if "residual" in rows else None
+        for name, row in rows.items():
+            best = {k: min(v) for k, v in row.items()}
+            ratio = f"{best['wall_us'] / base:16.3f}" if base else f"{'-':>16}"
+            print(f"  {name:12} {best['prefill_ms']:11.2f} {best['host_us']:9.0f} {best['wall_us']:9.0f} {ratio}")
+            row.update({f"best_{k}": v for k, v in best.items()})
+    return table
+
+
 def site_host_times(model, prefill, steps: int) -> dict:
     """Host µs per decode step: the whole step, all mHC sites, their sublayers, and per site call the difference."""
     sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
@@ -418,6 +459,8 @@ def parse_args(argv=None):
                     help="torch.compile mode for the inductor backend (default reduce-overhead, transformers')")
     ap.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a graph break fails)")
     ap.add_argument("--profile", action="store_true", help="profile eager mHC decode steps (see above)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="also every model's prefill and raw decode step (host and wall), at each --batches")
     ap.add_argument("--profile-batch", type=int, default=1, help="batch of the profiled decode (default 1)")
     ap.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled (default 10)")
     ap.add_argument("--profile-top", type=int, default=30, help="rows of each profile table (default 30)")
@@ -502,6 +545,12 @@ def main(argv=None) -> None:
 
     figures = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
     profiled = next((n for n in models if n != "residual"), None)
+    if args.step_times and models:
+        try:
+            figures["step_times"] = step_times(models, args, cfg)
+        except Exception:
+            print("  step times failed:", flush=True)
+            traceback.print_exc()
     if args.profile and profiled is not None:
         try:
             print(f"\nprofiling {profiled}", flush=True)

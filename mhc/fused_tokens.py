@@ -6,9 +6,9 @@ program, so one program walks all ``n·C`` columns alone, and each Triton launch
 costs more host time than the work. For CUDA streams of at most
 :data:`MAX_TOKENS` tokens (``n`` in {4, 8}) the forward of both steps runs
 these instead, with or without grad, eagerly or inside :mod:`mhc.fused_ops`
-under ``torch.compile``: one block per token (``csrc/site_tokens.cuh``), one
-launch per step, called through the extension's Python module. Same maths and
-layouts as ``coeff_fwd`` and ``postmix_fwd`` (products in float32 FMA rather
+under ``torch.compile``: a cluster of blocks per token on Hopper, else one
+block (``csrc/site_tokens.cuh``), one launch per step, called through the
+extension's Python module. Same maths and layouts as ``coeff_fwd`` and ``postmix_fwd`` (products in float32 FMA rather
 than on the tensor cores, so results agree with theirs to rounding, not to the
 bit), so the backward kernels are the same. More tokens and CPU streams (Triton's
 interpreter) keep the Triton kernels.
@@ -24,7 +24,7 @@ from .projection_common import NEWTON_MAX_ITER
 
 __all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "post_pre_no_grad", "unpack"]
 
-MAX_TOKENS = 128  # up to here one block per token beats coeff_fwd's one program per 64 tokens
+MAX_TOKENS = 128  # up to here a token's own blocks beat coeff_fwd's one program per 64 tokens
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

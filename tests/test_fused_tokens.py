@@ -59,11 +59,13 @@ def test_fused_site_without_grad_matches_the_recorded_forward(dtype, fresh_seed)
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
 @pytest.mark.parametrize("n", [4, 8])
-@pytest.mark.parametrize("C", [200, 768])
+@pytest.mark.parametrize("C", [72, 200, 768, 1100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_kernels_match_the_triton_steps(n, C, dtype, fresh_seed):
     """mhc.fused_tokens (at most MAX_TOKENS tokens) against the Triton kernel sequences of mhc.fused_steps:
-    u, h, H_res and x', then the whole site with grad against the PyTorch reference."""
+    u, h, H_res and x', then the whole site with grad against the PyTorch reference. On the H200 a token's
+    columns are split over a cluster of ceil(C / 128) blocks, at most 8: C = 72 runs one block, 200 two,
+    768 six and 1100 eight, with a ragged last block."""
     from mhc import fused_plan, fused_steps, fused_tokens
 
     ref, fast = _blocks(n, C, dtype, fresh_seed)

@@ -23,6 +23,7 @@
 #include "birkhoff_kernels.cuh"
 #include "site_tokens.cuh"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -345,6 +346,46 @@ static int64_t check_streams(const at::Tensor& x) {
   return T;
 }
 
+// Whether this build's token kernels were compiled for clusters (sm_90 and up) on `device`.
+static bool token_clusters(int device) {
+  static std::mutex mutex;
+  static std::vector<int> known;  // per device: -1 not looked up yet, else 0 / 1
+  std::lock_guard<std::mutex> lock(mutex);
+  if ((int)known.size() <= device) known.resize(device + 1, -1);
+  if (known[device] < 0) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, site_pre_tokens_kernel<4, float>));
+    known[device] = attr.binaryVersion >= 90 ? 1 : 0;
+  }
+  return known[device] == 1;
+}
+
+// The blocks of one token's cluster (site_tokens.cuh): kTokenThreads columns a block, at most
+// kMaxTokenSplits; 1 without clusters.
+static int token_splits(const at::Tensor& x) {
+  const int64_t C = x.size(-1);
+  if (!token_clusters(x.get_device())) return 1;
+  return (int)std::min<int64_t>(kMaxTokenSplits, (C + kTokenThreads - 1) / kTokenThreads);
+}
+
+// A token kernel over grid (splits, T) in clusters of `splits` blocks, on the current stream.
+template <typename... Params, typename... Args>
+static void launch_token_clusters(void (*kernel)(Params...), int64_t T, int splits, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)splits, (unsigned)T, 1);
+  config.blockDim = dim3(kTokenThreads, 1, 1);
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = (unsigned)splits;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = splits > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 static void launch_site_pre(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
                             const at::Tensor& b_pre, const at::Tensor& b_post, const at::Tensor& b_res,
                             float* zr, float* h, float* h_res, at::Tensor& u, double eps, double tol,
@@ -352,21 +393,16 @@ static void launch_site_pre(const at::Tensor& x, const at::Tensor& phi, const at
   const int64_t T = x.numel() / (x.size(-2) * x.size(-1));
   const int64_t n = x.size(-2), C = x.size(-1);
   if (T == 0) return;
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int splits = token_splits(x);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using ct = decltype(tag);
     const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
     ct* up = reinterpret_cast<ct*>(u.data_ptr());
     const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
                 *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
-    if (n == 4) {
-      site_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps, (float)tol, (int)max_iter);
-    } else {
-      site_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps, (float)tol, (int)max_iter);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto kernel = n == 4 ? site_pre_tokens_kernel<4, ct> : site_pre_tokens_kernel<8, ct>;
+    launch_token_clusters(kernel, T, splits, xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps,
+                          (float)tol, (int)max_iter);
   });
 }
 
@@ -518,7 +554,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
   at::Tensor mix_next = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u_next = new_cuda(token_shape(x), x.scalar_type(), x.device());
   const double tol_eff = float32_tol(tol, n);
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int splits = token_splits(x);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using ct = decltype(tag);
     const ct* xp = reinterpret_cast<const ct*>(x.data_ptr());
@@ -529,16 +565,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
     float* hn = mix_next.data_ptr<float>();
     const float *pp = p[0].data_ptr<float>(), *ap = p[1].data_ptr<float>(), *bp = p[2].data_ptr<float>(),
                 *bq = p[3].data_ptr<float>(), *br = p[4].data_ptr<float>();
-    if (n == 4) {
-      site_post_pre_tokens_kernel<4, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn, hn + T * 2 * n, up, (int)C, (float)eps,
-          (float)tol_eff, (int)max_iter);
-    } else {
-      site_post_pre_tokens_kernel<8, ct><<<(unsigned)T, kTokenThreads, 0, stream>>>(
-          xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn, hn + T * 2 * n, up, (int)C, (float)eps,
-          (float)tol_eff, (int)max_iter);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto kernel = n == 4 ? site_post_pre_tokens_kernel<4, ct> : site_post_pre_tokens_kernel<8, ct>;
+    launch_token_clusters(kernel, T, splits, xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn,
+                          hn + T * 2 * n, up, (int)C, (float)eps, (float)tol_eff, (int)max_iter);
   });
   return {out, u_next, mix_next};
 }

@@ -1,4 +1,4 @@
-// The mHC site's two steps for a few tokens (generation), one block per token
+// The mHC site's two steps for a few tokens (generation), a cluster of blocks per token
 // (design.md §1; the same maths as mhc/fused_kernels.py's coeff_fwd and
 // postmix_fwd, which stay the path for every other call):
 //
@@ -7,22 +7,38 @@
 //     own per-matrix solver, birkhoff_core.cuh, run by one thread), and the
 //     pre-mix u = Σ_i h_pre[i] x_i, in one launch.
 //   site_post_tokens_kernel: x'_i = x_0 + Σ_j H_res[i, j] (x_j − x_0) + H_post[i] y.
+//   site_post_pre_tokens_kernel: both, the post-mix's x' feeding the next site's first step.
 //
 // Why a second form of the site for few tokens: coeff_fwd tiles 64 tokens per
 // program, so a decode step (1-16 tokens) runs one program that walks all n·C
 // columns alone (about 50 µs of GPU time per site on the H200), and each Triton
-// launch costs ~17 µs of host time there, against ~5 µs for these. Layouts are
-// coeff_fwd's: zr [T, Z + 1] = z and 1/rms (not written when zr is null: no
+// launch costs ~17 µs of host time there, against ~5 µs for these.
+//
+// Why a cluster per token: the first step reads φ (Z·n·C float32, 295 KB at n = 4,
+// C = 768) once per token. One block per token walked it alone in 12 dependent
+// rounds of loads: 13.8 µs a site boundary on the H200, most of a CUDA-graph decode
+// step's extra GPU time. A token's columns are split over the S blocks of one
+// cluster (token_splits: up to 8, kTokenThreads columns a block), and the blocks add
+// their partial sums of z through distributed shared memory. Each block adds the S
+// partials in rank order, so every block of a token, and every kernel here, gets the
+// same bits; each block then runs the pre-mix on its own columns, and block 0 alone
+// writes the coefficients and runs the projection. Built for an arch below sm_90
+// (no clusters), S is 1.
+//
+// Layouts are coeff_fwd's: zr [T, Z + 1] = z and 1/rms (not written when zr is null: no
 // backward will read it), h [T, 2n] = σ of H_pre's and H_post's columns,
 // H_res [T, n, n], all float32; x [T, n, C] and u [T, C],
 // y [T, C], x' [T, n, C] in the streams' dtype. Products and sums in float32.
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include "birkhoff_kernels.cuh"
 
 namespace mhc_birkhoff {
 
-constexpr int kTokenThreads = 256;
+constexpr int kTokenThreads = 128;
+constexpr int kMaxTokenSplits = 8;  // the portable cluster size
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -42,50 +58,89 @@ __device__ __forceinline__ float pairwise_sum(const float* v) {
 // torch.sigmoid's bits on CUDA: 1 / (1 + exp(-v)) with expf and an IEEE division.
 __device__ __forceinline__ float torch_sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// The first step for token t, by the whole block. xt is the token's streams [n, C]; zr, h_out, h_res
-// and u the whole outputs (zr may be null). xt is read with ordinary loads: in the fused post-mix
-// kernel below this block wrote it moments before.
+// This block's share of its token's columns: [begin, end) of C, the same in every kernel here.
+struct TokenColumns {
+  int begin, end;
+};
+
+__device__ __forceinline__ TokenColumns token_columns(int C) {
+  const int per_block = (C + gridDim.x - 1) / gridDim.x;
+  const int begin = min(C, (int)blockIdx.x * per_block);
+  return {begin, min(C, begin + per_block)};
+}
+
+// A thread's running sums over its columns: z (unnormalised) and the sum of squares.
+template <int N>
+struct ColumnSums {
+  static constexpr int Z = N * N + 2 * N;
+  float z[Z];
+  float sq;
+
+  __device__ __forceinline__ ColumnSums() : sq(0.0f) {
+#pragma unroll
+    for (int k = 0; k < Z; ++k) z[k] = 0.0f;
+  }
+
+  // Adds column c's n values v[i] = x_i[c] (as stored in the streams' dtype).
+  __device__ __forceinline__ void add(const float (&v)[N], const float* __restrict__ phi, int c, int C) {
+    const int64_t K = (int64_t)N * C;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      sq = fmaf(v[i], v[i], sq);
+#pragma unroll
+      for (int k = 0; k < Z; ++k) z[k] = fmaf(v[i], __ldg(phi + k * K + (int64_t)i * C + c), z[k]);
+    }
+  }
+};
+
+// The rest of the first step for token t, once every thread of every block of the token's cluster has
+// added its columns to `sums`: the sums across the cluster, the coefficients, H_res (block 0) and the
+// pre-mix u on this block's columns. xt is the token's streams [n, C], read with ordinary loads: in the
+// fused post-mix kernel below this thread wrote its columns of them moments before.
 template <int N, typename scalar_t>
-__device__ __forceinline__ void pre_token(
-    const scalar_t* xt, const float* __restrict__ phi, const float* __restrict__ alpha,
+__device__ __forceinline__ void finish_pre_token(
+    ColumnSums<N>& sums, const scalar_t* xt, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
     float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
     int64_t t, int C, float eps, float tol, int max_iter) {
   constexpr int Z = N * N + 2 * N;
   constexpr int kWarps = kTokenThreads / 32;
   __shared__ float partial[kWarps][Z + 1];
+  __shared__ float block_total[Z + 1];  // read by the cluster's other blocks
   __shared__ float coef[Z];  // h for [0, 2n), the logits of H_res for [2n, Z)
   const int K = N * C;
-
-  // z and the sum of squares: each thread a strided share of the n·C columns.
-  float acc[Z];
-#pragma unroll
-  for (int z = 0; z < Z; ++z) acc[z] = 0.0f;
-  float sq = 0.0f;
-  for (int k = threadIdx.x; k < K; k += kTokenThreads) {
-    const float v = to_float<scalar_t>(xt[k]);
-    sq = fmaf(v, v, sq);
-#pragma unroll
-    for (int z = 0; z < Z; ++z) acc[z] = fmaf(v, __ldg(phi + (int64_t)z * K + k), acc[z]);
-  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int z = 0; z < Z; ++z) {
-    const float s = warp_sum(acc[z]);
-    if (lane == 0) partial[warp][z] = s;
+  for (int k = 0; k < Z; ++k) {
+    const float s = warp_sum(sums.z[k]);
+    if (lane == 0) partial[warp][k] = s;
   }
-  sq = warp_sum(sq);
+  const float sq = warp_sum(sums.sq);
   if (lane == 0) partial[warp][Z] = sq;
   __syncthreads();
-
-  // One column per thread: z·r, the affine map of its group, σ for H_pre / H_post.
   if (threadIdx.x <= Z) {
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += partial[w][threadIdx.x];
-    partial[0][threadIdx.x] = total;  // every warp's partial of this column was read by this thread only
+    block_total[threadIdx.x] = total;
   }
+  // The token's sums: every block adds the cluster's partials in rank order (the same bits in each).
+  float total = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every block's block_total is written
+  if (threadIdx.x <= Z) {
+    for (unsigned r = 0; r < gridDim.x; ++r) total += cluster.map_shared_rank(block_total, r)[threadIdx.x];
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+#else
   __syncthreads();
+  if (threadIdx.x <= Z) total = block_total[threadIdx.x];  // gridDim.x is 1 (token_splits)
+#endif
+  if (threadIdx.x <= Z) partial[0][threadIdx.x] = total;
+  __syncthreads();
+  const bool lead = blockIdx.x == 0;  // writes the coefficients and runs the projection
   const float r = rsqrtf(partial[0][Z] / (float)K + eps);
   if (threadIdx.x < Z) {
     const int col = threadIdx.x;
@@ -98,20 +153,20 @@ __device__ __forceinline__ void pre_token(
     } else {
       v = zc * alpha[2] + b_res[col - 2 * N];
     }
-    if (zr != nullptr) zr[t * (Z + 1) + col] = zc;
+    if (lead && zr != nullptr) zr[t * (Z + 1) + col] = zc;
     if (col < 2 * N) {
       const float hv = torch_sigmoid(v);
-      h_out[t * (2 * N) + col] = hv;
+      if (lead) h_out[t * (2 * N) + col] = hv;
       coef[col] = hv;
     } else {
       coef[col] = v;
     }
   }
-  if (threadIdx.x == 0 && zr != nullptr) zr[t * (Z + 1) + Z] = r;
+  if (lead && threadIdx.x == 0 && zr != nullptr) zr[t * (Z + 1) + Z] = r;
   __syncthreads();
 
   // H_res: the projection's solver on this token's logits (as birkhoff_forward_kernel does for one matrix).
-  if (threadIdx.x == 0) {
+  if (lead && threadIdx.x == 0) {
     float T[N][N], R[N][N];
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -136,7 +191,8 @@ __device__ __forceinline__ void pre_token(
   // summed pairwise, as coeff_fwd's tree reduction does: a converted model's H_pre sums to
   // exactly 1 (MHCBlock's init), so identical streams must give u = x_0 to the bit.
   const float h_sum = pairwise_sum<N>(coef);
-  for (int c = threadIdx.x; c < C; c += kTokenThreads) {
+  const TokenColumns cols = token_columns(C);
+  for (int c = cols.begin + threadIdx.x; c < cols.end; c += kTokenThreads) {
     const float x0 = to_float<scalar_t>(xt[c]);
     float acc_u = h_sum * x0;
 #pragma unroll
@@ -145,22 +201,33 @@ __device__ __forceinline__ void pre_token(
   }
 }
 
+// Grid (S, T), clusters of S blocks along x: the cluster of token t = blockIdx.y.
 template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
     const scalar_t* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
     float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
     int C, float eps, float tol, int max_iter) {
-  const int64_t t = blockIdx.x;
-  pre_token<N, scalar_t>(x + t * N * C, phi, alpha, b_pre, b_post, b_res, zr, h_out, h_res, u, t, C, eps, tol,
-                         max_iter);
+  const int64_t t = blockIdx.y;
+  const scalar_t* xt = x + t * N * C;
+  ColumnSums<N> sums;
+  const TokenColumns cols = token_columns(C);
+  for (int c = cols.begin + threadIdx.x; c < cols.end; c += kTokenThreads) {
+    float v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = to_float<scalar_t>(xt[i * C + c]);
+    sums.add(v, phi, c, C);
+  }
+  finish_pre_token<N, scalar_t>(sums, xt, alpha, b_pre, b_post, b_res, zr, h_out, h_res, u, t, C, eps, tol,
+                                max_iter);
 }
 
-// x'_i[c] = x_0[c] + Σ_j H_res[i, j] (x_j[c] − x_0[c]) + H_post[i] y[c] for token t, column c.
+// x'_i[c] = x_0[c] + Σ_j H_res[i, j] (x_j[c] − x_0[c]) + H_post[i] y[c] for token t, column c, stored and
+// returned (as stored: rounded to the streams' dtype) in v.
 template <int N, typename scalar_t>
 __device__ __forceinline__ void post_column(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
                                             const float* __restrict__ h, const float* __restrict__ h_res,
-                                            scalar_t* out, int64_t t, int c, int C) {
+                                            scalar_t* out, int64_t t, int c, int C, float (&v)[N]) {
   const scalar_t* xt = x + t * N * C;
   float dev[N];
   const float x0 = to_float<scalar_t>(xt[c]);
@@ -173,7 +240,9 @@ __device__ __forceinline__ void post_column(const scalar_t* __restrict__ x, cons
     float mix = 0.0f;
 #pragma unroll
     for (int j = 0; j < N; ++j) mix = fmaf(__ldg(h_res + (t * N + i) * N + j), dev[j], mix);
-    out[(t * N + i) * C + c] = from_float<scalar_t>(x0 + mix + 2.0f * __ldg(h + t * 2 * N + N + i) * yc);
+    const scalar_t stored = from_float<scalar_t>(x0 + mix + 2.0f * __ldg(h + t * 2 * N + N + i) * yc);
+    out[(t * N + i) * C + c] = stored;
+    v[i] = to_float<scalar_t>(stored);
   }
 }
 
@@ -182,13 +251,14 @@ __global__ void __launch_bounds__(kTokenThreads) site_post_tokens_kernel(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ y, const float* __restrict__ h,
     const float* __restrict__ h_res, scalar_t* __restrict__ out, int C) {
   const int c = blockIdx.x * kTokenThreads + threadIdx.x;
-  if (c < C) post_column<N, scalar_t>(x, y, h, h_res, out, blockIdx.y, c, C);
+  float v[N];
+  if (c < C) post_column<N, scalar_t>(x, y, h, h_res, out, blockIdx.y, c, C, v);
 }
 
-// One site's post-mix and the next site's first step, one block per token (generation): the
-// block writes its token's x' and, once every thread's columns are written (__syncthreads makes
-// them visible to the block), runs pre_token on them. Same arithmetic as the two kernels above,
-// so the same bits as their two launches; zr is not written (no backward).
+// One site's post-mix and the next site's first step, a cluster per token as site_pre_tokens_kernel
+// (generation): each thread writes its columns of x' and adds the values it wrote to the next step's
+// sums. Same arithmetic, columns and order as the two kernels above, so the same bits as their two
+// launches; zr is not written (no backward).
 template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kTokenThreads) site_post_pre_tokens_kernel(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ y, const float* __restrict__ h,
@@ -196,11 +266,16 @@ __global__ void __launch_bounds__(kTokenThreads) site_post_pre_tokens_kernel(
     const float* __restrict__ alpha, const float* __restrict__ b_pre, const float* __restrict__ b_post,
     const float* __restrict__ b_res, float* __restrict__ h_next, float* __restrict__ h_res_next,
     scalar_t* __restrict__ u_next, int C, float eps, float tol, int max_iter) {
-  const int64_t t = blockIdx.x;
-  for (int c = threadIdx.x; c < C; c += kTokenThreads) post_column<N, scalar_t>(x, y, h, h_res, out, t, c, C);
-  __syncthreads();
-  pre_token<N, scalar_t>(out + t * N * C, phi, alpha, b_pre, b_post, b_res, nullptr, h_next, h_res_next, u_next, t,
-                         C, eps, tol, max_iter);
+  const int64_t t = blockIdx.y;
+  ColumnSums<N> sums;
+  const TokenColumns cols = token_columns(C);
+  for (int c = cols.begin + threadIdx.x; c < cols.end; c += kTokenThreads) {
+    float v[N];
+    post_column<N, scalar_t>(x, y, h, h_res, out, t, c, C, v);
+    sums.add(v, phi, c, C);
+  }
+  finish_pre_token<N, scalar_t>(sums, out + t * N * C, alpha, b_pre, b_post, b_res, nullptr, h_next, h_res_next,
+                                u_next, t, C, eps, tol, max_iter);
 }
 
 }  // namespace mhc_birkhoff
