@@ -71,9 +71,15 @@ def test_site_equals_the_decoder_layer_formula_with_gradients():
     expected_phi_grad = torch.cat([grad_fn[: 2 * N], grad_fn[2 * N :].reshape(N, N, -1).transpose(0, 1).reshape(N * N, -1)])
     scale = grad_fn.abs().max().item()
     torch.testing.assert_close(block.phi.grad, expected_phi_grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{seed}: {m}")
-    torch.testing.assert_close(block.alpha.grad, hc.scale.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{seed}: {m}")
-    torch.testing.assert_close(block.b_res.grad, hc.base.grad[2 * N :].reshape(N, N).t(), rtol=1e-4, atol=1e-6,
+    # Absolute tolerances at 1e-5 of each gradient's largest entry, as for phi: these are float32 sums
+    # over tokens whose order follows the intra-op thread split, so an entry near zero can be off by a
+    # few 1e-6 of the whole (3.5e-6 against a fixed atol of 1e-6 at seed 12888816320414180261, in the
+    # full suite only).
+    expected_b_res_grad = hc.base.grad[2 * N :].reshape(N, N).t()
+    torch.testing.assert_close(block.alpha.grad, hc.scale.grad, rtol=1e-4, atol=1e-5 * hc.scale.grad.abs().max().item(),
                                msg=lambda m: f"{seed}: {m}")  # fmt: skip
+    torch.testing.assert_close(block.b_res.grad, expected_b_res_grad, rtol=1e-4,
+                               atol=1e-5 * expected_b_res_grad.abs().max().item(), msg=lambda m: f"{seed}: {m}")
 
 
 def test_two_blocks_reproduce_a_whole_decoder_layer():
