@@ -141,33 +141,41 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         The sum over the site's branches of ``scale * dropout(post_norm(sublayer(norm(u))))``; branches
         naming the same norm share its output.
         """
+        # Submodules straight from _modules (where add_module and nn.Module.__setattr__ keep them):
+        # Module.__getattr__ costs about a microsecond a lookup on the H200's host, four lookups a
+        # site, and decoding is bound by host time.
+        modules = self._modules
         normed: dict[str | None, Tensor] = {}
         total = None
         for b in self._sites[index].branches:
             if b.norm not in normed:
-                normed[b.norm] = u if b.norm is None else getattr(self, b.norm)(u)
-            out = getattr(self, b.sublayer)(normed[b.norm], **(layer_inputs if b.layer_inputs else {}))
+                normed[b.norm] = u if b.norm is None else modules[b.norm](u)
+            out = modules[b.sublayer](normed[b.norm], **(layer_inputs if b.layer_inputs else {}))
             y = out[0] if isinstance(out, tuple) else out  # attention's (output, weights)
             if b.post_norm is not None:
-                y = getattr(self, b.post_norm)(y)
+                y = modules[b.post_norm](y)
             if b.dropout is not None:
-                y = getattr(self, b.dropout)(y)
+                y = modules[b.dropout](y)
             if b.scale != 1.0:
                 y = y * b.scale
             total = y if total is None else total + y
         return total
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
-        if len(args) > len(self._input_names):
-            raise TypeError(f"{self.wrapped_class} takes at most {len(self._input_names) + 1} positional arguments")
-        inputs = dict(zip(self._input_names, args))
-        inputs.update(kwargs)
+        if args:  # (HF's loops pass everything after hidden_states by keyword)
+            if len(args) > len(self._input_names):
+                raise TypeError(f"{self.wrapped_class} takes at most {len(self._input_names) + 1} positional arguments")
+            inputs = dict(zip(self._input_names, args))
+            inputs.update(kwargs)
+        else:
+            inputs = kwargs
         for name in self._unsupported:
             if inputs.pop(name, None) is not None:
                 raise NotImplementedError(f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}")
         x = expand_streams(hidden_states, self.n_streams) if self.expand_input else hidden_states
+        modules = self._modules  # (as in site_branch)
         for name, takes_inputs in zip(self.site_names, self._site_takes_inputs):
-            x = getattr(self, name)(x, **inputs) if takes_inputs else getattr(self, name)(x)
+            x = modules[name](x, **inputs) if takes_inputs else modules[name](x)
         return (x,) if self._tuple_output else x
 
     def extra_repr(self) -> str:
