@@ -6,7 +6,7 @@
     python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
     python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
     python benchmarks/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
-    python benchmarks/bench_decode.py --modes '' --step-times  # raw decode steps: host and wall time per model
+    python benchmarks/bench_decode.py --modes '' --step-times  # raw decode steps per model: host, wall, in the layers
     python benchmarks/bench_decode.py --json decode.json
     python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
 
@@ -354,7 +354,49 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
             ratio = f"{best['wall_us'] / base:16.3f}" if base else f"{'-':>16}"
             print(f"  {name:12} {best['prefill_ms']:11.2f} {best['host_us']:9.0f} {best['wall_us']:9.0f} {ratio}")
             row.update({f"best_{k}": v for k, v in best.items()})
+        print("  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their norms,"
+              " attention and MLP, and the rest (each layer's own glue: residual adds or mHC sites)")
+        for name, model in models.items():
+            split = layer_host_split(model, ids, args.profile_steps, cache_name, args.device)
+            rows[name]["layer_host_us"] = split
+            print(f"  {name:12} layers {split['layers']:7.0f}  sublayers {split['sublayers']:7.0f}  "
+                  f"rest {split['layers'] - split['sublayers']:7.0f}  ({split['layer_calls']:.0f} layer calls a step)")
     return table
+
+
+def layer_host_split(model, ids: torch.Tensor, steps: int, cache_name: str, device: str) -> dict:
+    """Host µs a raw decode step spent in the decoder layers and in their norm / attention / MLP children
+    (forward hooks on each; for an mHC model the children that are not its sites)."""
+    layers = list(model.decoder_layers()) if hasattr(model, "decoder_layers") else list(model.model.layers)
+    inner = [c for layer in layers for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
+    totals = {"layers": 0.0, "sublayers": 0.0, "layer_calls": 0}
+    starts: dict[int, float] = {}
+    handles = []
+    for kind, modules in (("layers", layers), ("sublayers", inner)):
+        for m in modules:
+            def pre(module, args):
+                starts[id(module)] = time.perf_counter()
+
+            def post(module, args, output, kind=kind):
+                totals[kind] += time.perf_counter() - starts.pop(id(module))
+                if kind == "layers":
+                    totals["layer_calls"] += 1
+
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            sync(device)
+            totals.update(layers=0.0, sublayers=0.0, layer_calls=0)
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+                sync(device)
+    finally:
+        for h in handles:
+            h.remove()
+    return {"layers": totals["layers"] * 1e6 / steps, "sublayers": totals["sublayers"] * 1e6 / steps,
+            "layer_calls": totals["layer_calls"] / steps}
 
 
 def site_host_times(model, prefill, steps: int) -> dict:

@@ -168,7 +168,7 @@ def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys)
     out = tmp_path / "decode.json"
     bench_decode.main(["--device", "cpu", "--tiny", "--modes", "eager,compiled", "--batches", "2",
                        "--new-tokens", "3", "--rounds", "1", "--steps", "1", "--profile", "--profile-steps", "2",
-                       "--profile-top", "5", "--json", str(out)])
+                       "--profile-top", "5", "--step-times", "--json", str(out)])
     captured = capsys.readouterr()
     log = captured.out + captured.err
     assert "Traceback" not in log, log
@@ -184,6 +184,11 @@ def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys)
                 assert info[name]["dynamo"]["graph_breaks"] == 0, f"{key} {name}: {info[name]}"
                 assert info[name]["graphs_compiled_while_timed"] == 0, f"{key} {name}: {info[name]}"
     assert "x residual" in captured.out and "torch.profiler" in captured.out and "cProfile" in captured.out, log
+    steps = json.loads(out.read_text())["step_times"]["2"]
+    for name in ("residual", "mhc"):
+        assert steps[name]["best_host_us"] > 0 and steps[name]["best_wall_us"] >= steps[name]["best_host_us"], steps
+        split = steps[name]["layer_host_us"]
+        assert split["layer_calls"] == 2 and split["layers"] > split["sublayers"] > 0, f"{name}: {split}"
 
 
 def test_bench_decode_rejects_unknown_modes_and_bad_counts(bench_decode, capsys):
