@@ -3,7 +3,7 @@
 #   setup    install mhc (editable) and build the CUDA projection
 #   tests    the CUDA tests of the projection, the fused site, keep_streams_every, non-finite input and torch.compile
 #   peers    build mHC-proj / mHC.cu (benchmarks/build_peers.sh), then bench_projection_peers.py
-#   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile)
+#   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile --step-times)
 #   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
 #   projhost benchmarks/bench_projection_host.py (a small-batch projection call, layer by layer; after peers
 #            it has mHC-proj's call beside ours)
@@ -13,7 +13,7 @@
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
-# DECODE_ARGS (default --profile), COMPILE_VARIANTS (bench_compile.py --variants).
+# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants).
 USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
@@ -41,7 +41,7 @@ for stage in "$@"; do
       OUT=$OUT timeout 200 bash benchmarks/build_peers.sh
       timeout 240 python3 benchmarks/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
     decode)
-      timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile} 2>&1 | tee "$OUT/decode.log" ;;
+      timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile --step-times} 2>&1 | tee "$OUT/decode.log" ;;
     sitehost)
       timeout 120 python3 benchmarks/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
     projhost)
