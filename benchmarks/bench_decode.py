@@ -369,25 +369,13 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, cache_name: str, devi
     (forward hooks on each; for an mHC model the children that are not its sites)."""
     layers = list(model.decoder_layers()) if hasattr(model, "decoder_layers") else list(model.model.layers)
     inner = [c for layer in layers for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
-    totals = {"layers": 0.0, "sublayers": 0.0, "layer_calls": 0}
-    starts: dict[int, float] = {}
-    handles = []
-    for kind, modules in (("layers", layers), ("sublayers", inner)):
-        for m in modules:
-            def pre(module, args):
-                starts[id(module)] = time.perf_counter()
-
-            def post(module, args, output, kind=kind):
-                totals[kind] += time.perf_counter() - starts.pop(id(module))
-                if kind == "layers":
-                    totals["layer_calls"] += 1
-
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    totals: dict = {}
+    handles = timing_hooks({"layers": layers, "sublayers": inner}, totals)
     try:
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
             sync(device)
-            totals.update(layers=0.0, sublayers=0.0, layer_calls=0)
+            totals.update(dict.fromkeys(totals, 0))
             for _ in range(steps):
                 token = out.logits[:, -1:].argmax(-1)
                 out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
@@ -396,25 +384,34 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, cache_name: str, devi
         for h in handles:
             h.remove()
     return {"layers": totals["layers"] * 1e6 / steps, "sublayers": totals["sublayers"] * 1e6 / steps,
-            "layer_calls": totals["layer_calls"] / steps}
+            "layer_calls": totals["layers_calls"] / steps}
 
 
-def site_host_times(model, prefill, steps: int) -> dict:
-    """Host µs per decode step: the whole step, all mHC sites, their sublayers, and per site call the difference."""
-    sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
-    inner = [c for layer in model.decoder_layers() for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
-    totals = {"site": 0.0, "sublayer": 0.0}
+def timing_hooks(groups: dict[str, list], totals: dict) -> list:
+    """Forward hooks on every module of ``groups`` (name -> modules) adding its host time to ``totals[name]``
+    (seconds) and its calls to ``totals[name + "_calls"]``; returns the hook handles."""
     starts: dict[int, float] = {}
     handles = []
-    for kind, modules in (("site", sites), ("sublayer", inner)):
+    for kind, modules in groups.items():
+        totals.update({kind: 0.0, kind + "_calls": 0})
         for m in modules:
             def pre(module, args):
                 starts[id(module)] = time.perf_counter()
 
             def post(module, args, output, kind=kind):
                 totals[kind] += time.perf_counter() - starts.pop(id(module))
+                totals[kind + "_calls"] += 1
 
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    return handles
+
+
+def site_host_times(model, prefill, steps: int) -> dict:
+    """Host µs per decode step: the whole step, all mHC sites, their sublayers, and per site call the difference."""
+    sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
+    inner = [c for layer in model.decoder_layers() for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
+    totals: dict = {}
+    handles = timing_hooks({"site": sites, "sublayer": inner}, totals)
     try:
         prefill()()  # warm, with the hooks
         decode = prefill()
