@@ -98,10 +98,10 @@ def _peak_mb(module, x, g) -> float:
 
 
 def _fused_bytes(T: int, n: int, C: int, elt: int = 2) -> tuple[int, int]:
-    """Stream bytes the fused kernels read and write: (forward, backward)."""
-    nC = n * C
-    fwd = (nC) + (nC + C) + (nC + C + nC)  # coefficients; pre-mix; post-mix
-    bwd = (2 * nC + 2 * C) + (nC + C) + (2 * nC + C + nC) + nC  # postmix_bwd; coeff_bwd; stream_grad (dx); phi_grad
+    """Stream bytes the fused kernels read and write: (forward, backward), coeff_fwd's second read of x included."""
+    per_kernel = common.site_stream_elements(n, C)
+    fwd = per_kernel["coeff_fwd"] + n * C + per_kernel["postmix_fwd"]
+    bwd = sum(per_kernel[k] for k in ("postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"))
     return fwd * T * elt, bwd * T * elt
 
 

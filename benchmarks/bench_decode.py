@@ -85,6 +85,8 @@ import mhc
 MODES = ("eager", "static", "compiled")
 MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-torch")
 ROOT = Path(__file__).resolve().parent.parent
+# The KV cache's keyword in this transformers' forward (transformers 5.x renamed past_key_values).
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def commit() -> str:
@@ -297,7 +299,6 @@ def decoder(model, batch: int, steps: int, args, cfg):
     """``prefill()`` runs a fresh prompt's forward (dynamic cache) and returns a function running ``steps``
     eager greedy decode steps from there, synchronised at the end."""
     ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
-    cache_name = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
     @torch.no_grad()
     def prefill():
@@ -309,7 +310,7 @@ def decoder(model, batch: int, steps: int, args, cfg):
             nonlocal out
             for _ in range(steps):
                 token = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+                out = model(input_ids=token, use_cache=True, **{CACHE_ARG: out[CACHE_ARG]})
             sync(args.device)
 
         return decode
@@ -321,7 +322,6 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
     """Per batch and model, interleaved, best of ``rounds``: the prefill's wall time, and the mean host time
     (until the forward returns) and wall time (after a sync, as ``generate()`` syncs every step) of
     ``--profile-steps`` raw eager decode steps (dynamic cache, no ``generate()`` around them)."""
-    cache_name = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
     table: dict = {}
     for batch in args.batches:
         ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), device=args.device)
@@ -338,7 +338,7 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
                     for _ in range(args.profile_steps):
                         t0 = time.perf_counter()
                         token = out.logits[:, -1:].argmax(-1)
-                        out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+                        out = model(input_ids=token, use_cache=True, **{CACHE_ARG: out[CACHE_ARG]})
                         t1 = time.perf_counter()
                         sync(args.device)
                         host += t1 - t0
@@ -357,14 +357,14 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
         print("  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their norms,"
               " attention and MLP, and the rest (each layer's own glue: residual adds or mHC sites)")
         for name, model in models.items():
-            split = layer_host_split(model, ids, args.profile_steps, cache_name, args.device)
+            split = layer_host_split(model, ids, args.profile_steps, args.device)
             rows[name]["layer_host_us"] = split
             print(f"  {name:12} layers {split['layers']:7.0f}  sublayers {split['sublayers']:7.0f}  "
                   f"rest {split['layers'] - split['sublayers']:7.0f}  ({split['layer_calls']:.0f} layer calls a step)")
     return table
 
 
-def layer_host_split(model, ids: torch.Tensor, steps: int, cache_name: str, device: str) -> dict:
+def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
     """Host µs a raw decode step spent in the decoder layers and in their norm / attention / MLP children
     (forward hooks on each; for an mHC model the children that are not its sites)."""
     layers = list(model.decoder_layers()) if hasattr(model, "decoder_layers") else list(model.model.layers)
@@ -378,7 +378,7 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, cache_name: str, devi
             totals.update(dict.fromkeys(totals, 0))
             for _ in range(steps):
                 token = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=token, use_cache=True, **{cache_name: out[cache_name]})
+                out = model(input_ids=token, use_cache=True, **{CACHE_ARG: out[CACHE_ARG]})
                 sync(device)
     finally:
         for h in handles:

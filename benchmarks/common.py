@@ -153,15 +153,10 @@ def copy_gbps(numel: int = 2**28, dtype: torch.dtype = torch.bfloat16, steps: in
     return 2 * a.numel() * a.element_size() / ms / 1e6
 
 
-def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
-    """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
-
-    Each stream-sized array read or written once (a kernel that reads one twice, such as ``coeff_fwd``'s
-    pre-mix, is counted once: the floor), plus the float32 per-token coefficients it reads or writes
-    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
-    """
-    nC, Z = n * C, n * n + 2 * n
-    streams = {  # stream elements per token
+def site_stream_elements(n: int, C: int) -> dict[str, int]:
+    """Stream-sized elements per token each fused-site kernel reads and writes, each array counted once."""
+    nC = n * C
+    return {
         "coeff_fwd": nC + C,  # x; u
         "postmix_fwd": nC + C + nC,  # x, y; x'
         "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
@@ -169,6 +164,17 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
         "stream_grad": nC + C + nC + nC,  # dx', du, x; dx
         "phi_grad": nC,  # x
     }
+
+
+def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
+    """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
+
+    Each stream-sized array read or written once (a kernel that reads one twice, such as ``coeff_fwd``'s
+    pre-mix, is counted once: the floor), plus the float32 per-token coefficients it reads or writes
+    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
+    """
+    Z = n * n + 2 * n
+    streams = site_stream_elements(n, C)
     coefficients = {  # float32 values per token
         "coeff_fwd": (Z + 1) + 2 * n + n * n,
         "postmix_fwd": 2 * n + n * n,
