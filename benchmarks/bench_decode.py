@@ -6,6 +6,7 @@
     python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
     python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
     python benchmarks/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
+    python benchmarks/bench_decode.py --models residual,mhc,mhc-norms --modes eager      # A/B the fused branch norms
     python benchmarks/bench_decode.py --modes '' --step-times  # raw decode steps per model: host, wall, in the layers
     python benchmarks/bench_decode.py --json decode.json
     python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
@@ -16,6 +17,8 @@ CUDA, random weights drawn from ``--seed``); ``mhc`` the same weights
 converted with ``mhc.convert_to_mhc(model, n_streams=4, init="paper")`` (the
 default fused site); ``mhc-unlinked`` the same with its sites unlinked
 (``MHCBlock.set_next_site(None)``: each site boundary two launches, not one);
+``mhc-norms`` the same with ``fuse_input_norm = False`` on every layer (each
+branch runs its own input RMSNorm instead of the site's first step applying it);
 ``mhc-torch`` the same with ``fused=False`` (the PyTorch site, which inductor
 fuses in mode ``compiled``).
 Each ``generate()`` is greedy, a ``--prompt``-token random prompt (32),
@@ -83,7 +86,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import mhc
 
 MODES = ("eager", "static", "compiled")
-MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-torch")
+MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-norms", "mhc-torch")
 ROOT = Path(__file__).resolve().parent.parent
 # The KV cache's keyword in this transformers' forward (transformers 5.x renamed past_key_values).
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
@@ -109,7 +112,8 @@ def tiny_llama(seq: int) -> LlamaConfig:
 
 def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: int):
     """The residual Llama drawn from ``seed`` (``name="residual"``), or its mHC conversion (``"mhc"``; ``"mhc-unlinked"``
-    with its sites unlinked; ``"mhc-torch"`` with ``fused=False``), in eval mode."""
+    with its sites unlinked; ``"mhc-norms"`` with the branch norms unfused; ``"mhc-torch"`` with ``fused=False``),
+    in eval mode."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(device, dtype)
     if name != "residual":
@@ -117,6 +121,9 @@ def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: in
         if name == "mhc-unlinked":
             for site in (m for m in model.modules() if isinstance(m, mhc.MHCBlock)):
                 site.set_next_site(None)
+        if name == "mhc-norms":
+            for layer in model.decoder_layers():
+                layer.fuse_input_norm = False
     model.generation_config.eos_token_id = None  # every call decodes exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -485,7 +492,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--models", default="residual,mhc",
-                    help="comma-separated, from: residual, mhc, mhc-unlinked, mhc-torch (fused=False) (default residual,mhc)")
+                    help="comma-separated, from: residual, mhc, mhc-unlinked, mhc-norms, mhc-torch (fused=False) "
+                         "(default residual,mhc)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; --tiny 8)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")

@@ -14,6 +14,8 @@ has finished them too. Rows, all on the same streams ``x [T, n, C]``:
   (``mhc.fused_tokens.pre_no_grad`` / ``post_no_grad``);
 * ``post_pre``: a site boundary in generation, the post-mix and the next
   site's first step in one call (``mhc.fused_tokens.post_pre_no_grad``);
+  ``post_pre_norm`` the same with the next branch's input RMSNorm applied too,
+  against ``rms_norm``, HF's ``LlamaRMSNorm`` on ``[T, C]`` as a branch runs it;
 * ``linked``: two linked blocks (``MHCBlock.set_next_site``) called in turn,
   per block (three launches for the two: a first step, a boundary, a post-mix);
 * ``pre_grad`` / ``post_grad``: the same kernels called as the grad path
@@ -32,6 +34,8 @@ import argparse
 import common
 import torch
 
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
 import mhc
 from mhc import fused_tokens
 
@@ -47,7 +51,9 @@ def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
     first.load_state_dict(block.state_dict())
     first.set_next_site(second)
     params = [p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post, block.b_res)]
-    u, mix, xs = fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol)
+    u, mix, xs, _ = fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol)
+    rms_norm = LlamaRMSNorm(C, eps=1e-6).to("cuda", dtype)  # a branch's input norm, as HF runs it
+    norm = (rms_norm.weight.detach(), rms_norm.variance_epsilon)
     tol_eff = mhc.projection.effective_tol(block.tol, n, torch.float32)
     _, _, h, h_res = fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER)
     a, b = torch.randn(tokens, C, device="cuda", dtype=dtype), torch.randn(tokens, C, device="cuda", dtype=dtype)
@@ -56,6 +62,8 @@ def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
         "pre": lambda: fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol),
         "post": lambda: fused_tokens.post_no_grad(xs, u, mix),
         "post_pre": lambda: fused_tokens.post_pre_no_grad(xs, u, mix, *params, block.norm_eps, block.tol),
+        "post_pre_norm": lambda: fused_tokens.post_pre_no_grad(xs, u, mix, *params, block.norm_eps, block.tol, norm),
+        "rms_norm": lambda: rms_norm(u),
         "linked": lambda: second(first(x)),
         "pre_grad": lambda: fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER),
         "post_grad": lambda: fused_tokens.post(x, u, h, h_res),

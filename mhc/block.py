@@ -322,7 +322,15 @@ class MHCBlock(nn.Module):
         if after.n_streams != self.n_streams or after.hidden_size != self.hidden_size:
             return None
         params = after._coefficient_parameters()
-        return (after, params) if params[0].get_device() == x.get_device() else None
+        return (after, params, after._branch_norm()) if params[0].get_device() == x.get_device() else None
+
+    def _branch_norm(self) -> tuple[Tensor, float] | None:
+        # (weight, eps) of the branch's input RMSNorm, which the no-grad token kernels then apply
+        # where they write u (a decode step's norm is ~8 launches of host time): offered by a branch
+        # whose class has fusable_input_norm and call_normed (mhc.hf_branch.SiteBranch). Looked up on
+        # the class: a Module branch's missing attribute would cost an exception each call.
+        offer = getattr(type(self.branch), "fusable_input_norm", None)
+        return offer(self.branch) if offer is not None else None
 
     def _coefficient_parameters(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         # (φ, α, b_pre, b_post, b_res) from the parameter dict: five Module.__getattr__ lookups
@@ -415,12 +423,14 @@ class MHCBlock(nn.Module):
         elif fast:  # coefficients, H_res and the pre-mix: one fused node
             opts = self._options
             recipe = prefetched[0] if prefetched is not None else None  # x recomputed in backward
-            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe)
+            norm = None if torch.is_grad_enabled() or torch.compiler.is_compiling() else self._branch_norm()
+            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm)
         else:
             H_pre, H_post, H_res = self.coefficients(x)
             u, anchor, dev = site.pre_mix(x, H_pre)
 
-        out = self.branch(u, *args, **kwargs)
+        normed = fused.token_site_normed(mix) if fast else None  # the branch's norm, applied by the first step
+        out = self.branch(u, *args, **kwargs) if normed is None else self.branch.call_normed(u, normed, *args, **kwargs)
         y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         if y.shape != u.shape:
             raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
@@ -428,9 +438,9 @@ class MHCBlock(nn.Module):
         if fast:
             after = self._fusable_next(x, mix)
             if after is not None:  # generation: this post-mix and the next block's first step in one launch
-                block, params = after
+                block, params, norm = after
                 opts = block._options
-                x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol)
+                x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol, norm)
                 block._prefetched[0] = (x_new, x_new._version, u_next, mix_next)
             elif self._options.keep_streams_every > 1 and self._next_site is not None:
                 x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)

@@ -11,9 +11,8 @@ autograd node over the kernels of :mod:`mhc.fused_kernels`::
     y       = F(u)                                     # the caller's sublayer
     x'      = post_mix(y, site)                        # H_res·x + H_post ⊗ y
 
-Neither calls ``F``. :func:`site_pre` / :func:`post_mix` check their
-arguments; :func:`site_pre_unchecked` / :func:`post_mix_unchecked` are the same
-steps for a caller that checked them already (``MHCBlock``).
+Neither calls ``F``. :func:`site_pre_unchecked` / :func:`post_mix_unchecked` are
+:func:`site_pre` / :func:`post_mix` without their argument checks (``MHCBlock``'s).
 
 Few nodes and little host time per launch matter as much as the kernels: at
 the width of a ~125M model the forward of a site is bound by its host time,
@@ -29,12 +28,11 @@ call's :class:`_SiteState`, and the pre-step's backward writes the whole
 ``dx`` in one pass (separate gradients would cost extra reads and writes of
 the streams to add up). Double backward is not supported.
 
-Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused_steps`)
-run as ``torch.library`` custom ops with fake impls (:mod:`mhc.fused_ops`),
-so dynamo traces the site, and the sublayer between its steps, as one graph.
-A few tokens (at most :data:`mhc.fused_tokens.MAX_TOKENS`, a decode step) run
-both forwards on the CUDA extension's one-block-per-token kernels instead
-(:mod:`mhc.fused_tokens`), in every mode; the backward is the same.
+Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused_steps`) run as
+``torch.library`` custom ops with fake impls (:mod:`mhc.fused_ops`), so dynamo traces
+the site and its sublayer as one graph. Up to :data:`mhc.fused_tokens.MAX_TOKENS`
+tokens (decoding) run both forwards on the extension's token kernels
+(:mod:`mhc.fused_tokens`); the backward is the same.
 """
 
 from __future__ import annotations
@@ -48,16 +46,16 @@ from .projection_common import NEWTON_MAX_ITER
 
 __all__ = [
     "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_mix_recording",
-    "post_then_pre_unchecked", "is_token_site", "clear_plans", "compiled_variants", "SUPPORTED_DTYPES",
+    "post_then_pre_unchecked", "is_token_site", "token_site_normed", "clear_plans", "compiled_variants",
+    "SUPPORTED_DTYPES",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 # Triton missing or not importable (CPU-only PyTorch builds) is the one reason the fused path may be
 # absent. Kernels that fail to import while Triton imports are a bug in mhc or a Triton it does not
-# support, never a reason to fall back to the PyTorch path: the error is kept and raised, with its
-# cause, by available() (which MHCBlock asks before every fused-eligible CUDA forward) and
-# site_pre. It is not raised here, so that CPU code, which never runs the kernels, still imports mhc.
+# support, never a reason to fall back: available() (asked before every fused-eligible CUDA forward)
+# and site_pre raise the kept error, not this import, so CPU code still imports mhc.
 _k = None
 _TRITON_ERROR: ImportError | None = None  # why Triton is not importable
 _KERNELS_ERROR: Exception | None = None  # why mhc.fused_kernels failed to import although Triton did
@@ -106,11 +104,9 @@ def available() -> bool:
 def clear_plans() -> None:
     """Forget every shape's launch plan and every kept compiled kernel variant.
 
-    The next site call of each shape works its launches out again, and each
-    kernel's next launch of a variant goes through Triton's own launch (which
-    compiles or loads it) before it is kept again. Compiled kernels stay in
-    Triton's caches; this only drops this module's references. Nothing to do
-    where Triton is not importable.
+    The next call of each shape plans again, and each variant's next launch is
+    Triton's own (which compiles or loads it) before it is kept again. Triton's
+    caches are untouched. Nothing to do where Triton is not importable.
     """
     if _plans is not None:
         _plans.clear()
@@ -131,12 +127,11 @@ class _SiteState:
     """One call of a site: its plan and scalars, and what ``_PostMix`` hands ``_SitePre`` in backward.
 
     The nodes take it as their one non-tensor argument (each argument of
-    ``Function.apply`` costs host time). ``d_out`` is ``dx'`` (detached), set
-    by ``_PostMix``'s backward. ``switch_device``: the forward found another
-    CUDA device current than the streams', so the post-mix launches under the
-    streams' device too. ``streams``: ``None`` when the nodes keep the
-    streams ``x`` for backward, else the :class:`_StreamsRecipe` that
-    recomputes them there (``keep_streams_every``).
+    ``Function.apply`` costs host time). ``d_out`` is ``dx'`` (detached), set by
+    ``_PostMix``'s backward. ``switch_device``: the forward found another CUDA
+    device current, so the post-mix launches under the streams' device too.
+    ``streams``: ``None`` when the nodes keep ``x`` for backward, else the
+    :class:`_StreamsRecipe` that recomputes it (``keep_streams_every``).
     """
 
     __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams")
@@ -364,25 +359,27 @@ def post_mix(y: Tensor, site: tuple) -> Tensor:
 
 
 def site_pre_unchecked(
-    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, streams: _StreamsRecipe | None = None
+    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, streams: _StreamsRecipe | None = None,
+    norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, tuple]:
     """:func:`site_pre` without its argument checks, for callers that made them (:class:`mhc.MHCBlock`).
 
-    ``norm_eps`` and ``tol`` must be Python floats. On the H200's host every
-    Python-level check of a site costs microseconds, 24 sites a step, and the
-    forward of a ~125M model is bound by its host time. ``streams``: how to
+    ``norm_eps`` and ``tol`` must be Python floats. Every Python-level check costs
+    microseconds of a host-bound ~125M model's step, 24 sites a step. ``streams``: how to
     recompute ``x`` in backward (from :func:`post_mix_recording` of the site
     that made ``x``); the nodes then keep no streams. Ignored without grad.
+    ``norm``: the branch's input RMSNorm ``(weight, eps)``, applied to ``u``
+    by the no-grad token kernels only (:func:`token_site_normed`).
     """
     if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused_ops)
         return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
     if x.is_cuda and not torch.is_grad_enabled():
         # Generation: a few tokens per step, where the site's cost is its host time. One call
         # into the extension decides, converts and launches (None: not its sizes).
-        site = _tokens.pre_no_grad(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
+        site = _tokens.pre_no_grad(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, norm)
         if site is not None:
-            u, mix, x = site
-            return u, (x, mix, None, _TOKENS_NO_GRAD)
+            u, mix, x, normed = site
+            return u, (x, mix, normed, _TOKENS_NO_GRAD)
     x = _dense(x)  # a strided input is copied once here
     plan = _plan(x)
     cdt = plan.cdt
@@ -486,13 +483,18 @@ def is_token_site(site: tuple) -> bool:
     return site[3] is _TOKENS_NO_GRAD
 
 
-def post_then_pre_unchecked(y: Tensor, site: tuple, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float):
-    """:func:`post_mix_unchecked` and the next site's :func:`site_pre_unchecked` on its output, in one launch.
+def token_site_normed(site: tuple) -> Tensor | None:
+    """The branch's normed input the no-grad token kernels wrote for ``site`` (its ``norm``), or ``None``."""
+    return site[2] if site[3] is _TOKENS_NO_GRAD else None
 
-    Only for a ``site`` where :func:`is_token_site` holds, with grad still
-    off; the next site's parameters must fit the streams. Returns
-    ``(x', u', site')``, the same bits as the two calls
-    (:func:`mhc.fused_tokens.post_pre_no_grad`).
+
+def post_then_pre_unchecked(y: Tensor, site: tuple, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float,
+                            norm: tuple[Tensor, float] | None = None):
+    """:func:`post_mix_unchecked` and the next site's :func:`site_pre_unchecked` (with its ``norm``) in one launch.
+
+    Only for a ``site`` where :func:`is_token_site` holds, with grad still off;
+    the next site's parameters must fit the streams. Returns ``(x', u', site')``,
+    the same bits as the two calls (:func:`mhc.fused_tokens.post_pre_no_grad`).
     """
-    x_new, u, mix = _tokens.post_pre_no_grad(site[0], y, site[1], phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
-    return x_new, u, (x_new, mix, None, _TOKENS_NO_GRAD)
+    step = _tokens.post_pre_no_grad(site[0], y, site[1], phi, alpha, b_pre, b_post, b_res, norm_eps, tol, norm)
+    return step[0], step[1], (step[0], step[2], step[3], _TOKENS_NO_GRAD)

@@ -70,8 +70,9 @@ def post(x: Tensor, y: Tensor, h: Tensor, h_res: Tensor) -> Tensor:
 
 
 def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-                eps: float, tol: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The first step without grad (generation): ``(u [..., C], mix, x)``, or ``None`` where these kernels do not run.
+                eps: float, tol: float, norm: tuple[Tensor, float] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """The first step without grad (generation): ``(u [..., C], mix, x, normed)``, or ``None`` if these kernels do not run.
 
     One call into the extension, which decides (CUDA streams of float32 /
     bfloat16 / float16, ``n`` in {4, 8}, 1 to :data:`MAX_TOKENS` tokens), makes
@@ -80,13 +81,22 @@ def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Te
     kernel once. Nothing the backward would need is written. ``mix`` is one
     float32 tensor, ``h [T, 2n]`` then ``H_res [T, n, n]``; ``x`` the streams
     as read (contiguous), both for :func:`post_no_grad`. Only for CUDA streams.
+
+    ``norm = (weight, eps)``: the branch's input RMSNorm, HF's ``LlamaRMSNorm``
+    (``weight * (u_f * rsqrt(mean(u_f²) + eps)).to(dtype)``), which the kernel
+    then applies to ``u`` too: ``normed [..., C]``, in the streams' dtype. Only
+    a dense ``weight [C]`` of the streams' dtype and device is applied;
+    ``normed`` is ``None`` otherwise, and without ``norm``.
     """
     global _extension
     if _extension is None:
         _extension = projection_cuda.extension()
         if _extension is None:
             return None
-    site = _extension.site_pre_tokens_packed(x, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, MAX_TOKENS)
+    weight, norm_eps = norm if norm is not None else (None, 0.0)
+    site = _extension.site_pre_tokens_packed(
+        x, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, MAX_TOKENS, weight, norm_eps
+    )
     if site is not None:
         projection_cuda.poll(site[1])
     return site
@@ -98,17 +108,20 @@ def post_no_grad(x: Tensor, y: Tensor, mix: Tensor) -> Tensor:
 
 
 def post_pre_no_grad(x: Tensor, y: Tensor, mix: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor,
-                     b_res: Tensor, eps: float, tol: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`post_no_grad` and the next site's :func:`pre_no_grad` on its result, in one launch: ``(x', u', mix')``.
+                     b_res: Tensor, eps: float, tol: float, norm: tuple[Tensor, float] | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """:func:`post_no_grad` and the next site's :func:`pre_no_grad` on its result in one launch: ``(x', u', mix', normed')``.
 
     ``x`` and ``mix`` from :func:`pre_no_grad` (so CUDA streams these kernels
-    take); the next site's parameters and scalars. The same bits as the two calls.
+    take); the next site's parameters, scalars and branch ``norm``. The same
+    bits as the two calls.
     """
-    x_new, u, mix_next = _extension.site_post_pre_tokens_packed(
-        x, y, mix, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER
+    weight, norm_eps = norm if norm is not None else (None, 0.0)
+    site = _extension.site_post_pre_tokens_packed(
+        x, y, mix, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, weight, norm_eps
     )
-    projection_cuda.poll(mix_next)
-    return x_new, u, mix_next
+    projection_cuda.poll(site[2])
+    return site
 
 
 def unpack(mix: Tensor, n: int) -> tuple[Tensor, Tensor]:

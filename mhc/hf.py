@@ -31,11 +31,10 @@ branches (norm, sublayer, post-norm, dropout, scale). :func:`convert_to_mhc`
 checks the result against the original model (:mod:`mhc.hf_verify`) and
 records the adapter in the config.
 
-Alternatives rejected: running our own loop over the layers would fork every
-architecture's model forward (mask, rotary and cache preparation, whose
-signatures change between releases; 5.24 renamed ``past_key_values`` to
-``cache``); folding the ``n`` streams into the batch or sequence dimension
-would break masks, KV caches and position ids. Llama, Mistral, Qwen2/3 and
+Alternatives rejected: our own loop over the layers would fork every architecture's
+model forward (mask, rotary and cache preparation change between releases: 5.24
+renamed ``past_key_values`` to ``cache``); folding the ``n`` streams into the batch
+or sequence dimension would break masks, KV caches and position ids. Llama, Mistral, Qwen2/3 and
 GPT-2 tested on transformers 4.57, 5.17 and 5.24; the other families
 (``tests/test_families.py``) on 5.24.
 
@@ -97,6 +96,10 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
     otherwise; the output is ``[B, S, n, C]``.
     """
 
+    # In generation on the token kernels, a site's first step also applies the branch's input RMSNorm
+    # (mhc.hf_branch.SiteBranch.fusable_input_norm): a decode step's norms cost host time, not GPU time.
+    fuse_input_norm: bool = True
+
     def __init__(self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool):
         super().__init__()
         for site in adapter.sites:
@@ -135,17 +138,17 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
             block = MHCBlock(SiteBranch(self, j), hidden, config.n_streams, layer_index=k * layer_idx + j, options=opts)
             self.add_module(site.module_name, block)
 
-    def site_branch(self, index: int, u: Tensor, **layer_inputs) -> Tensor:
+    def site_branch(self, index: int, u: Tensor, normed_input: Tensor | None = None, **layer_inputs) -> Tensor:
         """The residual update of site ``index`` from its pre-mixed input ``u: [B, S, C]`` (the block's branch).
 
         The sum over the site's branches of ``scale * dropout(post_norm(sublayer(norm(u))))``; branches
-        naming the same norm share its output.
+        naming the same norm share its output, ``normed_input`` if given (the site's one norm, applied).
         """
         # Submodules straight from _modules (where add_module and nn.Module.__setattr__ keep them):
         # Module.__getattr__ costs about a microsecond a lookup on the H200's host, four lookups a
         # site, and decoding is bound by host time.
         modules = self._modules
-        normed: dict[str | None, Tensor] = {}
+        normed = {} if normed_input is None else {self._sites[index].branches[0].norm: normed_input}
         total = None
         for b in self._sites[index].branches:
             if b.norm not in normed:
@@ -206,8 +209,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _no_split_modules = ["MHCDecoderLayer"]
-    # The coefficient parameters (φ, α, biases) and the learned stream weights
-    # stay float32 when the model is loaded in bf16/fp16 (per instance: the adapter's site names).
+    # The coefficients (φ, α, biases) and stream weights stay float32 in bf16/fp16 (per instance: the site names).
     _keep_in_fp32_modules = ["attn_mhc", "mlp_mhc", "parallel_mhc", "stream_reduce"]
     _keep_in_fp32_modules_strict = ["attn_mhc", "mlp_mhc", "parallel_mhc", "stream_reduce"]
 
@@ -251,8 +253,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def mhc_module_names(self) -> list[str]:
-        """The attribute names of the mHC blocks in a decoder layer (``["attn_mhc", "mlp_mhc"]``,
-        ``["parallel_mhc"]``, ...): what PEFT's ``modules_to_save`` takes to train and save them."""
+        """The mHC blocks' names in a decoder layer (``["attn_mhc", "mlp_mhc"]``, ...), for PEFT's ``modules_to_save``."""
         return [site.module_name for site in self.adapter.sites]
 
     def decoder_layers(self) -> list[MHCDecoderLayer]:
@@ -262,10 +263,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained``, with ``save_original_format=False`` by default (transformers 5).
 
-        The base model's key conversions are regexes written for its own keys
-        (Mixtral's ``.mlp.`` matches ``.mlp_`` of ``mlp_mhc``), so reverting them
-        on save would rename the mHC blocks' keys too and the model would not
-        reload; an mHC checkpoint is read by this class only, in its own layout.
+        The base model's key conversions are regexes for its own keys (Mixtral's
+        ``.mlp.`` matches ``mlp_mhc``): reverting them on save would rename the mHC
+        blocks' keys and the model would not reload. This class reads its own layout.
         """
         if _SAVE_HAS_ORIGINAL_FORMAT:
             kwargs.setdefault("save_original_format", False)

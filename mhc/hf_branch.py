@@ -4,9 +4,43 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
-__all__ = ["SiteBranch"]
+__all__ = ["SiteBranch", "is_llama_rms_norm"]
+
+_RMS_NORM_CLASSES: dict[type, bool] = {}  # is_llama_rms_norm's answers
+
+
+def is_llama_rms_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` computes HF's ``LlamaRMSNorm``: ``weight * (x_f * rsqrt(mean(x_f²) + eps)).to(dtype)``.
+
+    That is the norm the no-grad token kernels can apply where they write a
+    site's ``u`` (``csrc/site_tokens.cuh``). Recognised by its class's
+    ``forward`` having ``LlamaRMSNorm.forward``'s bytecode, names and
+    constants (the families that copy it: Mistral, Qwen2, Qwen3, Phi-3,
+    Granite, ...), with no ``forward`` set on the instance and no forward hook
+    on it or on every module; a ``weight`` parameter and a float
+    ``variance_epsilon``. Gemma's ``1 + weight`` and OLMo2's norm differ, and
+    so does any subclass that overrides ``forward``.
+    """
+    cls = type(norm)
+    known = _RMS_NORM_CLASSES.get(cls)
+    if known is None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        mine, llama = getattr(cls.forward, "__code__", None), LlamaRMSNorm.forward.__code__
+        known = mine is not None and (mine.co_code, mine.co_names, mine.co_consts) == (
+            llama.co_code, llama.co_names, llama.co_consts
+        )
+        _RMS_NORM_CLASSES[cls] = known
+    return (
+        known and "forward" not in norm.__dict__ and not (norm._forward_hooks or norm._forward_pre_hooks)
+        and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+        and isinstance(norm._parameters.get("weight"), Tensor)
+        and isinstance(norm.__dict__.get("variance_epsilon"), float)
+    )
 
 
 class SiteBranch:
@@ -21,11 +55,12 @@ class SiteBranch:
     a block copied alone keeps calling the live layer.
     """
 
-    __slots__ = ("_layer", "site")
+    __slots__ = ("_layer", "site", "_norm")
 
     def __init__(self, layer: nn.Module, site: int):
         self._layer = weakref.ref(layer)
         self.site = site
+        self._norm = False  # the name of the site's one input norm, None for none; False: not looked up yet
 
     @property
     def layer(self) -> nn.Module:
@@ -38,7 +73,30 @@ class SiteBranch:
     def __call__(self, u: Tensor, **kwargs):
         return self.layer.site_branch(self.site, u, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> SiteBranch:
+    def fusable_input_norm(self) -> tuple[Tensor, float] | None:
+        """``(weight, eps)`` of the site's input norm if a first step may apply it (:meth:`call_normed`), or ``None``.
+
+        Asked by :class:`~mhc.MHCBlock` in generation on the token kernels.
+        Only where the layer's ``fuse_input_norm`` is on (the default), every
+        branch of the site starts with the same norm, it
+        :func:`is_llama_rms_norm`, and autocast is off.
+        """
+        layer = self.layer
+        if self._norm is False:
+            norms = {b.norm for b in layer._sites[self.site].branches}
+            self._norm = norms.pop() if len(norms) == 1 else None
+        if self._norm is None or not layer.fuse_input_norm or torch.is_autocast_enabled("cuda"):
+            return None
+        norm = layer._modules.get(self._norm)
+        if norm is None or not is_llama_rms_norm(norm):
+            return None
+        return norm._parameters["weight"], norm.variance_epsilon
+
+    def call_normed(self, u: Tensor, normed: Tensor, **kwargs):
+        """The branch on ``u`` whose input norm's output is ``normed`` already (:meth:`fusable_input_norm`'s)."""
+        return self.layer.site_branch(self.site, u, normed_input=normed, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> SiteBranch:  # (the norm is looked up again in the copy)
         layer = self.layer
         return type(self)(memo.get(id(layer), layer), self.site)
 

@@ -386,10 +386,20 @@ static void launch_token_clusters(void (*kernel)(Params...), int64_t T, int spli
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// site_tokens.cuh's InputNorm from an optional weight and output (the same dtype as the streams).
+template <typename scalar_t>
+static InputNorm<scalar_t> input_norm(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& out,
+                                      double eps) {
+  if (!weight.has_value() || !out.has_value()) return {nullptr, nullptr, 0.0f};
+  return {reinterpret_cast<const scalar_t*>(weight->data_ptr()), reinterpret_cast<scalar_t*>(out->data_ptr()),
+          (float)eps};
+}
+
 static void launch_site_pre(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
                             const at::Tensor& b_pre, const at::Tensor& b_post, const at::Tensor& b_res,
                             float* zr, float* h, float* h_res, at::Tensor& u, double eps, double tol,
-                            int64_t max_iter) {
+                            int64_t max_iter, const std::optional<at::Tensor>& norm_weight = std::nullopt,
+                            const std::optional<at::Tensor>& normed = std::nullopt, double norm_eps = 0.0) {
   const int64_t T = x.numel() / (x.size(-2) * x.size(-1));
   const int64_t n = x.size(-2), C = x.size(-1);
   if (T == 0) return;
@@ -401,8 +411,9 @@ static void launch_site_pre(const at::Tensor& x, const at::Tensor& phi, const at
     const float *pp = phi.data_ptr<float>(), *ap = alpha.data_ptr<float>(), *bp = b_pre.data_ptr<float>(),
                 *bq = b_post.data_ptr<float>(), *br = b_res.data_ptr<float>();
     auto kernel = n == 4 ? site_pre_tokens_kernel<4, ct> : site_pre_tokens_kernel<8, ct>;
-    launch_token_clusters(kernel, T, splits, xp, pp, ap, bp, bq, br, zr, h, h_res, up, (int)C, (float)eps,
-                          (float)tol, (int)max_iter);
+    launch_token_clusters(kernel, T, splits, xp, pp, ap, bp, bq, br, zr, h, h_res, up,
+                          input_norm<ct>(norm_weight, normed, norm_eps), (int)C, (float)eps, (float)tol,
+                          (int)max_iter);
   });
 }
 
@@ -495,14 +506,30 @@ static at::Tensor branch_output(const at::Tensor& y, const at::Tensor& x, int64_
   return y.scalar_type() == x.scalar_type() && y.is_contiguous() ? y : y.to(x.scalar_type()).contiguous();
 }
 
+// The output of the branch's input RMSNorm (site_tokens.cuh's InputNorm) if its weight fits the streams x: a
+// dense [C] tensor of their dtype (the dtype HF's RMSNorm multiplies in) on their device. None otherwise: the
+// branch then runs its norm itself.
+static std::optional<at::Tensor> input_norm_output(const std::optional<at::Tensor>& weight, const at::Tensor& x) {
+  if (!weight.has_value()) return std::nullopt;
+  const at::Tensor& w = *weight;
+  if (w.device() != x.device() || w.scalar_type() != x.scalar_type() || !w.is_contiguous() ||
+      w.dim() != 1 || w.size(0) != x.size(-1)) {
+    return std::nullopt;
+  }
+  return new_cuda(token_shape(x), x.scalar_type(), x.device());
+}
+
 // Returns None for streams these kernels do not take (not CUDA, n not in {4, 8}, a dtype other
-// than float32 / bfloat16 / float16, no token or more than max_tokens), else (u, mix, streams),
-// the streams as the kernel read them (contiguous), for site_post_tokens_packed. tol is raised to
+// than float32 / bfloat16 / float16, no token or more than max_tokens), else (u, mix, streams, normed),
+// the streams as the kernel read them (contiguous), for site_post_tokens_packed, and normed the
+// branch's input RMSNorm of u (norm_weight, norm_eps; input_norm_output) or None. tol is raised to
 // 4 n eps(float32), as project_or_none does.
-std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> site_pre_tokens_packed(
+using PackedFirstStep = std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>>;
+
+std::optional<PackedFirstStep> site_pre_tokens_packed(
     const at::Tensor& x_in, const at::Tensor& phi_in, const at::Tensor& alpha_in, const at::Tensor& b_pre_in,
     const at::Tensor& b_post_in, const at::Tensor& b_res_in, double eps, double tol, int64_t max_iter,
-    int64_t max_tokens) {
+    int64_t max_tokens, const std::optional<at::Tensor>& norm_weight, double norm_eps) {
   const int64_t d = x_in.dim();
   if (!x_in.is_cuda() || d < 2) return std::nullopt;
   const int64_t n = x_in.size(d - 2), C = x_in.size(d - 1);
@@ -518,10 +545,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> site_pre_tokens_pa
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor mix = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u = new_cuda(token_shape(x), x.scalar_type(), x.device());
+  const std::optional<at::Tensor> normed = input_norm_output(norm_weight, x);
   float* h = mix.data_ptr<float>();
   const double tol_eff = float32_tol(tol, n);
-  launch_site_pre(x, p[0], p[1], p[2], p[3], p[4], nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter);
-  return std::make_tuple(u, mix, x);
+  launch_site_pre(x, p[0], p[1], p[2], p[3], p[4], nullptr, h, h + T * 2 * n, u, eps, tol_eff, max_iter,
+                  norm_weight, normed, norm_eps);
+  return PackedFirstStep(u, mix, x, normed);
 }
 
 at::Tensor site_post_tokens_packed(const at::Tensor& x, const at::Tensor& y_in, const at::Tensor& mix) {
@@ -537,12 +566,13 @@ at::Tensor site_post_tokens_packed(const at::Tensor& x, const at::Tensor& y_in, 
 }
 
 // A site's post-mix after site_pre_tokens_packed and the next site's first step, in one launch
-// (generation: every site boundary of a decode step). Returns (x', u_next, mix_next), the last two as
-// site_pre_tokens_packed would return them for x'. The next site's parameters must fit the streams.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
+// (generation: every site boundary of a decode step). Returns (x', u_next, mix_next, normed_next), the
+// last three as site_pre_tokens_packed would return them for x'. The next site's parameters must fit the
+// streams.
+PackedFirstStep site_post_pre_tokens_packed(
     const at::Tensor& x, const at::Tensor& y_in, const at::Tensor& mix, const at::Tensor& phi_in,
     const at::Tensor& alpha_in, const at::Tensor& b_pre_in, const at::Tensor& b_post_in, const at::Tensor& b_res_in,
-    double eps, double tol, int64_t max_iter) {
+    double eps, double tol, int64_t max_iter, const std::optional<at::Tensor>& norm_weight, double norm_eps) {
   const int64_t T = check_streams(x);
   TORCH_CHECK(T >= 1, "mhc::site_tokens: no token");
   const int64_t n = x.size(-2), C = x.size(-1);
@@ -553,6 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
   at::Tensor out = new_cuda(x.sizes(), x.scalar_type(), x.device());
   at::Tensor mix_next = new_cuda({T * (2 * n + n * n)}, at::kFloat, x.device());
   at::Tensor u_next = new_cuda(token_shape(x), x.scalar_type(), x.device());
+  const std::optional<at::Tensor> normed = input_norm_output(norm_weight, x);
   const double tol_eff = float32_tol(tol, n);
   const int splits = token_splits(x);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
@@ -567,9 +598,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_post_pre_tokens_packed(
                 *bq = p[3].data_ptr<float>(), *br = p[4].data_ptr<float>();
     auto kernel = n == 4 ? site_post_pre_tokens_kernel<4, ct> : site_post_pre_tokens_kernel<8, ct>;
     launch_token_clusters(kernel, T, splits, xp, yp, h, h + T * 2 * n, op, pp, ap, bp, bq, br, hn,
-                          hn + T * 2 * n, up, (int)C, (float)eps, (float)tol_eff, (int)max_iter);
+                          hn + T * 2 * n, up, input_norm<ct>(norm_weight, normed, norm_eps), (int)C, (float)eps,
+                          (float)tol_eff, (int)max_iter);
   });
-  return {out, u_next, mix_next};
+  return PackedFirstStep(out, u_next, mix_next, normed);
 }
 
 // project_or_none as a plain CPython function (METH_FASTCALL). pybind11's call

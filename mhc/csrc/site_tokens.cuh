@@ -9,6 +9,9 @@
 //   site_post_tokens_kernel: x'_i = x_0 + Σ_j H_res[i, j] (x_j − x_0) + H_post[i] y.
 //   site_post_pre_tokens_kernel: both, the post-mix's x' feeding the next site's first step.
 //
+// Without grad (generation) the first step may also apply the branch's input RMSNorm to the u it
+// has just written (InputNorm below), so a decode step's branch starts at its sublayer.
+//
 // Why a second form of the site for few tokens: coeff_fwd tiles 64 tokens per
 // program, so a decode step (1-16 tokens) runs one program that walks all n·C
 // columns alone (about 50 µs of GPU time per site on the H200), and each Triton
@@ -93,6 +96,64 @@ struct ColumnSums {
   }
 };
 
+// The branch's input RMSNorm (HF's LlamaRMSNorm: w ⊙ to_dtype(u_f · rsqrt(mean(u_f²) + eps)), the product
+// in float32 rounded to the streams' dtype) applied to the u a first step writes; weight == nullptr: not
+// applied. Why here: a decode step's norm is ~8 small launches of host time, once a site, and the first
+// step has u in hand.
+template <typename scalar_t>
+struct InputNorm {
+  const scalar_t* weight;  // [C], the streams' dtype
+  scalar_t* out;           // [T, C]
+  float eps;
+};
+
+// out = InputNorm of token t's u, once this block's threads have written their columns of u (read back by the
+// threads that wrote them). The sum of squares goes across the cluster in rank order, as finish_pre_token's
+// sums do, so every block, and both kernels below, get the same bits.
+template <typename scalar_t>
+__device__ __forceinline__ void apply_input_norm(const InputNorm<scalar_t>& norm, const scalar_t* ut,
+                                                 scalar_t* __restrict__ out, int C) {
+  constexpr int kWarps = kTokenThreads / 32;
+  __shared__ float warp_sq[kWarps];
+  __shared__ float block_sq;  // read by the cluster's other blocks
+  __shared__ float inv_rms;
+  const TokenColumns cols = token_columns(C);
+  float sq = 0.0f;
+  for (int c = cols.begin + threadIdx.x; c < cols.end; c += kTokenThreads) {
+    const float v = to_float<scalar_t>(ut[c]);
+    sq = fmaf(v, v, sq);
+  }
+  sq = warp_sum(sq);
+  if ((threadIdx.x & 31) == 0) warp_sq[threadIdx.x >> 5] = sq;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += warp_sq[w];
+    block_sq = s;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every block's block_sq is written
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (unsigned r = 0; r < gridDim.x; ++r) total += *cluster.map_shared_rank(&block_sq, r);
+    inv_rms = rsqrtf(total / (float)C + norm.eps);
+  }
+  cluster.sync();  // inv_rms is written, and no block leaves while another still reads its block_sq
+#else
+  __syncthreads();
+  if (threadIdx.x == 0) inv_rms = rsqrtf(block_sq / (float)C + norm.eps);  // gridDim.x is 1
+  __syncthreads();
+#endif
+  const float r = inv_rms;
+  for (int c = cols.begin + threadIdx.x; c < cols.end; c += kTokenThreads) {
+    const float normed = to_float<scalar_t>(from_float<scalar_t>(to_float<scalar_t>(ut[c]) * r));
+    out[c] = from_float<scalar_t>(to_float<scalar_t>(__ldg(norm.weight + c)) * normed);
+  }
+}
+
 // The rest of the first step for token t, once every thread of every block of the token's cluster has
 // added its columns to `sums`: the sums across the cluster, the coefficients, H_res (block 0) and the
 // pre-mix u on this block's columns. xt is the token's streams [n, C], read with ordinary loads: in the
@@ -101,7 +162,7 @@ template <int N, typename scalar_t>
 __device__ __forceinline__ void finish_pre_token(
     ColumnSums<N>& sums, const scalar_t* xt, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
-    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
+    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* u, const InputNorm<scalar_t>& norm,
     int64_t t, int C, float eps, float tol, int max_iter) {
   constexpr int Z = N * N + 2 * N;
   constexpr int kWarps = kTokenThreads / 32;
@@ -199,6 +260,7 @@ __device__ __forceinline__ void finish_pre_token(
     for (int i = 1; i < N; ++i) acc_u = fmaf(coef[i], to_float<scalar_t>(xt[i * C + c]) - x0, acc_u);
     u[t * C + c] = from_float<scalar_t>(acc_u);
   }
+  if (norm.weight != nullptr) apply_input_norm<scalar_t>(norm, u + t * C, norm.out + t * C, C);  // (uniform)
 }
 
 // Grid (S, T), clusters of S blocks along x: the cluster of token t = blockIdx.y.
@@ -206,7 +268,7 @@ template <int N, typename scalar_t>
 __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
     const scalar_t* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
     const float* __restrict__ b_pre, const float* __restrict__ b_post, const float* __restrict__ b_res,
-    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* __restrict__ u,
+    float* zr, float* __restrict__ h_out, float* __restrict__ h_res, scalar_t* u, InputNorm<scalar_t> norm,
     int C, float eps, float tol, int max_iter) {
   const int64_t t = blockIdx.y;
   const scalar_t* xt = x + t * N * C;
@@ -218,7 +280,7 @@ __global__ void __launch_bounds__(kTokenThreads) site_pre_tokens_kernel(
     for (int i = 0; i < N; ++i) v[i] = to_float<scalar_t>(xt[i * C + c]);
     sums.add(v, phi, c, C);
   }
-  finish_pre_token<N, scalar_t>(sums, xt, alpha, b_pre, b_post, b_res, zr, h_out, h_res, u, t, C, eps, tol,
+  finish_pre_token<N, scalar_t>(sums, xt, alpha, b_pre, b_post, b_res, zr, h_out, h_res, u, norm, t, C, eps, tol,
                                 max_iter);
 }
 
@@ -265,7 +327,7 @@ __global__ void __launch_bounds__(kTokenThreads) site_post_pre_tokens_kernel(
     const float* __restrict__ h_res, scalar_t* out, const float* __restrict__ phi,
     const float* __restrict__ alpha, const float* __restrict__ b_pre, const float* __restrict__ b_post,
     const float* __restrict__ b_res, float* __restrict__ h_next, float* __restrict__ h_res_next,
-    scalar_t* __restrict__ u_next, int C, float eps, float tol, int max_iter) {
+    scalar_t* u_next, InputNorm<scalar_t> norm, int C, float eps, float tol, int max_iter) {
   const int64_t t = blockIdx.y;
   ColumnSums<N> sums;
   const TokenColumns cols = token_columns(C);
@@ -275,7 +337,7 @@ __global__ void __launch_bounds__(kTokenThreads) site_post_pre_tokens_kernel(
     sums.add(v, phi, c, C);
   }
   finish_pre_token<N, scalar_t>(sums, out + t * N * C, alpha, b_pre, b_post, b_res, nullptr, h_next, h_res_next,
-                                u_next, t, C, eps, tol, max_iter);
+                                u_next, norm, t, C, eps, tol, max_iter);
 }
 
 }  // namespace mhc_birkhoff
