@@ -373,3 +373,42 @@ def _tol_ignored():
 
     original = mhc.projection.effective_tol
     replace(mhc.projection, "effective_tol", lambda tol, n, dtype: original(1e-6, n, dtype))
+
+
+@mutation(
+    "rms_norm_hooks_ignored",
+    "mhc.hf_branch.is_llama_rms_norm accepts a norm with forward hooks (the token kernels would skip them)",
+    ("tests/test_fused_norm.py", "-k", "recognised"),
+    "test_fused_norm.py -k recognised",
+)
+def _rms_norm_hooks_ignored():
+    import mhc.hf_branch
+
+    original = mhc.hf_branch.is_llama_rms_norm
+
+    def ignoring_hooks(norm):
+        forward, pre = norm._forward_hooks, norm._forward_pre_hooks
+        norm._forward_hooks, norm._forward_pre_hooks = {}, {}
+        try:
+            return original(norm)
+        finally:
+            norm._forward_hooks, norm._forward_pre_hooks = forward, pre
+
+    replace(mhc.hf_branch, "is_llama_rms_norm", ignoring_hooks, in_modules=("mhc", "test_fused_norm"))
+
+
+@mutation(
+    "normed_input_ignored",
+    "MHCDecoderLayer.site_branch runs the norm on u itself when given the normed input",
+    ("tests/test_fused_norm.py", "-k", "normed_input"),
+    "test_fused_norm.py -k normed_input",
+)
+def _normed_input_ignored():
+    import mhc.hf
+
+    original = mhc.hf.MHCDecoderLayer.site_branch
+
+    def site_branch(self, index, u, normed_input=None, **layer_inputs):
+        return original(self, index, u, **layer_inputs)
+
+    mhc.hf.MHCDecoderLayer.site_branch = site_branch
