@@ -84,6 +84,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 import mhc
+from mhc.hf_branch import is_llama_rms_norm
 
 MODES = ("eager", "static", "compiled")
 MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-norms", "mhc-torch")
@@ -361,8 +362,8 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
             ratio = f"{best['wall_us'] / base:16.3f}" if base else f"{'-':>16}"
             print(f"  {name:12} {best['prefill_ms']:11.2f} {best['host_us']:9.0f} {best['wall_us']:9.0f} {ratio}")
             row.update({f"best_{k}": v for k, v in best.items()})
-        print("  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their norms,"
-              " attention and MLP, and the rest (each layer's own glue: residual adds or mHC sites)")
+        print("  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their"
+              " attention and MLP, and the rest (each layer's own glue: its norms, residual adds or mHC sites)")
         for name, model in models.items():
             split = layer_host_split(model, ids, args.profile_steps, args.device)
             rows[name]["layer_host_us"] = split
@@ -372,10 +373,13 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
 
 
 def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
-    """Host µs a raw decode step spent in the decoder layers and in their norm / attention / MLP children
-    (forward hooks on each; for an mHC model the children that are not its sites)."""
+    """Host µs a raw decode step spent in the decoder layers and in their attention / MLP children (forward
+    hooks on each; the children that are neither mHC sites nor Llama-style norms). The norms are not hooked:
+    a hooked norm is not fused into an mHC site's first step (mhc.hf_branch.is_llama_rms_norm), so timing it
+    would time another model; their time counts in the rest."""
     layers = list(model.decoder_layers()) if hasattr(model, "decoder_layers") else list(model.model.layers)
-    inner = [c for layer in layers for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
+    inner = [c for layer in layers for c in layer.children()
+             if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
     totals: dict = {}
     handles = timing_hooks({"layers": layers, "sublayers": inner}, totals)
     try:
@@ -414,9 +418,11 @@ def timing_hooks(groups: dict[str, list], totals: dict) -> list:
 
 
 def site_host_times(model, prefill, steps: int) -> dict:
-    """Host µs per decode step: the whole step, all mHC sites, their sublayers, and per site call the difference."""
+    """Host µs per decode step: the whole step, all mHC sites, their attention and MLP, and per site call the
+    difference (the site's own work and its branch's norm; norms unhooked, as in layer_host_split)."""
     sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
-    inner = [c for layer in model.decoder_layers() for c in layer.children() if not isinstance(c, mhc.MHCBlock)]
+    inner = [c for layer in model.decoder_layers() for c in layer.children()
+             if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
     totals: dict = {}
     handles = timing_hooks({"site": sites, "sublayer": inner}, totals)
     try:
