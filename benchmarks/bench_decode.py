@@ -374,12 +374,9 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
 
 def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
     """Host µs a raw decode step spent in the decoder layers and in their attention / MLP children (forward
-    hooks on each; the children that are neither mHC sites nor Llama-style norms). The norms are not hooked:
-    a hooked norm is not fused into an mHC site's first step (mhc.hf_branch.is_llama_rms_norm), so timing it
-    would time another model; their time counts in the rest."""
+    hooks on each, timed_children); the norms' time counts in the rest."""
     layers = list(model.decoder_layers()) if hasattr(model, "decoder_layers") else list(model.model.layers)
-    inner = [c for layer in layers for c in layer.children()
-             if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
+    inner = timed_children(layers)
     totals: dict = {}
     handles = timing_hooks({"layers": layers, "sublayers": inner}, totals)
     try:
@@ -396,6 +393,13 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
             h.remove()
     return {"layers": totals["layers"] * 1e6 / steps, "sublayers": totals["sublayers"] * 1e6 / steps,
             "layer_calls": totals["layers_calls"] / steps}
+
+
+def timed_children(layers) -> list:
+    """The decoder layers' attention and MLP children: neither mHC sites nor Llama-style norms. A hooked norm
+    is not fused into an mHC site's first step (mhc.hf_branch.is_llama_rms_norm), so the norms stay unhooked."""
+    return [c for layer in layers for c in layer.children()
+            if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
 
 
 def timing_hooks(groups: dict[str, list], totals: dict) -> list:
@@ -421,8 +425,7 @@ def site_host_times(model, prefill, steps: int) -> dict:
     """Host µs per decode step: the whole step, all mHC sites, their attention and MLP, and per site call the
     difference (the site's own work and its branch's norm; norms unhooked, as in layer_host_split)."""
     sites = [m for m in model.modules() if isinstance(m, mhc.MHCBlock)]
-    inner = [c for layer in model.decoder_layers() for c in layer.children()
-             if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
+    inner = timed_children(model.decoder_layers())
     totals: dict = {}
     handles = timing_hooks({"site": sites, "sublayer": inner}, totals)
     try:

@@ -26,6 +26,7 @@ __all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "
 
 MAX_TOKENS = 128  # up to here a token's own blocks beat coeff_fwd's one program per 64 tokens
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_NORM = (None, 0.0)  # the extension's (weight, eps) for "no branch norm to apply"
 
 
 _extension = None  # the CUDA extension's module, kept by the first takes() that finds it
@@ -93,7 +94,7 @@ def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Te
         _extension = projection_cuda.extension()
         if _extension is None:
             return None
-    weight, norm_eps = norm if norm is not None else (None, 0.0)
+    weight, norm_eps = norm or _NO_NORM
     site = _extension.site_pre_tokens_packed(
         x, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, MAX_TOKENS, weight, norm_eps
     )
@@ -116,7 +117,7 @@ def post_pre_no_grad(x: Tensor, y: Tensor, mix: Tensor, phi: Tensor, alpha: Tens
     take); the next site's parameters, scalars and branch ``norm``. The same
     bits as the two calls.
     """
-    weight, norm_eps = norm if norm is not None else (None, 0.0)
+    weight, norm_eps = norm or _NO_NORM
     site = _extension.site_post_pre_tokens_packed(
         x, y, mix, phi, alpha, b_pre, b_post, b_res, eps, tol, NEWTON_MAX_ITER, weight, norm_eps
     )
