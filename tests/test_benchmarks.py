@@ -106,7 +106,7 @@ def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_p
     for protocol in ("chained", "do_bench"):
         assert set(data["tables"][protocol]) == {"512", "2048"}, data["tables"]
         for N, cells in data["tables"][protocol].items():
-            for column in ("ours fwd", "ours ag", "ours op", "copy fwd", "copy f+b"):
+            for column in ("ours fwd", "ours ag", "ours op", "copy fwd", "copy f+b", "mul ag"):
                 assert isinstance(cells[column], float) and cells[column] > 0, (protocol, N, column, cells)
             for column in ("proj fwd", "proj op", "proj ag", "sk fwd", "sk op", "sk ag"):
                 assert cells[column] == "n/a (cpu run)", (protocol, N, column, cells)

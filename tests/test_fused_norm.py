@@ -92,7 +92,11 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
     """pre_no_grad and post_pre_no_grad with a norm: u keeps its bits, normed is LlamaRMSNorm(u) to the
     output dtype's rounding (bit-equal in nearly every element), on hard streams too (a token ×1e3, one
     ×1e-3); the boundary call's normed has the bits of pre_no_grad on its x'. A weight of another
-    dtype or length is not applied (normed None). C = 1100: 8 blocks a token, a ragged last one."""
+    dtype or length is not applied (normed None). C = 1100: 8 blocks a token, a ragged last one.
+
+    Half precision rounds twice, as HF's norm does (``u·r``, then ``w·that``): where our ``r`` and
+    torch's differ in their last bit, the first rounding can land one ulp apart and the product two
+    (seen on the H200: at most 2 ulps, in under 0.1 % of elements over 40 seeds per case)."""
     from mhc import fused_tokens
 
     torch.manual_seed(fresh_seed)
@@ -104,6 +108,7 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
     with torch.no_grad():
         norm.weight.normal_(mean=1.0, std=0.5)
     weight = norm.weight.detach()
+    equal = total = 0
     for T in (1, 5, fused_tokens.MAX_TOKENS):
         x = torch.randn(T, n, C, device="cuda")
         x[0] *= 1e3
@@ -119,8 +124,8 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
             torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-6)
         else:
             ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-            torch.testing.assert_close(normed.float(), reference.float(), rtol=ulp, atol=1e-5)
-            assert (normed == reference).float().mean() > 0.99, f"seed {fresh_seed}"
+            torch.testing.assert_close(normed.float(), reference.float(), rtol=2 * ulp, atol=1e-5)
+            equal, total = equal + int((normed == reference).sum()), total + normed.numel()
         y = torch.randn(T, C, device="cuda").to(dtype)
         with torch.no_grad():
             x_new, u_next, mix_next, normed_next = fused_tokens.post_pre_no_grad(
@@ -129,6 +134,7 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
             u_own, mix_own, _, normed_own = fused_tokens.pre_no_grad(x_new, *params, 1e-6, 1e-6, (weight, 1e-6))
         assert torch.equal(u_next, u_own) and torch.equal(mix_next, mix_own), f"seed {fresh_seed}"
         assert torch.equal(normed_next, normed_own), f"seed {fresh_seed}"
+    assert equal >= 0.99 * total, f"seed {fresh_seed}: {total - equal} of {total} elements differ"
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     for bad in (weight.to(other), weight[:-1], weight.cpu()):
         assert fused_tokens.pre_no_grad(x, *params, 1e-6, 1e-6, (bad, 1e-6))[3] is None
