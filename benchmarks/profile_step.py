@@ -6,6 +6,7 @@
     python benchmarks/profile_step.py --steps 30               # also 30 steps one by one
     python benchmarks/profile_step.py --compile                # both models under torch.compile(fullgraph=True)
     python benchmarks/profile_step.py --keep-streams-every 5   # also the mHC model with keep_streams_every=5
+    python benchmarks/profile_step.py --host-table             # also where the host's time goes, and its syncs
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
 ``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
@@ -30,6 +31,13 @@ forward's GPU time exceeds its host time by only the loss's kernels
 (2.5-4.5 ms for this model on the H200), the GPU waited on the host
 through the layers. Where the host's speed drifts from step to step, those are the slow steps.
 
+``--host-table`` runs one more step under ``torch.profiler`` with CPU
+activity and prints its ops by self CPU time (autograd nodes, our custom
+Functions' forward and backward, launches), then one more with
+``torch.cuda.set_sync_debug_mode("warn")`` and counts the host-device syncs
+it reports, by message. A step whose host time exceeds the sum of its parts
+here waited on the GPU somewhere.
+
 ``--timeline`` follows one more step: at the start of each decoder layer's
 forward and backward, and at the end of the forward (with the loss), of the
 backward and of the optimizer step, it prints when the host enqueued that point and when the GPU
@@ -42,7 +50,9 @@ The hooks add a little host time of their own.
 from __future__ import annotations
 
 import argparse
+import collections
 import time
+import warnings
 
 import common
 import torch
@@ -59,6 +69,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="compile both models (fullgraph); both kernel tables")
     ap.add_argument("--keep-streams-every", type=int, default=0, metavar="K",
                     help="also the mHC model with keep_streams_every=K, with its kernel table (default: not run)")
+    ap.add_argument("--host-table", action="store_true",
+                    help="also one step's ops by self CPU time, and the syncs of one step")
     args = ap.parse_args()
     common.require_cuda("profile_step.py")
     cfg = common.llama_134m(max(2048, args.seq))
@@ -107,6 +119,10 @@ def main() -> None:
         if listed:
             print(f"{name}: one line per step, ms")
             print(listed)
+        if args.host_table:
+            print(f"{name}: one step's host time by op (torch.profiler, CPU)")
+            print(host_table(step))
+            print(f"{name}: {sync_report(step)}")
         if args.timeline:
             print(f"{name}: host enqueue and GPU arrival, ms from the step's start")
             print(timeline(model, step))
@@ -129,6 +145,32 @@ def site_kernel_table(averages, T: int, n: int, C: int, copy: float) -> str:
              f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}"]
     lines += [f"  {k:12} {c:5d} {us:8.1f} {g:7.0f} {x:6.2f}" for k, c, us, g, x in rows]
     return "\n".join(lines)
+
+
+def host_table(step, rows: int = 30) -> str:
+    """One ``step()`` under ``torch.profiler`` (CPU): its ops sorted by self CPU time."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def sync_report(step) -> str:
+    """The host-device syncs of one ``step()``, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    messages = collections.Counter(str(w.message).splitlines()[0][:120] for w in caught)
+    if not messages:
+        return "0 syncs in one step"
+    return f"{sum(messages.values())} syncs in one step:\n" + "\n".join(f"  {c:4d} x {m}" for m, c in messages.most_common())
 
 
 def _marker(marks: list):
