@@ -159,14 +159,16 @@ def host_table(step, rows: int = 30) -> str:
 def sync_report(step) -> str:
     """The host-device syncs of one ``step()``, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    # Switched on outside the recording: switching warns once per process that the mode is a
+    # prototype, which is no sync of the step's.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
     messages = collections.Counter(str(w.message).splitlines()[0][:120] for w in caught)
     if not messages:
         return "0 syncs in one step"
