@@ -157,7 +157,8 @@ def site_stream_elements(n: int, C: int) -> dict[str, int]:
     """Stream-sized elements per token each fused-site kernel reads and writes, each array counted once."""
     nC = n * C
     return {
-        "coeff_fwd": nC + C,  # x; u
+        "coeff_partial": nC,  # x
+        "coeff_fwd": nC + C,  # x (the pre-mix's read); u
         "postmix_fwd": nC + C + nC,  # x, y; x'
         "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
         "coeff_bwd": C + nC,  # du, x
@@ -169,14 +170,14 @@ def site_stream_elements(n: int, C: int) -> dict[str, int]:
 def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
     """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
 
-    Each stream-sized array read or written once (a kernel that reads one twice, such as ``coeff_fwd``'s
-    pre-mix, is counted once: the floor), plus the float32 per-token coefficients it reads or writes
+    Each stream-sized array read or written once (the floor), plus the float32 per-token coefficients it reads or writes
     (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
     """
     Z = n * n + 2 * n
     streams = site_stream_elements(n, C)
     coefficients = {  # float32 values per token
-        "coeff_fwd": (Z + 1) + 2 * n + n * n,
+        "coeff_partial": Z + 1,
+        "coeff_fwd": (Z + 1) + (Z + 1) + 2 * n + n * n,
         "postmix_fwd": 2 * n + n * n,
         "postmix_bwd": 2 * n + 2 * n + n * n,
         "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),

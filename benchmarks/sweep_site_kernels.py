@@ -1,7 +1,7 @@
 """Launch-configuration sweep of the fused site's six Triton kernels (CUDA).
 
     python benchmarks/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
-    python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_fwd,stream_grad
+    python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
     python benchmarks/sweep_site_kernels.py --jobs 12 --json sweep.json
 
 For each shape (``C x T``, n = 4, bf16 streams) it builds one site's real
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing as mp
 
 import common
@@ -38,7 +37,8 @@ DEFAULT_SHAPES = ((768, 16384), (2048, 8192))
 def _variants(kernel: str, C: int) -> list[dict]:
     """The launch parameters tried for ``kernel`` (each a dict of constexprs and launch options)."""
     grid = {
-        "coeff_fwd": dict(BM=(32, 64, 128), BK=(64, 128, 256), BC=(128,), num_warps=(4, 8), num_stages=(2, 3, 4)),
+        "coeff_partial": dict(BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
+        "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
         "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
         "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
@@ -53,8 +53,6 @@ def _variants(kernel: str, C: int) -> list[dict]:
         if kernel == "stream_grad" and v["tokens"] % v["BM"]:
             continue
         out.append(v)
-    if kernel == "coeff_fwd":  # the pre-mix tile, at the best BM/BK found in earlier sweeps
-        out += [dict(BM=64, BK=128, BC=bc, num_warps=4, num_stages=s) for bc in (64, 256) for s in (2, 3)]
     return out
 
 
@@ -83,7 +81,9 @@ class Site:
         self.du = torch.randn((T, C), device=dev, generator=g).to(torch.bfloat16)
         self.dR = torch.ops.mhc.birkhoff_backward(self.H_res, self.g_res)
         self.work = self.zr.new_empty((T, 2 * Z + 4))
+        self.part = self.zr.new_empty((plan.coeff_splits, T, plan.ZP))  # the plan's partial sums, for coeff_fwd
         self.launchers = fused_plan.LAUNCHERS
+        self.launchers["coeff_partial"](plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split)
         self._run("coeff_bwd", None)  # fills self.work for stream_grad and phi_grad
 
     def plan_params(self, kernel: str) -> dict:
@@ -97,6 +97,8 @@ class Site:
             p["tokens"] = self.plan.stream_tokens
         if kernel == "phi_grad":
             p["splits"] = self.plan.phi_splits
+        if kernel == "coeff_partial":
+            p["splits"] = self.plan.coeff_splits
         return p
 
     def _run(self, kernel: str, params: dict | None) -> tuple:
@@ -109,10 +111,17 @@ class Site:
         tokens, splits = params.pop("tokens", None), params.pop("splits", None)
         meta.update(params)
         cdiv = triton.cdiv
+        if kernel == "coeff_partial":
+            splits = splits or plan.coeff_splits
+            per = cdiv(cdiv(n * C, splits), meta["BK"]) * meta["BK"]
+            splits = cdiv(n * C, per)
+            part = self.zr.new_empty((splits, T, plan.ZP))
+            k[(cdiv(T, meta["BM"]), splits)](self.x, self.phi, part, T, C, per, **meta)
+            return (part.sum(0),)
         if kernel == "coeff_fwd":
             zr, h, R, u = torch.empty_like(self.zr), torch.empty_like(self.h), torch.empty_like(self.H_res), torch.empty_like(self.u)
-            k[(cdiv(T, meta["BM"]),)](self.x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res,
-                                      zr, h, R, u, T, C, 1e-6, **meta)
+            k[(cdiv(T, meta["BM"]),)](self.part, self.x, self.alpha, self.b_pre, self.b_post, self.b_res,
+                                      zr, h, R, u, T, C, 1e-6, plan.coeff_splits, **meta)
             return zr, h, R, u
         if kernel == "postmix_fwd":
             out = torch.empty_like(self.x)
@@ -175,7 +184,7 @@ def _compile_worker(job: tuple) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{c}x{t}" for c, t in DEFAULT_SHAPES), help="CxT,... (n = 4, bf16)")
-    ap.add_argument("--kernels", default="coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad,phi_grad")
+    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad,phi_grad")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants first (1: none)")
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel difference from the plan's outputs")
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")

@@ -12,10 +12,13 @@ every product and reduction runs in it.
 
 One kernel per memory pass (design.md §1 for the maths):
 
-* ``coeff_fwd``: ``z = RMSNorm(x_flat) φᵀ``, the per-token ``1/rms``, the
+* ``coeff_partial``: the dot products ``x_flat φᵀ`` and the square sums of
+  ``x_flat``, split over ``n·C`` into ``part [splits, T, ZP]`` (the skinny
+  GEMM runs on the tensor cores). A split gives the GPU enough programs
+  where the tokens alone do not fill it.
+* ``coeff_fwd``: the splits' sums, then the norm's ``1/rms``, ``z``, the
   affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
-  ``u = Σ_i h_pre[i] x_i`` (the skinny GEMM runs on the tensor cores; the
-  pre-mix reads the program's tokens a second time).
+  ``u = Σ_i h_pre[i] x_i`` (the streams' second read).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
@@ -57,27 +60,33 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def coeff_fwd(
-    x_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps,
-    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr,
+def coeff_partial(
+    x_ptr, phi_ptr, part_ptr, T, C, k_per_split,
+    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
 ):
+    # One program: BM tokens over one split of the n·C columns. Its row of
+    # part[split, t] holds x φᵀ in columns [0, Z) and Σ x² in column Z (ZP > Z always).
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    split = tl.program_id(1)
     rz = tl.arange(0, ZP)
     row_ok = rm < T
     rows = rm.to(tl.int64) * K
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BM, ZP), dtype=ACC)
     # Squares are summed across the row once, after the loop (4-5% faster on the H200).
     sq = tl.zeros((BM, BK), dtype=ACC)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_begin, k_end, BK):
         rk = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+        k_ok = rk < k_end
+        xt = tl.load(x_ptr + rows[:, None] + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         xf = xt.to(ACC)
         sq += xf * xf
         # φ is read as stored, [Z, K]: on the H200 this beat a zero-padded φᵀ (226 vs 293 µs).
-        w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=(rk[:, None] < K) & (rz[None, :] < Z), other=0.0)
+        w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=k_ok[:, None] & (rz[None, :] < Z), other=0.0)
         if PRECISION == "bf16x2":
             # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
             # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
@@ -92,10 +101,29 @@ def coeff_fwd(
                 acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
         else:
             acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
-    r = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
+    acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
+    tl.store(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def coeff_fwd(
+    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
+    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+):
+    Z: tl.constexpr = n * n + 2 * n
+    K = n * C
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rz = tl.arange(0, ZP)
+    row_ok = rm < T
+    ok = row_ok[:, None]
+    rows = rm.to(tl.int64) * K
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    for split in range(splits):
+        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
+    col = rz[None, :]
+    r = tl.rsqrt(tl.sum(tl.where(col == Z, acc, 0.0), axis=1) / K + eps)
     z = acc * r[:, None]
     # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
-    col = rz[None, :]
     is_pre = col < n
     is_post = (col >= n) & (col < 2 * n)
     is_res = (col >= 2 * n) & (col < Z)
@@ -104,7 +132,6 @@ def coeff_fwd(
          + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0))
     v = z * a + b
     h = _sigmoid(v, COMPILED)
-    ok = row_ok[:, None]
     tl.store(zr_ptr + rm[:, None] * (Z + 1) + col, z, mask=ok & (col < Z))
     tl.store(zr_ptr + rm * (Z + 1) + Z, r, mask=row_ok)
     tl.store(h_ptr + rm[:, None] * (2 * n) + col, h, mask=ok & (col < 2 * n))

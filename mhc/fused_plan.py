@@ -90,7 +90,7 @@ class Launch:
 
 LAUNCHERS: dict[str, Launcher] = {
     name: Launcher(getattr(_k, name))
-    for name in ("coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
+    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
 }
 
 
@@ -128,13 +128,25 @@ class Plan:
         def launch(grid, ints, **meta):
             return Launch(grid, meta, ints, dtype, device)
 
-        # 64 tokens x 128 columns, 4 warps: the best of 10 shapes for the norm and φ, and of 6 for
-        # the pre-mix that follows (bf16, T=16384: 87 µs at C=768, 211 µs at C=2048 with the
-        # "bf16x2" products; a separate pre-mix kernel was faster on the GPU but cost a launch
-        # and a σ op on the host).
+        # The dot products: 64 tokens x 128 columns, 4 warps, 4 stages, split over n·C until the
+        # grid has ~256 programs (two per SM on the H200). bf16, n=4, one site, do_bench:
+        # 1.1B (C=2048, T=8192) 2 splits; 134M (C=768, T=16384) none (sweep_site_kernels.py and
+        # notes/block_benchmarks.md). Then σ and the pre-mix, 8 tokens x 256 columns a program.
+        # Together 93.6 / 73.1 µs against 154.3 / 86.5 for the one kernel of 64-token
+        # programs this replaced, which left the 1.1B's GPU with 128 programs.
         BM = 64
+        K = n * C
+        self.coeff_splits = max(1, min(4, _cdiv(256, _cdiv(T, BM)), _cdiv(K, 128)))
+        self.coeff_k_per_split = _cdiv(_cdiv(K, self.coeff_splits), 128) * 128
+        self.coeff_splits = _cdiv(K, self.coeff_k_per_split)
+        self.coeff_partial = launch(
+            (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
+            n=n, BM=BM, BK=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda", num_stages=4,
+        )
+        self.ZP = ZP
         self.coeff_fwd = launch(
-            (_cdiv(T, BM),), (T, C), n=n, BM=BM, BK=128, BC=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
+            (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
+            COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
@@ -143,17 +155,21 @@ class Plan:
         # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
         self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
-        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(512, _pow2(C, 16)), ACC=acc, num_warps=2)
-        # 32-token steps over 128 tokens per program and 64 columns, 4 warps. 32-token steps
-        # beat 16 (bf16, T=16384, n=4: 127 vs 149 µs at C=768, 312 vs 341 µs at C=2048; n=8,
-        # C=768: 906 vs 1283 µs); loading every operand straight into the [BM, NP, BC] layout,
-        # one stream per program, or flat [BM, n·C] tiles were no faster or slower. Wider n
-        # narrows the columns to keep φ's block [ZP, NP·BC] at 8K values per program.
-        BC, self.stream_tokens = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16)), 128
+        # 1 warp, 256 columns: 42.6 / 52.2 µs at C = 768 / 2048 against 46.5 / 53.1 for 2 warps x 512.
+        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1)
+        # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
+        # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
+        # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py). Wider n keeps
+        # 32-token steps over 128, which beat 16 (n=8, C=768: 906 vs 1283 µs). Loading every
+        # operand straight into the [BM, NP, BC] layout, one stream per program, or flat [BM, n·C]
+        # tiles were no faster or slower. Wider n narrows the columns to keep φ's block
+        # [ZP, NP·BC] at 8K values per program.
+        BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
+        BM, self.stream_tokens, stages = (64, 256, 1) if NP <= 4 else (32, 128, 3)
         self.stream_grad = launch(
             (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
-            n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics,
-            num_warps=4 if ZP * NP * BC <= 8192 else 8,
+            n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics,
+            num_warps=4 if ZP * NP * BC <= 8192 else 8, num_stages=stages,
         )
         K, BT, BN = n * C, 32, 128
         splits = max(1, min(16, T // 1024))
