@@ -1,14 +1,14 @@
 """The fused site's two steps for a few tokens, on the CUDA extension (internal to :mod:`mhc.fused`).
 
 A decode step runs every site on 1-16 tokens, where the Triton kernels of
-:mod:`mhc.fused_kernels` are the wrong shape: ``coeff_fwd`` tiles 64 tokens per
-program, so one program walks all ``n·C`` columns alone, and each Triton launch
+:mod:`mhc.fused_kernels` are the wrong shape: ``coeff_partial`` tiles 64 tokens per
+program, so a few programs walk all ``n·C`` columns, and each Triton launch
 costs more host time than the work. For CUDA streams of at most
 :data:`MAX_TOKENS` tokens (``n`` in {4, 8}) the forward of both steps runs
 these instead, with or without grad, eagerly or inside :mod:`mhc.fused_ops`
 under ``torch.compile``: a cluster of blocks per token on Hopper, else one
 block (``csrc/site_tokens.cuh``), one launch per step, called through the
-extension's Python module. Same maths and layouts as ``coeff_fwd`` and ``postmix_fwd`` (products in float32 FMA rather
+extension's Python module. Same maths and layouts as ``coeff_partial``/``coeff_fwd`` and ``postmix_fwd`` (products in float32 FMA rather
 than on the tensor cores, so results agree with theirs to rounding, not to the
 bit), so the backward kernels are the same. More tokens and CPU streams (Triton's
 interpreter) keep the Triton kernels.
@@ -24,7 +24,7 @@ from .projection_common import NEWTON_MAX_ITER
 
 __all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "post_pre_no_grad", "unpack"]
 
-MAX_TOKENS = 128  # up to here a token's own blocks beat coeff_fwd's one program per 64 tokens
+MAX_TOKENS = 128  # measured when coeff_fwd was one kernel of 64-token programs: a token's own blocks beat it up to here
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_NORM = (None, 0.0)  # the extension's (weight, eps) for "no branch norm to apply"
 
