@@ -9,8 +9,9 @@ these instead, with or without grad, eagerly or inside :mod:`mhc.fused_ops`
 under ``torch.compile``: a cluster of blocks per token on Hopper, else one
 block (``csrc/site_tokens.cuh``), one launch per step, called through the
 extension's Python module. Same maths and layouts as ``coeff_partial``/``coeff_fwd``
-and ``postmix_fwd`` (products in float32 FMA rather than on the tensor cores, so results agree with theirs to rounding, not to the
-bit), so the backward kernels are the same. More tokens and CPU streams (Triton's
+and ``postmix_fwd`` (products in float32 FMA rather than on the tensor cores, so
+results agree with theirs to rounding, not to the bit), so the backward kernels
+are the same. More tokens and CPU streams (Triton's
 interpreter) keep the Triton kernels.
 """
 
