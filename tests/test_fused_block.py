@@ -150,10 +150,22 @@ def test_fused_site_non_contiguous_and_large_values(fresh_seed):
 
 
 def test_fused_site_many_tokens(fresh_seed):
-    """2100 tokens: dx runs over several 128-token programs (the last one partial), dφ over two token splits."""
+    """2100 tokens: dx runs over several 256-token programs (the last one partial), dφ over two token splits."""
     ref, fast = _blocks(4, 48, torch.float32, fresh_seed)
     x = torch.randn(3, 700, 4, 48, device=DEVICE)
     _compare(ref, fast, x, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("T, n, C, splits", [(16384, 4, 768, 1), (8192, 4, 2048, 2), (100, 3, 200, 3), (64, 4, 32, 1)])
+def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, splits):
+    """coeff_partial's splits: enough for ~256 programs, each a whole number of 128-column steps, covering n·C once."""
+    from mhc import fused_plan
+
+    plan = fused_plan.Plan(torch.Size((T, n, C)), torch.bfloat16, torch.device("cpu"))
+    assert plan.coeff_splits == splits
+    assert plan.coeff_k_per_split % 128 == 0
+    assert (splits - 1) * plan.coeff_k_per_split < n * C <= splits * plan.coeff_k_per_split
+    assert plan.coeff_partial.grid == (-(-T // 64), splits)
 
 
 @pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
