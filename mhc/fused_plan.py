@@ -98,6 +98,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _split(total: int, parts: int, step: int) -> tuple[int, int]:
+    """``(per, count)``: ``total`` in at most ``parts`` pieces of ``per``, a multiple of ``step``, covering it once."""
+    per = _cdiv(_cdiv(total, parts), step) * step
+    return per, _cdiv(total, per)
+
+
 def _pow2(v: int, lo: int = 1) -> int:
     return max(lo, 1 << (int(v) - 1).bit_length())
 
@@ -114,7 +120,7 @@ class Plan:
         n, C = shape[-2:]
         T = shape.numel() // (n * C)
         Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
-        self.T, self.n, self.C, self.Z = T, n, C, Z
+        self.T, self.n, self.C, self.Z, self.ZP = T, n, C, Z, ZP
         self.cuda_device = device.index if device.type == "cuda" else None
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = _k.acc_type(dtype)
@@ -134,16 +140,12 @@ class Plan:
         # notes/block_benchmarks.md). Then σ and the pre-mix, 8 tokens x 256 columns a program.
         # Together 93.6 / 73.1 µs against 154.3 / 86.5 for the one kernel of 64-token
         # programs this replaced, which left the 1.1B's GPU with 128 programs.
-        BM = 64
-        K = n * C
-        self.coeff_splits = max(1, min(4, _cdiv(256, _cdiv(T, BM)), _cdiv(K, 128)))
-        self.coeff_k_per_split = _cdiv(_cdiv(K, self.coeff_splits), 128) * 128
-        self.coeff_splits = _cdiv(K, self.coeff_k_per_split)
+        BM, K = 64, n * C
+        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), 128)
         self.coeff_partial = launch(
             (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
             n=n, BM=BM, BK=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda", num_stages=4,
         )
-        self.ZP = ZP
         self.coeff_fwd = launch(
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
             COMPILED=device.type == "cuda",
@@ -171,10 +173,8 @@ class Plan:
             n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics,
             num_warps=4 if ZP * NP * BC <= 8192 else 8, num_stages=stages,
         )
-        K, BT, BN = n * C, 32, 128
-        splits = max(1, min(16, T // 1024))
-        self.phi_tokens = _cdiv(_cdiv(T, splits), BT) * BT
-        self.phi_splits = _cdiv(T, self.phi_tokens)
+        BT, BN = 32, 128
+        self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
         self.phi_grad = launch(
             (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
         )

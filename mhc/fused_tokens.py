@@ -11,8 +11,8 @@ block (``csrc/site_tokens.cuh``), one launch per step, called through the
 extension's Python module. Same maths and layouts as ``coeff_partial``/``coeff_fwd``
 and ``postmix_fwd`` (products in float32 FMA rather than on the tensor cores, so
 results agree with theirs to rounding, not to the bit), so the backward kernels
-are the same. More tokens and CPU streams (Triton's
-interpreter) keep the Triton kernels.
+are the same. More tokens and CPU streams (Triton's interpreter) keep the Triton
+kernels.
 """
 
 from __future__ import annotations
