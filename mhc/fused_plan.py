@@ -16,6 +16,9 @@ from . import fused_tokens as _tokens
 from . import projection_cuda as _projection_cuda
 from .projection import effective_tol
 
+# Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
+SHARED_MEMORY_BUDGET = 192 * 1024
+
 __all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
 
 
@@ -140,11 +143,15 @@ class Plan:
         # notes/block_benchmarks.md). Then σ and the pre-mix, 8 tokens x 256 columns a program.
         # Together 93.6 / 73.1 µs against 154.3 / 86.5 for the one kernel of 64-token
         # programs this replaced, which left the 1.1B's GPU with 128 programs.
-        BM, K = 64, n * C
-        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), 128)
+        # Triton's pipeline holds num_stages - 1 copies of a step's tiles in shared memory (227 KB on
+        # the H200): 4 stages where they fit in 192 KB (n <= 4 in bf16 or fp32), fewer for wide n or fp64.
+        BM, BK, K = 64, 128, n * C
+        step_bytes = BK * (BM * dtype.itemsize + ZP * self.cdt.itemsize)
+        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
         self.coeff_partial = launch(
             (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
-            n=n, BM=BM, BK=128, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda", num_stages=4,
+            n=n, BM=BM, BK=BK, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
+            num_stages=max(1, min(4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
         self.coeff_fwd = launch(
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,

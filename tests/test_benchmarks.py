@@ -49,6 +49,14 @@ def test_gpu_check_prints_its_usage_and_refuses_unknown_stages():
     assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr, proc.stdout + proc.stderr
 
 
+def test_step_ab_prints_its_usage_and_refuses_unknown_runs_before_running(tmp_path):
+    proc = _run("bash", str(BENCHMARKS / "step_ab.sh"))
+    assert proc.returncode == 2 and "usage: benchmarks/step_ab.sh" in proc.stderr, proc.stdout + proc.stderr
+    proc = _run("bash", str(BENCHMARKS / "step_ab.sh"), str(tmp_path), "1b", "4", "new", "newer")
+    assert proc.returncode == 2 and "unknown run 'newer'" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # nothing ran
+
+
 def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch):
     """common.interleaved on fake timings: rounds run every variant in turn; the best round median is kept."""
     sys.path.insert(0, str(BENCHMARKS))

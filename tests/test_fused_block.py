@@ -168,6 +168,21 @@ def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, spli
     assert plan.coeff_partial.grid == (-(-T // 64), splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
+    """coeff_partial's num_stages - 1 buffered steps of x and φ tiles fit the budget (n=8 at 4 stages did not, on the H200)."""
+    from mhc import fused_plan
+
+    plan = fused_plan.Plan(torch.Size((4096, n, 768)), dtype, torch.device("cpu"))
+    meta = plan.coeff_partial.meta
+    step_bytes = meta["BK"] * (meta["BM"] * dtype.itemsize + meta["ZP"] * plan.cdt.itemsize)
+    assert 1 <= meta["num_stages"] <= 4
+    assert (meta["num_stages"] - 1) * step_bytes <= fused_plan.SHARED_MEMORY_BUDGET
+    if n == 4 and dtype != torch.float64:
+        assert meta["num_stages"] == 4  # the measured configuration of the 134M and 1.1B models
+
+
 @pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
 def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
     """The nodes pass the streams' leading shape through (no flattening outside them): u, x', dx and dy keep it."""
