@@ -171,7 +171,7 @@ def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, spli
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
-    """coeff_partial's num_stages - 1 buffered steps of x and φ tiles fit the budget (n=8 at 4 stages did not, on the H200)."""
+    """coeff_partial's num_stages - 1 buffered x and φ steps fit the budget (4 stages at n=8 did not, on the H200)."""
     from mhc import fused_plan
 
     plan = fused_plan.Plan(torch.Size((4096, n, 768)), dtype, torch.device("cpu"))
