@@ -162,8 +162,7 @@ def site_stream_elements(n: int, C: int) -> dict[str, int]:
         "postmix_fwd": nC + C + nC,  # x, y; x'
         "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
         "coeff_bwd": C + nC,  # du, x
-        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx
-        "phi_grad": nC,  # x
+        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx (and dφ's partial sums, counted below)
     }
 
 
@@ -171,7 +170,8 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
     """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
 
     Each stream-sized array read or written once (the floor), plus the float32 per-token coefficients it reads or writes
-    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
+    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4), and
+    ``stream_grad``'s float32 partial sums of dφ, ``[T / 256, Z, n·C]`` (one per 256 tokens).
     """
     Z = n * n + 2 * n
     streams = site_stream_elements(n, C)
@@ -182,9 +182,10 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
         "postmix_bwd": 2 * n + 2 * n + n * n,
         "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),
         "stream_grad": (2 * Z + 4) + 2 * n + n * n,
-        "phi_grad": Z,
     }
-    return {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
+    nbytes = {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
+    nbytes["stream_grad"] += 4 * -(-T // 256) * Z * n * C
+    return nbytes
 
 
 def kernel_bandwidth_rows(averages, bytes_per_call: dict[str, int], copy: float) -> list[tuple]:

@@ -8,7 +8,7 @@ For each shape (``C x T``, n = 4, bf16 streams) it builds one site's real
 inputs (the forward and backward of :mod:`mhc.fused_steps`), then times each
 kernel under its :class:`mhc.fused_plan.Plan` launch (``plan``) and under
 every variant of the grid below: tile sizes, ``num_warps`` and
-``num_stages`` (the plan leaves Triton's default of 3). Each variant's
+``num_stages`` (Triton's default of 3 where the plan sets none). Each variant's
 outputs are checked against the plan's (``max rel``: the largest difference
 over the largest value of each output); a variant over ``--tol`` is marked
 ``WRONG`` and never counted best. Times are ``triton.testing.do_bench``
@@ -42,8 +42,9 @@ def _variants(kernel: str, C: int) -> list[dict]:
         "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
         "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
-        "stream_grad": dict(BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256), num_warps=(4, 8), num_stages=(1, 2, 3)),
-        "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16, 32), num_warps=(4, 8), num_stages=(2, 3, 4)),
+        "stream_grad": dict(
+            BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256, 512), num_warps=(4, 8), num_stages=(1, 2, 3),
+        ),
     }[kernel]
     out = []
     for values in itertools.product(*grid.values()):
@@ -84,29 +85,29 @@ class Site:
         self.part = self.zr.new_empty((plan.coeff_splits, T, plan.ZP))  # the plan's partial sums, for coeff_fwd
         self.launchers = fused_plan.LAUNCHERS
         self.launchers["coeff_partial"](plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split)
-        self._run("coeff_bwd", None)  # fills self.work for stream_grad and phi_grad
+        self._run("coeff_bwd", None)  # fills self.work for stream_grad
 
     def plan_params(self, kernel: str) -> dict:
         """The plan's own values of the swept parameters (``num_stages`` Triton's default, 3)."""
-        launch = getattr(self.plan, kernel)
-        meta = dict(launch.meta)
-        p = {k: meta[k] for k in ("BM", "BK", "BC", "BT", "BN") if k in meta}
+        meta = dict(self._launch(kernel).meta)
+        p = {k: meta[k] for k in ("BM", "BK", "BC") if k in meta}
         p["num_warps"] = meta.get("num_warps", 4)
         p["num_stages"] = meta.get("num_stages", 3)
         if kernel == "stream_grad":
             p["tokens"] = self.plan.stream_tokens
-        if kernel == "phi_grad":
-            p["splits"] = self.plan.phi_splits
         if kernel == "coeff_partial":
             p["splits"] = self.plan.coeff_splits
         return p
+
+    def _launch(self, kernel: str):
+        launch = getattr(self.plan, kernel)
+        return launch[True, True] if kernel == "stream_grad" else launch  # the training step's: dx and dφ
 
     def _run(self, kernel: str, params: dict | None) -> tuple:
         """Launch ``kernel`` with ``params`` (``None``: the plan's launch); return its outputs (fresh tensors)."""
         plan, T, n, C, Z = self.plan, self.T, self.n, self.C, self.Z
         k = self.launchers[kernel].kernel
-        launch = getattr(plan, kernel)
-        meta = dict(launch.meta)
+        meta = dict(self._launch(kernel).meta)
         params = dict(params or {})
         tokens, splits = params.pop("tokens", None), params.pop("splits", None)
         meta.update(params)
@@ -138,16 +139,10 @@ class Site:
         if kernel == "stream_grad":
             tokens = tokens or plan.stream_tokens
             dx = torch.empty_like(self.x)
+            part = self.zr.new_empty((cdiv(T, tokens), Z, n * C))  # dφ's partial sums
             k[(cdiv(C, meta["BC"]), cdiv(T, tokens))](self.dout, self.du, self.x, self.work, self.phi, self.h,
-                                                     self.H_res, dx, T, C, tokens, **meta)
-            return (dx,)
-        if kernel == "phi_grad":
-            splits = splits or plan.phi_splits
-            per = cdiv(cdiv(T, splits), meta["BT"]) * meta["BT"]
-            splits = cdiv(T, per)
-            part = self.zr.new_empty((splits, Z, n * C))
-            k[(cdiv(n * C, meta["BN"]), splits)](self.work, self.x, part, T, n * C, Z, per, **meta)
-            return (part.sum(0),)
+                                                     self.H_res, dx, part, T, C, tokens, **meta)
+            return dx, part.sum(0)
         raise ValueError(f"unknown kernel {kernel!r}")
 
     def call(self, kernel: str, params: dict | None):
@@ -184,7 +179,7 @@ def _compile_worker(job: tuple) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{c}x{t}" for c, t in DEFAULT_SHAPES), help="CxT,... (n = 4, bf16)")
-    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad,phi_grad")
+    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants first (1: none)")
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel difference from the plan's outputs")
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")

@@ -25,8 +25,9 @@ One kernel per memory pass (design.md §1 for the maths):
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
   to ``z``: through σ and ``α·z + b``, into the token's work row.
 * ``stream_grad``: the whole ``dx`` in one write: through the norm and
-  ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
-* ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
+  ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``; and
+  from the same read of ``x``, ``dφ = Σ_t (r_t dz_t)ᵀ x_t`` in per-program
+  partial sums over tokens. Either gradient may be left out (``DX``, ``DPHI``).
 
 The mixes are written around stream 0 (``Σ_i h_i x_i = (Σ_i h_i) x_0 +
 Σ_i h_i (x_i − x_0)``), as :class:`mhc.MHCBlock` does, so that identical
@@ -250,13 +251,15 @@ def coeff_bwd(
 
 @triton.jit
 def stream_grad(
-    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
+    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, dphi_ptr, T, C, tokens_per_prog,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, DX: tl.constexpr, DPHI: tl.constexpr,
 ):
     # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
     # block, for every stream, are loaded once and kept across its token loop
     # (re-reading them per 16 tokens made the kernel 1.6-1.9x slower on the H200).
+    # The same read of x serves dφ's share of the program, (r·dz)ᵀ x over its
+    # tokens, written to its row of dphi [programs along T, Z, n·C] and summed after.
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     rc = tl.program_id(0) * BC + tl.arange(0, BC)
@@ -264,56 +267,47 @@ def stream_grad(
     rj = tl.arange(0, NP)
     c_ok = rc < C
     jc_ok = (rj[:, None] < n) & c_ok[None, :]
-    w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
-                mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
-    w = tl.reshape(w, (ZP, NP * BC))
+    if DX:
+        w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
+                    mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
+        w = tl.reshape(w, (ZP, NP * BC))
+    if DPHI:
+        dphi = tl.zeros((ZP, NP * BC), dtype=ACC)
     t_begin = tl.program_id(1) * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
     for t0 in range(t_begin, t_end, BM):
         rm = t0 + tl.arange(0, BM)
         m_ok = rm < t_end
         tok = rm.to(tl.int64)
-        # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
         row = work_ptr + tok * (2 * Z + 4)  # [r·dz | dv | α sums | c2]
         dzr = tl.load(row[:, None] + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
-        acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
         offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
         mask3 = m_ok[:, None, None] & jc_ok[None, :, :]
-        c2 = tl.load(row + 2 * Z + 3, mask=m_ok, other=0.0)
-        acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
-        # + h_pre[j] du
-        row_j = m_ok[:, None] & (rj[None, :] < n)
-        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
-        hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
-        acc += hpre[:, :, None] * du[:, None, :]
-        # + Σ_i h_res[i, j] dx'_i
-        for i in tl.static_range(n):
-            hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
-            di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-            acc += hi[:, :, None] * di.to(ACC)[:, None, :]
-        tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
-
-
-@triton.jit
-def phi_grad(
-    work_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
-    ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-):
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    split = tl.program_id(1)
-    rz = tl.arange(0, ZP)
-    n_ok = rn < K
-    acc = tl.zeros((ZP, BN), dtype=ACC)
-    t_begin = split * tokens_per_split
-    t_end = tl.minimum(t_begin + tokens_per_split, T)
-    for t0 in range(t_begin, t_end, BT):
-        rt = t0 + tl.arange(0, BT)
-        t_ok = rt < t_end
-        a = tl.load(work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
-                    mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
-        xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
-    tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])
+        xs = tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
+        if DPHI:
+            dphi = tl.dot(tl.trans(dzr), tl.reshape(xs, (BM, NP * BC)), dphi, input_precision=PRECISION, out_dtype=ACC)
+        if DX:
+            # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
+            acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
+            c2 = tl.load(row + 2 * Z + 3, mask=m_ok, other=0.0)
+            acc -= c2[:, None, None] * xs
+            # + h_pre[j] du
+            row_j = m_ok[:, None] & (rj[None, :] < n)
+            du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+            hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
+            acc += hpre[:, :, None] * du[:, None, :]
+            # + Σ_i h_res[i, j] dx'_i
+            for i in tl.static_range(n):
+                hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
+                di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                             other=0.0)
+                acc += hi[:, :, None] * di.to(ACC)[:, None, :]
+            tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
+    if DPHI:
+        cols = tl.reshape(rj[:, None] * C + rc[None, :], (NP * BC,))
+        cols_ok = tl.reshape(jc_ok, (NP * BC,))
+        out = dphi_ptr + (tl.program_id(1) * Z + rz[:, None]).to(tl.int64) * K + cols[None, :]
+        tl.store(out, dphi, mask=(rz[:, None] < Z) & cols_ok[None, :])
 
 
 def acc_type(dtype: torch.dtype):

@@ -93,7 +93,7 @@ class Launch:
 
 LAUNCHERS: dict[str, Launcher] = {
     name: Launcher(getattr(_k, name))
-    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
+    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad")
 }
 
 
@@ -130,7 +130,7 @@ class Plan:
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
         # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
-        # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
+        # same split of r·dz in dφ's products was 9-10% slower than tf32 at every C (768-4096).
         numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
@@ -168,23 +168,24 @@ class Plan:
         self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1)
         # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
         # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
-        # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py). Wider n keeps
-        # 32-token steps over 128, which beat 16 (n=8, C=768: 906 vs 1283 µs). Loading every
-        # operand straight into the [BM, NP, BC] layout, one stream per program, or flat [BM, n·C]
-        # tiles were no faster or slower. Wider n narrows the columns to keep φ's block
-        # [ZP, NP·BC] at 8K values per program.
+        # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py; dx alone, before
+        # dφ joined the kernel). Wider n keeps 32-token steps over 128, which beat 16 (n=8, C=768:
+        # 906 vs 1283 µs). Loading every operand straight into the [BM, NP, BC] layout, one stream
+        # per program, or flat [BM, n·C] tiles were no faster or slower. Wider n narrows the
+        # columns to keep φ's block [ZP, NP·BC] at 8K values per program. With dφ's [ZP, NP·BC]
+        # accumulator beside dx's the launch takes twice the warps (not yet swept).
         BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
         BM, self.stream_tokens, stages = (64, 256, 1) if NP <= 4 else (32, 128, 3)
-        self.stream_grad = launch(
-            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
-            n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics,
-            num_warps=4 if ZP * NP * BC <= 8192 else 8, num_stages=stages,
-        )
-        BT, BN = 32, 128
-        self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
-        self.phi_grad = launch(
-            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
-        )
+        self.stream_splits = _cdiv(T, self.stream_tokens)  # dφ's partial sums, one per program along T
+        warps = 4 if ZP * NP * BC <= 8192 else 8
+        self.stream_grad = {
+            (dx, dphi): launch(
+                (_cdiv(C, BC), self.stream_splits), (T, C, self.stream_tokens),
+                n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics, DX=dx, DPHI=dphi,
+                num_warps=warps * 2 if dx and dphi else warps, num_stages=stages,
+            )
+            for dx, dphi in ((True, True), (True, False), (False, True))
+        }
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()

@@ -18,7 +18,7 @@ from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
 __all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
 
-_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
+_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad = _plans.LAUNCHERS.values()
 
 
 def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -77,14 +77,19 @@ def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs
     _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
 
     dx = dphi = None
-    if needs_dx:
-        d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
-        dx = torch.empty_like(x)
-        _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
-    if needs_dphi:
-        part = zr.new_empty((plan.phi_splits, Z, n * C))
-        _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
-        dphi = part.sum(0)
+    if needs_dx or needs_dphi:
+        # One pass over x for both; what a left-out gradient would have used is a placeholder
+        # of the same dtype (never read or written), so each launch keeps one compiled variant.
+        if needs_dx:
+            d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
+            dx = torch.empty_like(x)
+        part = zr.new_empty((plan.stream_splits, Z, n * C)) if needs_dphi else zr
+        _stream_grad(
+            plan.stream_grad[needs_dx, needs_dphi], d_out if needs_dx else x, du, x, work, phi, h, H_res,
+            dx if needs_dx else x, part, T, C, plan.stream_tokens,
+        )
+        if needs_dphi:
+            dphi = part.sum(0)
     return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n)
 
 
