@@ -159,6 +159,7 @@ def site_stream_elements(n: int, C: int) -> dict[str, int]:
     return {
         "coeff_partial": nC,  # x
         "coeff_fwd": nC + C,  # x (the pre-mix's read); u
+        "boundary_fwd": nC + C + nC + C,  # x, y; x', the next u (its read-back of x' counted as L2's)
         "postmix_fwd": nC + C + nC,  # x, y; x'
         "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
         "coeff_bwd": C + nC,  # du, x
@@ -178,6 +179,7 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
     coefficients = {  # float32 values per token
         "coeff_partial": Z + 1,
         "coeff_fwd": (Z + 1) + (Z + 1) + 2 * n + n * n,
+        "boundary_fwd": (2 * n + n * n) + (Z + 1) + 2 * n + n * n,
         "postmix_fwd": 2 * n + n * n,
         "postmix_bwd": 2 * n + 2 * n + n * n,
         "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),

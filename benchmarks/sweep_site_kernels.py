@@ -1,4 +1,4 @@
-"""Launch-configuration sweep of the fused site's six Triton kernels (CUDA).
+"""Launch-configuration sweep of the fused site's Triton kernels (CUDA), and of the boundary candidate.
 
     python benchmarks/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
     python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
@@ -39,6 +39,7 @@ def _variants(kernel: str, C: int) -> list[dict]:
     grid = {
         "coeff_partial": dict(BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
         "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
+        "boundary_fwd": dict(BM=(16, 32), BC=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
         "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
@@ -124,6 +125,11 @@ class Site:
             k[(cdiv(T, meta["BM"]),)](self.part, self.x, self.alpha, self.b_pre, self.b_post, self.b_res,
                                       zr, h, R, u, T, C, 1e-6, plan.coeff_splits, **meta)
             return zr, h, R, u
+        if kernel == "boundary_fwd":  # this site's post-mix, then the next site's (same parameters) first step
+            out, zr, h, R, u = (torch.empty_like(t) for t in (self.x, self.zr, self.h, self.H_res, self.u))
+            k[(cdiv(T, meta["BM"]),)](self.x, self.y, self.h, self.H_res, out, self.phi, self.alpha, self.b_pre,
+                                      self.b_post, self.b_res, zr, h, R, u, T, C, 1e-6, **meta)
+            return out, zr, h, R, u
         if kernel == "postmix_fwd":
             out = torch.empty_like(self.x)
             k[(T, cdiv(C, meta["BC"]))](self.x, self.y, self.h, self.H_res, out, C, **meta)
@@ -179,7 +185,7 @@ def _compile_worker(job: tuple) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{c}x{t}" for c, t in DEFAULT_SHAPES), help="CxT,... (n = 4, bf16)")
-    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad")
+    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,boundary_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants first (1: none)")
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel difference from the plan's outputs")
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")
@@ -238,6 +244,15 @@ def main() -> None:
         plan_us = next(p["us"] for p in results if p["C"] == C and p["kernel"] == kernel and p["plan"])
         print(f"  C={C} {kernel:12s} plan {plan_us:7.1f} us -> {r['us']:7.1f} us ({r['us'] / plan_us:.3f}x, "
               f"{r['x_copy']:.2f}x copy) {r['params']}")
+    # The boundary kernel replaces three launches of a boundary: its best against their plans' sum.
+    for C in sorted({c for c, _ in best}):
+        parts = [best.get((C, k)) for k in ("postmix_fwd", "coeff_partial", "coeff_fwd")]
+        if (C, "boundary_fwd") in best and all(parts):
+            plans = sum(next(p["us"] for p in results if p["C"] == C and p["kernel"] == r["kernel"] and p["plan"])
+                        for r in parts)
+            fused_us = best[C, "boundary_fwd"]["us"]
+            print(f"  C={C} boundary_fwd {fused_us:7.1f} us against postmix_fwd + coeff_partial + coeff_fwd "
+                  f"{plans:7.1f} us ({fused_us / plans:.3f}x)")
 
 
 if __name__ == "__main__":

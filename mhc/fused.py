@@ -113,7 +113,7 @@ def clear_plans() -> None:
 
 
 def compiled_variants() -> dict[str, int]:
-    """``{kernel name: number of compiled variants kept for direct launch}``, for the six kernels.
+    """``{kernel name: number of compiled variants kept for direct launch}``, for each kernel of :mod:`mhc.fused_plan`.
 
     A variant is kept after Triton's own first launch of it on CUDA; later
     launches of it skip Triton's argument binding (15-40 µs of host time each).

@@ -20,6 +20,11 @@ One kernel per memory pass (design.md §1 for the maths):
   affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
   ``u = Σ_i h_pre[i] x_i`` (the streams' second read).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
+* ``boundary_fwd``: ``postmix_fwd`` and the next site's ``coeff_partial`` and
+  ``coeff_fwd`` in one kernel, for a boundary between two sites: ``x'`` is
+  dotted with the next ``φ`` while in registers, and read back for the next
+  pre-mix from L2. A candidate: :mod:`mhc.fused` does not call it yet
+  (notes/block_benchmarks.md).
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
@@ -61,6 +66,26 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def _dot_phi(acc, xt, xf, w, PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr):
+    # acc + x wᵀ for a tile of streams xt (xf: the same in ACC) and φ's columns w [BK, ZP].
+    if PRECISION == "bf16x2":
+        # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
+        # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
+        # bf16 values are exact in fp32. 43 vs 77 µs for the loop at C=768 on the H200.
+        w_hi = w.to(tl.bfloat16)
+        w_lo = (w - w_hi.to(ACC)).to(tl.bfloat16)
+        if COMPILED:
+            acc = tl.dot(xt, w_hi, acc, out_dtype=ACC)
+            acc = tl.dot(xt, w_lo, acc, out_dtype=ACC)
+        else:  # the interpreter has no bf16 dot: the same exact products in fp32
+            acc = tl.dot(xf, w_hi.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
+            acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
+    else:
+        acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
+    return acc
+
+
+@triton.jit
 def coeff_partial(
     x_ptr, phi_ptr, part_ptr, T, C, k_per_split,
     n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr,
@@ -88,40 +113,21 @@ def coeff_partial(
         sq += xf * xf
         # φ is read as stored, [Z, K]: on the H200 this beat a zero-padded φᵀ (226 vs 293 µs).
         w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=k_ok[:, None] & (rz[None, :] < Z), other=0.0)
-        if PRECISION == "bf16x2":
-            # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
-            # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
-            # bf16 values are exact in fp32. 43 vs 77 µs for the loop at C=768 on the H200.
-            w_hi = w.to(tl.bfloat16)
-            w_lo = (w - w_hi.to(ACC)).to(tl.bfloat16)
-            if COMPILED:
-                acc = tl.dot(xt, w_hi, acc, out_dtype=ACC)
-                acc = tl.dot(xt, w_lo, acc, out_dtype=ACC)
-            else:  # the interpreter has no bf16 dot: the same exact products in fp32
-                acc = tl.dot(xf, w_hi.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-                acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-        else:
-            acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
+        acc = _dot_phi(acc, xt, xf, w, PRECISION, ACC, COMPILED)
     acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
     tl.store(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
-def coeff_fwd(
-    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
-    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+def _coefficients(
+    acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
+    n: tl.constexpr, ZP: tl.constexpr, COMPILED: tl.constexpr,
 ):
+    # From acc [BM, ZP] (x φᵀ in columns [0, Z), Σ x² in column Z) to the token's
+    # coefficients: writes zr, h and R's columns α·z + b; returns σ of H_pre's columns.
     Z: tl.constexpr = n * n + 2 * n
-    K = n * C
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rz = tl.arange(0, ZP)
-    row_ok = rm < T
+    col = tl.arange(0, ZP)[None, :]
     ok = row_ok[:, None]
-    rows = rm.to(tl.int64) * K
-    acc = tl.zeros((BM, ZP), dtype=ACC)
-    for split in range(splits):
-        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
-    col = rz[None, :]
     r = tl.rsqrt(tl.sum(tl.where(col == Z, acc, 0.0), axis=1) / K + eps)
     z = acc * r[:, None]
     # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
@@ -137,9 +143,16 @@ def coeff_fwd(
     tl.store(zr_ptr + rm * (Z + 1) + Z, r, mask=row_ok)
     tl.store(h_ptr + rm[:, None] * (2 * n) + col, h, mask=ok & (col < 2 * n))
     tl.store(res_ptr + rm[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
+    return tl.where(is_pre, h, 0.0)
 
+
+@triton.jit
+def _pre_mix(x_ptr, u_ptr, rm, row_ok, h_pre, C, n: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr,
+             ACC: tl.constexpr):
     # u = Σ_i h_pre[i] x_i, around stream 0 as in MHCBlock: (Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0).
-    h_pre = tl.where(is_pre, h, 0.0)
+    col = tl.arange(0, ZP)[None, :]
+    ok = row_ok[:, None]
+    rows = rm.to(tl.int64) * (n * C)
     h_sum = tl.sum(h_pre, axis=1)
     for c0 in range(0, C, BC):
         rc = c0 + tl.arange(0, BC)
@@ -151,6 +164,74 @@ def coeff_fwd(
             h_i = tl.sum(tl.where(col == i, h_pre, 0.0), axis=1)
             u += h_i[:, None] * (tl.load(x_row + i * C, mask=m, other=0.0).to(ACC) - x0)
         tl.store(u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def coeff_fwd(
+    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
+    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rz = tl.arange(0, ZP)
+    row_ok = rm < T
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    for split in range(splits):
+        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=row_ok[:, None],
+                       other=0.0)
+    h_pre = _coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr,
+                          n * C, eps, n, ZP, COMPILED)
+    _pre_mix(x_ptr, u_ptr, rm, row_ok, h_pre, C, n, ZP, BC, ACC)
+
+
+@triton.jit
+def boundary_fwd(
+    x_ptr, y_ptr, hs_ptr, hres_ptr, out_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr,
+    zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps,
+    n: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+):
+    # One site's post-mix and the next site's first step, for BM tokens: x' = H_res·x + H_post ⊗ y
+    # is written and, while in registers, dotted with the next φ; then the next coefficients, and
+    # its pre-mix from x' as just written (this program's own rows, still in L2). Streams: read
+    # once, written once, read again for u, against four passes for postmix_fwd, coeff_partial and
+    # coeff_fwd. hs/hres are this site's h and H_res; zr, h, res and u are the next site's.
+    Z: tl.constexpr = n * n + 2 * n
+    K = n * C
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rm < T
+    tok = rm.to(tl.int64)
+    rj = tl.arange(0, NP)
+    rz = tl.arange(0, ZP)
+    j_ok = rj[None, :] < n
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    sq = tl.zeros((BM, BC), dtype=ACC)
+    for c0 in range(0, C, BC):
+        rc = c0 + tl.arange(0, BC)
+        c_ok = rc < C
+        m2 = row_ok[:, None] & c_ok[None, :]
+        m3 = row_ok[:, None, None] & j_ok[:, :, None] & c_ok[None, None, :]
+        xs = tl.load(x_ptr + tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :], mask=m3,
+                     other=0.0).to(ACC)
+        x0 = tl.sum(tl.where(rj[None, :, None] == 0, xs, 0.0), axis=1)
+        dev = xs - x0[:, None, :]
+        y = tl.load(y_ptr + tok[:, None] * C + rc[None, :], mask=m2, other=0.0).to(ACC)
+        for i in tl.static_range(n):
+            hr = tl.load(hres_ptr + (tok[:, None] * n + i) * n + rj[None, :], mask=row_ok[:, None] & j_ok, other=0.0)
+            hp = tl.load(hs_ptr + tok * (2 * n) + n + i, mask=row_ok, other=0.0)
+            # Newton's rows sum to one by construction: Σ_j h[i, j] x_j = x_0 + Σ_j h[i, j] (x_j − x_0).
+            out = (x0 + tl.sum(hr[:, :, None] * dev, axis=1) + 2 * hp[:, None] * y).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + tok[:, None] * K + i * C + rc[None, :], out, mask=m2)
+            # The next site sees x' as stored (rounded to the streams' dtype), as it would on its own.
+            of = out.to(ACC)
+            sq += of * of
+            w = tl.load(phi_ptr + rz[None, :] * K + (i * C + rc)[:, None], mask=c_ok[:, None] & (rz[None, :] < Z),
+                        other=0.0)
+            acc = _dot_phi(acc, out, of, w, PRECISION, ACC, COMPILED)
+    acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
+    h_pre = _coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr,
+                          K, eps, n, ZP, COMPILED)
+    tl.debug_barrier()  # this program's x' stores are visible to all of its threads before they read them back
+    _pre_mix(out_ptr, u_ptr, rm, row_ok, h_pre, C, n, ZP, BC, ACC)
 
 
 @triton.jit

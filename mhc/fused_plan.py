@@ -93,7 +93,7 @@ class Launch:
 
 LAUNCHERS: dict[str, Launcher] = {
     name: Launcher(getattr(_k, name))
-    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad")
+    for name in ("coeff_partial", "coeff_fwd", "boundary_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad")
 }
 
 
@@ -155,6 +155,13 @@ class Plan:
         )
         self.coeff_fwd = launch(
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
+            COMPILED=device.type == "cuda",
+        )
+        # A boundary's post-mix and the next site's first step (a candidate, not yet used by
+        # mhc.fused): 16-token programs keep each one's rows (16 n·C values) within its share of
+        # L2 for the pre-mix's read-back; the tile sizes are a first guess, not yet swept.
+        self.boundary_fwd = launch(
+            (_cdiv(T, 16),), (T, C), n=n, NP=NP, BM=16, BC=min(64, _pow2(C, 16)), ZP=ZP, **coeff_numerics,
             COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,

@@ -41,8 +41,11 @@ def test_kept_launches_match_tritons_own():
 
     first = run()
     kept = fused.compiled_variants()
-    assert sorted(kept) == ["coeff_bwd", "coeff_fwd", "coeff_partial", "postmix_bwd", "postmix_fwd", "stream_grad"]
-    assert all(count >= 1 for count in kept.values()), kept
+    assert sorted(kept) == [
+        "boundary_fwd", "coeff_bwd", "coeff_fwd", "coeff_partial", "postmix_bwd", "postmix_fwd", "stream_grad",
+    ]
+    # boundary_fwd is a candidate the site does not launch yet (notes/block_benchmarks.md)
+    assert kept.pop("boundary_fwd") == 0 and all(count >= 1 for count in kept.values()), kept
     for a, b in zip(first, run()):
         assert torch.equal(a, b)
     no_dx, no_dphi = run(x_grad=False), run(phi_grad=False)
@@ -53,7 +56,7 @@ def test_kept_launches_match_tritons_own():
         if i != 2:
             assert torch.equal(a, c)
     # stream_grad without dx, and without dφ, are variants of their own; nothing else compiles again
-    assert fused.compiled_variants() == {**kept, "stream_grad": kept["stream_grad"] + 2}
+    assert fused.compiled_variants() == {**kept, "boundary_fwd": 0, "stream_grad": kept["stream_grad"] + 2}
     for a, b in zip(no_dx, run(x_grad=False)):
         assert a is None and b is None or torch.equal(a, b)  # the kept variant's bits
 
