@@ -10,12 +10,14 @@
 #   fillab   benchmarks/projection_fill_ab/ab.py (the n = 4 forward kernel against bc1ec78's, do_bench)
 #   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
-#   sweep    benchmarks/sweep_site_kernels.py (launch configurations of the six site kernels; SWEEP_ARGS)
+#   sweep    benchmarks/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
+#   ab       benchmarks/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
+#            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
-# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b sweep)"
+# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), OLD_TREE (ab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b sweep ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b|sweep) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
@@ -35,7 +37,7 @@ for stage in "$@"; do
       python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
     tests)
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} ${SITE_TESTS-tests/test_fused_block.py} tests/test_fused_tokens.py tests/test_fused_launches.py \
-        tests/test_keep_streams.py tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
+        tests/test_keep_streams.py tests/test_boundary.py tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
         "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k "cuda or boundaries or other_input" 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
     peers)
@@ -55,6 +57,10 @@ for stage in "$@"; do
       timeout 500 python3 benchmarks/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
     sweep)
       timeout 500 python3 benchmarks/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
+    ab)
+      [ -d "${OLD_TREE-}" ] || { echo "ab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
+      OUT=$OUT bash benchmarks/step_ab.sh "$OLD_TREE" 1b 4 new old new old
+      OUT=$OUT bash benchmarks/step_ab.sh "$OLD_TREE" 134m 8 new old new old ;;
   esac
   echo "=== $stage: ${SECONDS}s"
 done

@@ -1,4 +1,4 @@
-"""Launch-configuration sweep of the fused site's Triton kernels (CUDA), and of the boundary candidate.
+"""Launch-configuration sweep of the fused site's Triton kernels (CUDA).
 
     python benchmarks/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
     python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad

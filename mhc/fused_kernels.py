@@ -23,8 +23,7 @@ One kernel per memory pass (design.md §1 for the maths):
 * ``boundary_fwd``: ``postmix_fwd`` and the next site's ``coeff_partial`` and
   ``coeff_fwd`` in one kernel, for a boundary between two sites: ``x'`` is
   dotted with the next ``φ`` while in registers, and read back for the next
-  pre-mix from L2. A candidate: :mod:`mhc.fused` does not call it yet
-  (notes/block_benchmarks.md).
+  pre-mix from L2 (design.md §1, "Passes over the streams").
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back

@@ -157,9 +157,9 @@ class Plan:
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
             COMPILED=device.type == "cuda",
         )
-        # A boundary's post-mix and the next site's first step (a candidate, not yet used by
-        # mhc.fused): 16-token programs keep each one's rows (16 n·C values) within its share of
-        # L2 for the pre-mix's read-back; the tile sizes are a first guess, not yet swept.
+        # A boundary's post-mix and the next site's first step: 16-token programs keep each one's
+        # rows (16 n·C values) within its share of L2 for the pre-mix's read-back. The tile sizes
+        # are a first guess, not yet swept (sweep_site_kernels.py).
         self.boundary_fwd = launch(
             (_cdiv(T, 16),), (T, C), n=n, NP=NP, BM=16, BC=min(64, _pow2(C, 16)), ZP=ZP, **coeff_numerics,
             COMPILED=device.type == "cuda",

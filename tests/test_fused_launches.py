@@ -44,7 +44,7 @@ def test_kept_launches_match_tritons_own():
     assert sorted(kept) == [
         "boundary_fwd", "coeff_bwd", "coeff_fwd", "coeff_partial", "postmix_bwd", "postmix_fwd", "stream_grad",
     ]
-    # boundary_fwd is a candidate the site does not launch yet (notes/block_benchmarks.md)
+    # an unlinked block has no boundary to fuse (tests/test_boundary.py)
     assert kept.pop("boundary_fwd") == 0 and all(count >= 1 for count in kept.values()), kept
     for a, b in zip(first, run()):
         assert torch.equal(a, b)

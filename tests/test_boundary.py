@@ -1,0 +1,135 @@
+"""The boundary kernel: a linked site's post-mix that also runs the next site's first step.
+
+In a chain of linked fused sites (``MHCBlock.next_site``, as ``MHCForCausalLM``
+links them) each post-mix but the last runs ``boundary_fwd``, and the next site
+takes the first step it left instead of running its own kernels. Each site keeps
+its own autograd nodes, so the chain must give an unlinked chain's outputs and
+gradients (to the rounding of the coefficient dots, which are summed in another
+order), and must fall back to the site's own kernels whenever the stream or a
+parameter changed in between. Without CUDA the sites run in Triton's interpreter.
+"""
+
+import copy
+
+import pytest
+import torch
+from test_keep_streams import DEVICE, NO_TRITON, SITES, N, C, linked_chain, run
+
+pytestmark = [pytest.mark.skipif(NO_TRITON is not None, reason=NO_TRITON or ""), pytest.mark.usefixtures("fresh_seed")]
+
+
+def _unlinked(blocks):
+    copies = copy.deepcopy(blocks)  # a deep copy drops the links
+    assert all(block.next_site is None for block in copies)
+    return copies
+
+
+def _count(monkeypatch):
+    """Calls of the boundary kernel's step and of the first step's own kernels."""
+    from mhc import fused_steps
+
+    calls = {"boundary": 0, "pre": 0}
+    boundary, pre = fused_steps.boundary_forward, fused_steps.pre_forward
+
+    def count(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(fused_steps, "boundary_forward", count("boundary", boundary))
+    monkeypatch.setattr(fused_steps, "pre_forward", count("pre", pre))
+    return calls
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_linked_chain_matches_the_unlinked_chain(dtype, tol, monkeypatch, fresh_seed):
+    linked = linked_chain(1, dtype)
+    unlinked = _unlinked(linked)
+    x = torch.randn(3, 7, N, C, device=DEVICE, dtype=dtype)
+    g = torch.randn_like(x)
+    out_ref, dx_ref, grads_ref = run(unlinked, x, g)
+    calls = _count(monkeypatch)
+    out, dx, grads = run(linked, x, g)
+    assert calls == {"boundary": SITES - 1, "pre": 1}, calls  # every boundary fused; the first site on its own
+    assert _rel(out, out_ref) < tol and _rel(dx, dx_ref) < tol, f"seed {fresh_seed}"
+    for (name, _), a, b in zip(linked.named_parameters(), grads, grads_ref):
+        assert _rel(a, b) < tol * 10, f"{name}, seed {fresh_seed}"
+    assert all(block._prefetched[0] is None for block in linked)  # every first step taken
+
+
+def test_no_grad_forward_takes_the_boundary_too_with_the_same_bits(monkeypatch):
+    blocks = linked_chain(1)
+    x = torch.randn(2, 5, N, C, device=DEVICE)
+    out_grad = x
+    for block in blocks:
+        out_grad = block(out_grad)
+    calls = _count(monkeypatch)
+    with torch.no_grad():
+        out = x
+        for block in blocks:
+            out = block(out)
+    assert calls == {"boundary": SITES - 1, "pre": 1}, calls
+    assert torch.equal(out, out_grad.detach())
+
+
+def test_a_stream_changed_in_place_runs_the_next_first_step_again(monkeypatch):
+    blocks = linked_chain(1)
+    reference = _unlinked(blocks)
+    x = torch.randn(9, N, C, device=DEVICE)
+
+    def chain(blocks):
+        out = x
+        for i, block in enumerate(blocks):
+            out = block(out)
+            if i == 2:
+                out.mul_(0.5)  # a steering hook would do this
+        return out
+
+    expected = chain(reference)
+    calls = _count(monkeypatch)
+    with torch.no_grad():
+        got = chain(blocks)
+    assert calls == {"boundary": SITES - 1, "pre": 2}, calls  # site 3 ran its own first step on the new x
+    assert _rel(got, expected.detach()) < 1e-5
+
+
+def test_a_parameter_changed_in_between_runs_the_next_first_step_again(monkeypatch):
+    blocks = linked_chain(1)
+    reference = _unlinked(blocks)
+    x = torch.randn(9, N, C, device=DEVICE)
+
+    def chain(blocks):
+        out = x
+        for i, block in enumerate(blocks):
+            out = block(out)
+            if i == 1:
+                with torch.no_grad():
+                    blocks[2].phi.add_(0.01)  # after the boundary used blocks[2]'s φ
+        return out
+
+    expected = chain(reference)
+    calls = _count(monkeypatch)
+    with torch.no_grad():
+        got = chain(blocks)
+    assert calls["pre"] == 2, calls
+    assert _rel(got, expected) < 1e-5
+
+
+def test_checkpointed_sites_run_their_own_kernels(monkeypatch):
+    """recompute=True (torch.utils.checkpoint) keeps every site's first step inside its own checkpoint."""
+    blocks = linked_chain(1)
+    for block in blocks:
+        block.recompute = True
+    reference = _unlinked(blocks)
+    x = torch.randn(2, 4, N, C, device=DEVICE)
+    g = torch.randn_like(x)
+    out_ref, dx_ref, _ = run(reference, x, g)
+    calls = _count(monkeypatch)
+    out, dx, _ = run(blocks, x, g)
+    assert calls["boundary"] == 0 and calls["pre"] == 2 * SITES, calls  # forward, then each checkpoint's rerun
+    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
