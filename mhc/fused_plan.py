@@ -160,9 +160,13 @@ class Plan:
         # A boundary's post-mix and the next site's first step: 16-token programs keep each one's
         # rows (16 n·C values) within its share of L2 for the pre-mix's read-back. The tile sizes
         # are a first guess, not yet swept (sweep_site_kernels.py).
+        # A step of its loop loads the streams [BM, NP, BC], y and n blocks of φ [BC, ZP]; Triton's
+        # default 3 stages where two such steps fit the shared-memory budget.
+        BM, BC = 16, min(64 if NP <= 4 else 32, _pow2(C, 16))
+        step_bytes = BC * ((BM * NP + BM) * dtype.itemsize + n * ZP * self.cdt.itemsize)
         self.boundary_fwd = launch(
-            (_cdiv(T, 16),), (T, C), n=n, NP=NP, BM=16, BC=min(64, _pow2(C, 16)), ZP=ZP, **coeff_numerics,
-            COMPILED=device.type == "cuda",
+            (_cdiv(T, BM),), (T, C), n=n, NP=NP, BM=BM, BC=BC, ZP=ZP, **coeff_numerics,
+            COMPILED=device.type == "cuda", num_stages=max(1, min(3, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).

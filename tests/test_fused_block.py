@@ -180,10 +180,10 @@ def _site_parameters(n, C, dtype, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, C, T", [(4, 72, 37), (3, 200, 20), (4, 64, 16)])
+@pytest.mark.parametrize("n, C, T", [(4, 72, 37), (3, 200, 20), (4, 64, 16), (8, 40, 18)])
 def test_boundary_kernel_matches_a_post_mix_then_the_next_first_step(n, C, T, dtype, fresh_seed):
     """boundary_fwd (one pass) against post_forward then pre_forward (three kernels) on fresh inputs: T off the
-    16-token programs, C off the 64-column tiles, n = 3 padded to 4 streams."""
+    16-token programs, C off the 64- (32-, n = 8) column tiles, n = 3 padded to 4 streams."""
     from mhc import fused_plan, fused_steps
 
     x = torch.randn(T, n, C, device=DEVICE).to(dtype)
@@ -229,8 +229,8 @@ def test_fused_site_gives_either_stream_gradient_alone(n, frozen, fresh_seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [3, 4, 8])
-def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
-    """coeff_partial's num_stages - 1 buffered x and φ steps fit the budget (4 stages at n=8 did not, on the H200)."""
+def test_plan_keeps_the_coefficient_pipelines_in_shared_memory(n, dtype):
+    """coeff_partial's and boundary_fwd's num_stages - 1 buffered steps fit the budget (4 stages at n=8 did not)."""
     from mhc import fused_plan
 
     plan = fused_plan.Plan(torch.Size((4096, n, 768)), dtype, torch.device("cpu"))
@@ -240,6 +240,12 @@ def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
     assert (meta["num_stages"] - 1) * step_bytes <= fused_plan.SHARED_MEMORY_BUDGET
     if n == 4 and dtype != torch.float64:
         assert meta["num_stages"] == 4  # the measured configuration of the 134M and 1.1B models
+    # boundary_fwd: per step the streams [BM, NP, BC], y [BM, BC] and n blocks of φ [BC, ZP]
+    meta = plan.boundary_fwd.meta
+    streams, phi = (meta["BM"] * meta["NP"] + meta["BM"]) * dtype.itemsize, n * meta["ZP"] * plan.cdt.itemsize
+    step_bytes = meta["BC"] * (streams + phi)
+    assert 1 <= meta["num_stages"] <= 3
+    assert (meta["num_stages"] - 1) * step_bytes <= fused_plan.SHARED_MEMORY_BUDGET
 
 
 @pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
