@@ -124,3 +124,35 @@ def test_checkpointed_sites_run_their_own_kernels(monkeypatch):
     out, dx, _ = run(blocks, x, g)
     assert calls["boundary"] == 0 and calls["pre"] == 2 * SITES, calls  # forward, then each checkpoint's rerun
     assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+
+
+def test_converted_llama_fuses_its_boundaries_and_matches_the_unlinked_model(monkeypatch, fresh_seed):
+    """MHCForCausalLM links its sites across decoder layers: 3 layers, 6 sites, 5 boundaries fused, with the
+    unlinked model's loss and gradients to float32 rounding."""
+    from test_keep_streams import InterpretedFusedBlock, unlink_sites
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import mhc
+
+    if DEVICE == "cpu":  # every converted site on the fused path, in Triton's interpreter
+        monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=61, max_position_embeddings=32)
+    torch.manual_seed(fresh_seed)
+    linked = mhc.convert_to_mhc(LlamaForCausalLM(cfg), n_streams=N, init="paper").to(DEVICE)
+    unlinked = unlink_sites(copy.deepcopy(linked))
+    ids = torch.randint(3, 61, (2, 11), device=DEVICE)
+    loss_ref = unlinked(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    calls = _count(monkeypatch)
+    loss = linked(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert calls == {"boundary": 5, "pre": 1}, calls
+    assert abs(loss.item() - loss_ref.item()) < 1e-5 * abs(loss_ref.item()), f"seed {fresh_seed}"
+    grads = [(name, p.grad, q.grad) for (name, p), q in zip(linked.named_parameters(), unlinked.parameters())]
+    assert _rel(torch.cat([a.flatten() for _, a, _ in grads]), torch.cat([b.flatten() for _, _, b in grads])) < 1e-4
+    # Per parameter against the largest gradient: near the paper's init H_res saturates, and b_res's gradient
+    # (~1e-12) is rounding noise in both models.
+    scale = max(b.abs().max().item() for _, _, b in grads)
+    for name, a, b in grads:
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * scale, msg=lambda m: f"{name}, seed {fresh_seed}: {m}")
