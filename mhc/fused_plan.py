@@ -193,7 +193,7 @@ class Plan:
             (dx, dphi): launch(
                 (_cdiv(C, BC), self.stream_splits), (T, C, self.stream_tokens),
                 n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics, DX=dx, DPHI=dphi,
-                num_warps=warps * 2 if dx and dphi else warps, num_stages=stages,
+                num_warps=min(8, 2 * warps) if dx and dphi else warps, num_stages=stages,
             )
             for dx, dphi in ((True, True), (True, False), (False, True))
         }
