@@ -399,7 +399,8 @@ class MHCBlock(nn.Module):
         runs the boundary kernel, which also computes the next block's first
         step (:func:`mhc.fused.post_mix_then_first_step`); each block keeps its
         own autograd nodes, and again the next block takes that step only on
-        this block's output, unchanged, and its own parameters, unchanged.
+        this block's output, unchanged, and its own parameters, unchanged (not
+        under ``torch.inference_mode`` either).
         Held weakly, and not kept by pickling or ``copy.deepcopy`` (the copy
         runs unlinked, which is only slower).
         """
@@ -459,7 +460,8 @@ class MHCBlock(nn.Module):
                 block = self._next_site() if recipe is not None else None  # (None under torch.compile)
                 if block is not None:
                     block._prefetched[0] = (x_new, x_new._version, "recipe", recipe)
-            elif (linked := self._linked_fused_next(x)) is not None:  # this post-mix and the next first step
+            elif not torch.is_inference_mode_enabled() and (linked := self._linked_fused_next(x)) is not None:
+                # this post-mix and the next first step (not where x' keeps no version counter)
                 block, params = linked
                 opts = block._options
                 x_new, first = fused.post_mix_then_first_step(y, mix, *params, opts.norm_eps, opts.tol)

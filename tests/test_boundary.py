@@ -77,6 +77,23 @@ def test_no_grad_forward_takes_the_boundary_too_with_the_same_bits(monkeypatch):
     assert torch.equal(out, out_grad.detach())
 
 
+def test_inference_mode_runs_each_site_on_its_own(monkeypatch):
+    """Inference tensors keep no version counter to tell an unchanged output, so no boundary is fused there."""
+    blocks = linked_chain(1)
+    x = torch.randn(2, 5, N, C, device=DEVICE)
+    with torch.no_grad():
+        expected = x
+        for block in _unlinked(blocks):
+            expected = block(expected)
+    calls = _count(monkeypatch)
+    with torch.inference_mode():
+        out = x
+        for block in blocks:
+            out = block(out)
+    assert calls == {"boundary": 0, "pre": SITES}, calls
+    assert torch.equal(out, expected)
+
+
 def _scale_the_streams(blocks, i, out):
     if i == 2:
         out.mul_(0.5)  # in place, as a steering hook would
