@@ -460,8 +460,9 @@ class MHCBlock(nn.Module):
                 block = self._next_site() if recipe is not None else None  # (None under torch.compile)
                 if block is not None:
                     block._prefetched[0] = (x_new, x_new._version, "recipe", recipe)
-            elif not torch.is_inference_mode_enabled() and (linked := self._linked_fused_next(x)) is not None:
-                # this post-mix and the next first step (not where x' keeps no version counter)
+            elif not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled() and (
+                linked := self._linked_fused_next(x)
+            ) is not None:  # this post-mix and the next first step; not traced, nor without version counters
                 block, params = linked
                 opts = block._options
                 x_new, first = fused.post_mix_then_first_step(y, mix, *params, opts.norm_eps, opts.tol)
