@@ -42,6 +42,12 @@ def _count(monkeypatch):
     return calls
 
 
+def _forward(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -65,14 +71,10 @@ def test_linked_chain_matches_the_unlinked_chain(dtype, tol, monkeypatch, fresh_
 def test_no_grad_forward_takes_the_boundary_too_with_the_same_bits(monkeypatch):
     blocks = linked_chain(1)
     x = torch.randn(2, 5, N, C, device=DEVICE)
-    out_grad = x
-    for block in blocks:
-        out_grad = block(out_grad)
+    out_grad = _forward(blocks, x)
     calls = _count(monkeypatch)
     with torch.no_grad():
-        out = x
-        for block in blocks:
-            out = block(out)
+        out = _forward(blocks, x)
     assert calls == {"boundary": SITES - 1, "pre": 1}, calls
     assert torch.equal(out, out_grad.detach())
 
@@ -82,14 +84,10 @@ def test_inference_mode_runs_each_site_on_its_own(monkeypatch):
     blocks = linked_chain(1)
     x = torch.randn(2, 5, N, C, device=DEVICE)
     with torch.no_grad():
-        expected = x
-        for block in _unlinked(blocks):
-            expected = block(expected)
+        expected = _forward(_unlinked(blocks), x)
     calls = _count(monkeypatch)
     with torch.inference_mode():
-        out = x
-        for block in blocks:
-            out = block(out)
+        out = _forward(blocks, x)
     assert calls == {"boundary": 0, "pre": SITES}, calls
     assert torch.equal(out, expected)
 
