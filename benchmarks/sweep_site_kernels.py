@@ -37,7 +37,9 @@ DEFAULT_SHAPES = ((768, 16384), (2048, 8192))
 def _variants(kernel: str, C: int) -> list[dict]:
     """The launch parameters tried for ``kernel`` (each a dict of constexprs and launch options)."""
     grid = {
-        "coeff_partial": dict(BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
+        "coeff_partial": dict(
+            BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4),
+        ),
         "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
         "boundary_fwd": dict(BM=(16, 32), BC=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
@@ -114,9 +116,9 @@ class Site:
         meta.update(params)
         cdiv = triton.cdiv
         if kernel == "coeff_partial":
-            splits = splits or plan.coeff_splits
-            per = cdiv(cdiv(n * C, splits), meta["BK"]) * meta["BK"]
-            splits = cdiv(n * C, per)
+            from mhc.fused_plan import even_split
+
+            per, splits = even_split(n * C, splits or plan.coeff_splits, meta["BK"])
             part = self.zr.new_empty((splits, T, plan.ZP))
             k[(cdiv(T, meta["BM"]), splits)](self.x, self.phi, part, T, C, per, **meta)
             return (part.sum(0),)
@@ -185,7 +187,9 @@ def _compile_worker(job: tuple) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{c}x{t}" for c, t in DEFAULT_SHAPES), help="CxT,... (n = 4, bf16)")
-    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,boundary_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad")
+    ap.add_argument(
+        "--kernels", default="coeff_partial,coeff_fwd,boundary_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad",
+    )
     ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants first (1: none)")
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel difference from the plan's outputs")
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")
@@ -239,17 +243,17 @@ def main() -> None:
         key = (r["C"], r["kernel"])
         if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
+    plan_us = {(r["C"], r["kernel"]): r["us"] for r in results if r["plan"]}
     print("summary: best variant against the plan, per shape and kernel")
     for (C, kernel), r in sorted(best.items()):
-        plan_us = next(p["us"] for p in results if p["C"] == C and p["kernel"] == kernel and p["plan"])
-        print(f"  C={C} {kernel:12s} plan {plan_us:7.1f} us -> {r['us']:7.1f} us ({r['us'] / plan_us:.3f}x, "
+        base = plan_us[C, kernel]
+        print(f"  C={C} {kernel:12s} plan {base:7.1f} us -> {r['us']:7.1f} us ({r['us'] / base:.3f}x, "
               f"{r['x_copy']:.2f}x copy) {r['params']}")
     # The boundary kernel replaces three launches of a boundary: its best against their plans' sum.
+    replaced = ("postmix_fwd", "coeff_partial", "coeff_fwd")
     for C in sorted({c for c, _ in best}):
-        parts = [best.get((C, k)) for k in ("postmix_fwd", "coeff_partial", "coeff_fwd")]
-        if (C, "boundary_fwd") in best and all(parts):
-            plans = sum(next(p["us"] for p in results if p["C"] == C and p["kernel"] == r["kernel"] and p["plan"])
-                        for r in parts)
+        if (C, "boundary_fwd") in best and all((C, k) in plan_us for k in replaced):
+            plans = sum(plan_us[C, k] for k in replaced)
             fused_us = best[C, "boundary_fwd"]["us"]
             print(f"  C={C} boundary_fwd {fused_us:7.1f} us against postmix_fwd + coeff_partial + coeff_fwd "
                   f"{plans:7.1f} us ({fused_us / plans:.3f}x)")

@@ -308,7 +308,12 @@ class MHCBlock(nn.Module):
         return stash[2:]
 
     def _linked_fused_next(self, x: Tensor) -> tuple[MHCBlock, tuple] | None:
-        # (next_site, its coefficients) if it takes this block's output on the fused path.
+        # (next_site, its coefficients) if it can take a first step computed for this block's output
+        # on the fused path. Not while dynamo traces (it cannot ask about inference mode; the custom
+        # ops run there), nor in inference mode, whose tensors keep no version counter to see x'
+        # changed in place.
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return None
         ref = self._next_site
         after = ref() if ref is not None else None
         if after is None or not after._fusable:
@@ -319,9 +324,8 @@ class MHCBlock(nn.Module):
         return (after, params) if params[0].get_device() == x.get_device() else None
 
     def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple, tuple | None] | None:
-        # (next_site, its coefficients, its branch norm) for the no-grad token path's post-mix. Not
-        # under inference_mode, whose tensors keep no version counter to see x' changed in place.
-        if not fused.is_token_site(site) or torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        # (next_site, its coefficients, its branch norm) for the no-grad token path's post-mix.
+        if not fused.is_token_site(site) or torch.is_grad_enabled():
             return None
         linked = self._linked_fused_next(x)
         return (*linked, linked[0]._branch_norm()) if linked is not None else None
@@ -460,9 +464,7 @@ class MHCBlock(nn.Module):
                 block = self._next_site() if recipe is not None else None  # (None under torch.compile)
                 if block is not None:
                     block._prefetched[0] = (x_new, x_new._version, "recipe", recipe)
-            elif not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled() and (
-                linked := self._linked_fused_next(x)
-            ) is not None:  # this post-mix and the next first step; not traced, nor without version counters
+            elif (linked := self._linked_fused_next(x)) is not None:  # this post-mix and the next first step
                 block, params = linked
                 opts = block._options
                 x_new, first = fused.post_mix_then_first_step(y, mix, *params, opts.norm_eps, opts.tol)

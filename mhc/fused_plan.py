@@ -19,7 +19,7 @@ from .projection import effective_tol
 # Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
 SHARED_MEMORY_BUDGET = 192 * 1024
 
-__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
+__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants", "even_split"]
 
 
 class Launcher:
@@ -101,10 +101,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _split(total: int, parts: int, step: int) -> tuple[int, int]:
+def even_split(total: int, parts: int, step: int) -> tuple[int, int]:
     """``(per, count)``: ``total`` in at most ``parts`` pieces of ``per``, a multiple of ``step``, covering it once."""
     per = _cdiv(_cdiv(total, parts), step) * step
     return per, _cdiv(total, per)
+
+
+def _stages(step_bytes: int, most: int) -> int:
+    # Triton's pipeline holds num_stages - 1 copies of a loop step's tiles in shared memory.
+    return max(1, min(most, 1 + SHARED_MEMORY_BUDGET // step_bytes))
 
 
 def _pow2(v: int, lo: int = 1) -> int:
@@ -143,15 +148,15 @@ class Plan:
         # notes/block_benchmarks.md). Then σ and the pre-mix, 8 tokens x 256 columns a program.
         # Together 93.6 / 73.1 µs against 154.3 / 86.5 for the one kernel of 64-token
         # programs this replaced, which left the 1.1B's GPU with 128 programs.
-        # Triton's pipeline holds num_stages - 1 copies of a step's tiles in shared memory (227 KB on
-        # the H200): 4 stages where they fit in 192 KB (n <= 4 in bf16 or fp32), fewer for wide n or fp64.
+        # 4 stages where 3 steps' tiles fit the shared-memory budget (n <= 4 in bf16 or fp32), fewer
+        # for wide n or fp64 (227 KB a block on the H200).
         BM, BK, K = 64, 128, n * C
         step_bytes = BK * (BM * dtype.itemsize + ZP * self.cdt.itemsize)
-        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
+        self.coeff_k_per_split, self.coeff_splits = even_split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
         self.coeff_partial = launch(
             (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
             n=n, BM=BM, BK=BK, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
-            num_stages=max(1, min(4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
+            num_stages=_stages(step_bytes, 4),
         )
         self.coeff_fwd = launch(
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
@@ -166,7 +171,7 @@ class Plan:
         step_bytes = BC * ((BM * NP + BM) * dtype.itemsize + n * ZP * self.cdt.itemsize)
         self.boundary_fwd = launch(
             (_cdiv(T, BM),), (T, C), n=n, NP=NP, BM=BM, BC=BC, ZP=ZP, **coeff_numerics,
-            COMPILED=device.type == "cuda", num_stages=max(1, min(3, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
+            COMPILED=device.type == "cuda", num_stages=_stages(step_bytes, 3),
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
