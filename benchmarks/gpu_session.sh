@@ -20,7 +20,7 @@
 USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b sweep ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b|sweep) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
