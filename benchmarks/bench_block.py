@@ -101,7 +101,7 @@ def _fused_bytes(T: int, n: int, C: int, elt: int = 2) -> tuple[int, int]:
     """Stream bytes the fused kernels read and write: (forward, backward)."""
     per_kernel = common.site_stream_elements(n, C)
     fwd = per_kernel["coeff_partial"] + per_kernel["coeff_fwd"] + per_kernel["postmix_fwd"]
-    bwd = sum(per_kernel[k] for k in ("postmix_bwd", "coeff_bwd", "stream_grad"))
+    bwd = sum(per_kernel[k] for k in ("postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"))
     return fwd * T * elt, bwd * T * elt
 
 

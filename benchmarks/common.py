@@ -159,11 +159,11 @@ def site_stream_elements(n: int, C: int) -> dict[str, int]:
     return {
         "coeff_partial": nC,  # x
         "coeff_fwd": nC + C,  # x (the pre-mix's read); u
-        "boundary_fwd": nC + C + nC + C,  # x, y; x', the next u (its read-back of x' counted as L2's)
         "postmix_fwd": nC + C + nC,  # x, y; x'
         "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
         "coeff_bwd": C + nC,  # du, x
-        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx (and dφ's partial sums, counted below)
+        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx
+        "phi_grad": nC,  # x
     }
 
 
@@ -171,23 +171,20 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
     """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
 
     Each stream-sized array read or written once (the floor), plus the float32 per-token coefficients it reads or writes
-    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4), and
-    ``stream_grad``'s float32 partial sums of dφ, ``[T / 256, Z, n·C]`` (one per 256 tokens).
+    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
     """
     Z = n * n + 2 * n
     streams = site_stream_elements(n, C)
     coefficients = {  # float32 values per token
         "coeff_partial": Z + 1,
         "coeff_fwd": (Z + 1) + (Z + 1) + 2 * n + n * n,
-        "boundary_fwd": (2 * n + n * n) + (Z + 1) + 2 * n + n * n,
         "postmix_fwd": 2 * n + n * n,
         "postmix_bwd": 2 * n + 2 * n + n * n,
         "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),
         "stream_grad": (2 * Z + 4) + 2 * n + n * n,
+        "phi_grad": Z,
     }
-    nbytes = {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
-    nbytes["stream_grad"] += 4 * -(-T // 256) * Z * n * C
-    return nbytes
+    return {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
 
 
 def kernel_bandwidth_rows(averages, bytes_per_call: dict[str, int], copy: float) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""Launch-configuration sweep of the fused site's Triton kernels (CUDA).
+"""Launch-configuration sweep of the fused site's six Triton kernels (CUDA).
 
     python benchmarks/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
     python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
@@ -8,7 +8,7 @@ For each shape (``C x T``, n = 4, bf16 streams) it builds one site's real
 inputs (the forward and backward of :mod:`mhc.fused_steps`), then times each
 kernel under its :class:`mhc.fused_plan.Plan` launch (``plan``) and under
 every variant of the grid below: tile sizes, ``num_warps`` and
-``num_stages`` (Triton's default of 3 where the plan sets none). Each variant's
+``num_stages`` (the plan leaves Triton's default of 3). Each variant's
 outputs are checked against the plan's (``max rel``: the largest difference
 over the largest value of each output); a variant over ``--tol`` is marked
 ``WRONG`` and never counted best. Times are ``triton.testing.do_bench``
@@ -37,17 +37,13 @@ DEFAULT_SHAPES = ((768, 16384), (2048, 8192))
 def _variants(kernel: str, C: int) -> list[dict]:
     """The launch parameters tried for ``kernel`` (each a dict of constexprs and launch options)."""
     grid = {
-        "coeff_partial": dict(
-            BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4),
-        ),
+        "coeff_partial": dict(BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
         "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
-        "boundary_fwd": dict(BM=(16, 32), BC=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
         "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
         "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
-        "stream_grad": dict(
-            BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256, 512), num_warps=(4, 8), num_stages=(1, 2, 3),
-        ),
+        "stream_grad": dict(BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256), num_warps=(4, 8), num_stages=(1, 2, 3)),
+        "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16, 32), num_warps=(4, 8), num_stages=(2, 3, 4)),
     }[kernel]
     out = []
     for values in itertools.product(*grid.values()):
@@ -88,37 +84,37 @@ class Site:
         self.part = self.zr.new_empty((plan.coeff_splits, T, plan.ZP))  # the plan's partial sums, for coeff_fwd
         self.launchers = fused_plan.LAUNCHERS
         self.launchers["coeff_partial"](plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split)
-        self._run("coeff_bwd", None)  # fills self.work for stream_grad
+        self._run("coeff_bwd", None)  # fills self.work for stream_grad and phi_grad
 
     def plan_params(self, kernel: str) -> dict:
         """The plan's own values of the swept parameters (``num_stages`` Triton's default, 3)."""
-        meta = dict(self._launch(kernel).meta)
-        p = {k: meta[k] for k in ("BM", "BK", "BC") if k in meta}
+        launch = getattr(self.plan, kernel)
+        meta = dict(launch.meta)
+        p = {k: meta[k] for k in ("BM", "BK", "BC", "BT", "BN") if k in meta}
         p["num_warps"] = meta.get("num_warps", 4)
         p["num_stages"] = meta.get("num_stages", 3)
         if kernel == "stream_grad":
             p["tokens"] = self.plan.stream_tokens
+        if kernel == "phi_grad":
+            p["splits"] = self.plan.phi_splits
         if kernel == "coeff_partial":
             p["splits"] = self.plan.coeff_splits
         return p
-
-    def _launch(self, kernel: str):
-        launch = getattr(self.plan, kernel)
-        return launch[True, True] if kernel == "stream_grad" else launch  # the training step's: dx and dφ
 
     def _run(self, kernel: str, params: dict | None) -> tuple:
         """Launch ``kernel`` with ``params`` (``None``: the plan's launch); return its outputs (fresh tensors)."""
         plan, T, n, C, Z = self.plan, self.T, self.n, self.C, self.Z
         k = self.launchers[kernel].kernel
-        meta = dict(self._launch(kernel).meta)
+        launch = getattr(plan, kernel)
+        meta = dict(launch.meta)
         params = dict(params or {})
         tokens, splits = params.pop("tokens", None), params.pop("splits", None)
         meta.update(params)
         cdiv = triton.cdiv
         if kernel == "coeff_partial":
-            from mhc.fused_plan import even_split
-
-            per, splits = even_split(n * C, splits or plan.coeff_splits, meta["BK"])
+            splits = splits or plan.coeff_splits
+            per = cdiv(cdiv(n * C, splits), meta["BK"]) * meta["BK"]
+            splits = cdiv(n * C, per)
             part = self.zr.new_empty((splits, T, plan.ZP))
             k[(cdiv(T, meta["BM"]), splits)](self.x, self.phi, part, T, C, per, **meta)
             return (part.sum(0),)
@@ -127,11 +123,6 @@ class Site:
             k[(cdiv(T, meta["BM"]),)](self.part, self.x, self.alpha, self.b_pre, self.b_post, self.b_res,
                                       zr, h, R, u, T, C, 1e-6, plan.coeff_splits, **meta)
             return zr, h, R, u
-        if kernel == "boundary_fwd":  # this site's post-mix, then the next site's (same parameters) first step
-            out, zr, h, R, u = (torch.empty_like(t) for t in (self.x, self.zr, self.h, self.H_res, self.u))
-            k[(cdiv(T, meta["BM"]),)](self.x, self.y, self.h, self.H_res, out, self.phi, self.alpha, self.b_pre,
-                                      self.b_post, self.b_res, zr, h, R, u, T, C, 1e-6, **meta)
-            return out, zr, h, R, u
         if kernel == "postmix_fwd":
             out = torch.empty_like(self.x)
             k[(T, cdiv(C, meta["BC"]))](self.x, self.y, self.h, self.H_res, out, C, **meta)
@@ -147,10 +138,16 @@ class Site:
         if kernel == "stream_grad":
             tokens = tokens or plan.stream_tokens
             dx = torch.empty_like(self.x)
-            part = self.zr.new_empty((cdiv(T, tokens), Z, n * C))  # dφ's partial sums
             k[(cdiv(C, meta["BC"]), cdiv(T, tokens))](self.dout, self.du, self.x, self.work, self.phi, self.h,
-                                                     self.H_res, dx, part, T, C, tokens, **meta)
-            return dx, part.sum(0)
+                                                     self.H_res, dx, T, C, tokens, **meta)
+            return (dx,)
+        if kernel == "phi_grad":
+            splits = splits or plan.phi_splits
+            per = cdiv(cdiv(T, splits), meta["BT"]) * meta["BT"]
+            splits = cdiv(T, per)
+            part = self.zr.new_empty((splits, Z, n * C))
+            k[(cdiv(n * C, meta["BN"]), splits)](self.work, self.x, part, T, n * C, Z, per, **meta)
+            return (part.sum(0),)
         raise ValueError(f"unknown kernel {kernel!r}")
 
     def call(self, kernel: str, params: dict | None):
@@ -187,9 +184,7 @@ def _compile_worker(job: tuple) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{c}x{t}" for c, t in DEFAULT_SHAPES), help="CxT,... (n = 4, bf16)")
-    ap.add_argument(
-        "--kernels", default="coeff_partial,coeff_fwd,boundary_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad",
-    )
+    ap.add_argument("--kernels", default="coeff_partial,coeff_fwd,postmix_fwd,postmix_bwd,coeff_bwd,stream_grad,phi_grad")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants first (1: none)")
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel difference from the plan's outputs")
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")
@@ -243,20 +238,11 @@ def main() -> None:
         key = (r["C"], r["kernel"])
         if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
-    plan_us = {(r["C"], r["kernel"]): r["us"] for r in results if r["plan"]}
     print("summary: best variant against the plan, per shape and kernel")
     for (C, kernel), r in sorted(best.items()):
-        base = plan_us[C, kernel]
-        print(f"  C={C} {kernel:12s} plan {base:7.1f} us -> {r['us']:7.1f} us ({r['us'] / base:.3f}x, "
+        plan_us = next(p["us"] for p in results if p["C"] == C and p["kernel"] == kernel and p["plan"])
+        print(f"  C={C} {kernel:12s} plan {plan_us:7.1f} us -> {r['us']:7.1f} us ({r['us'] / plan_us:.3f}x, "
               f"{r['x_copy']:.2f}x copy) {r['params']}")
-    # The boundary kernel replaces three launches of a boundary: its best against their plans' sum.
-    replaced = ("postmix_fwd", "coeff_partial", "coeff_fwd")
-    for C in sorted({c for c, _ in best}):
-        if (C, "boundary_fwd") in best and all((C, k) in plan_us for k in replaced):
-            plans = sum(plan_us[C, k] for k in replaced)
-            fused_us = best[C, "boundary_fwd"]["us"]
-            print(f"  C={C} boundary_fwd {fused_us:7.1f} us against postmix_fwd + coeff_partial + coeff_fwd "
-                  f"{plans:7.1f} us ({fused_us / plans:.3f}x)")
 
 
 if __name__ == "__main__":

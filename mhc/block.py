@@ -32,7 +32,7 @@ from . import fused, site
 from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
 from .deepseek_v4 import PARAMETER_NAMES, deepseek_v4_settings
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
-from .options import MHCOptions, add_option_properties, check_options, reject_unknown_options
+from .options import MHCOptions, check_options, reject_unknown_options
 
 __all__ = ["MHCBlock"]
 
@@ -128,7 +128,8 @@ class MHCBlock(nn.Module):
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
-        # The block that runs next on this one's output, and what a previous block left for this one.
+        # The block that runs next on this one's output (next_site), and what a previous block left
+        # for this one: its first step (generation) or how to recompute its input (_take_prefetched).
         self._next_site: weakref.ref | None = None
         self._prefetched: list = [None]
         self.hidden_size = sizes["hidden_size"]
@@ -291,44 +292,37 @@ class MHCBlock(nn.Module):
                 raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
 
     def _take_prefetched(self, x: Tensor) -> tuple | None:
-        # What the previous block left if x is its output, unmodified; dropped either way. ("tokens",
-        # u, site): this first step, from the no-grad post-mix launch; ("recipe", recipe): how to
-        # recompute x in backward; ("first", first): this first step, from the boundary kernel.
+        # What the previous block left for this call, if x is that block's output, unmodified;
+        # dropped either way. Without grad (generation): (u, site), this block's first step, which
+        # the previous post-mix launch computed. With grad: (recipe,), how to recompute x in
+        # backward (keep_streams_every).
         slot = self._prefetched
         stash = slot[0]
         if stash is None:
             return None
         slot[0] = None
         # (x is the stash's own tensor, made outside inference_mode, so it has a version counter.)
-        if stash[0] is not x or x._version != stash[1]:
-            return None
-        kind = stash[2]
-        if kind != "first" and (kind == "recipe") != torch.is_grad_enabled():
+        if stash[0] is not x or (len(stash) == 3) != torch.is_grad_enabled() or x._version != stash[1]:
             return None
         return stash[2:]
 
-    def _linked_fused_next(self, x: Tensor) -> tuple[MHCBlock, tuple] | None:
-        # (next_site, its coefficients) if it can take a first step computed for this block's output
-        # on the fused path. Not while dynamo traces (it cannot ask about inference mode; the custom
-        # ops run there), nor in inference mode, whose tensors keep no version counter to see x'
-        # changed in place.
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-            return None
+    def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple] | None:
+        # (next_site, its coefficients) if this site ran on the no-grad token path and the next
+        # block's first step can ride on its post-mix: same streams shape, fused path, parameters
+        # on the streams' device. Not under inference_mode: its tensors keep no version counter,
+        # so an in-place change of x' before the next block (a steering hook) would go unseen.
         ref = self._next_site
-        after = ref() if ref is not None else None
+        if ref is None or not fused.is_token_site(site) or torch.is_grad_enabled():
+            return None
+        if torch.is_inference_mode_enabled():
+            return None
+        after = ref()
         if after is None or not after._fusable:
             return None
         if after.n_streams != self.n_streams or after.hidden_size != self.hidden_size:
             return None
         params = after._coefficient_parameters()
-        return (after, params) if params[0].get_device() == x.get_device() else None
-
-    def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple, tuple | None] | None:
-        # (next_site, its coefficients, its branch norm) for the no-grad token path's post-mix.
-        if not fused.is_token_site(site) or torch.is_grad_enabled():
-            return None
-        linked = self._linked_fused_next(x)
-        return (*linked, linked[0]._branch_norm()) if linked is not None else None
+        return (after, params, after._branch_norm()) if params[0].get_device() == x.get_device() else None
 
     def _branch_norm(self) -> tuple[Tensor, float] | None:
         # (weight, eps) of the branch's input RMSNorm, which the no-grad token kernels then apply
@@ -398,15 +392,8 @@ class MHCBlock(nn.Module):
         Not under ``torch.inference_mode`` (its tensors keep no version counter
         to tell an unchanged output). In training with ``keep_streams_every > 1``
         the next block keeps no copy of this one's output for backward and
-        recomputes it there (:class:`mhc.MHCOptions`). Otherwise, on the fused
-        path with more tokens than that (training, say), this block's post-mix
-        runs the boundary kernel, which also computes the next block's first
-        step (:func:`mhc.fused.post_mix_then_first_step`); each block keeps its
-        own autograd nodes, and again the next block takes that step only on
-        this block's output, unchanged, and its own parameters, unchanged (not
-        under ``torch.inference_mode`` either).
-        Held weakly, and not kept by pickling or ``copy.deepcopy`` (the copy
-        runs unlinked, which is only slower).
+        recomputes it there (:class:`mhc.MHCOptions`). Held weakly, and not kept by pickling or
+        ``copy.deepcopy`` (the copy runs unlinked, which is only slower).
         """
         ref = self._next_site
         return ref() if ref is not None else None
@@ -430,18 +417,14 @@ class MHCBlock(nn.Module):
     def _site(self, x: Tensor, *args, **kwargs):
         # forward() checked the streams, uses_fused() what else the fused nodes need.
         prefetched = self._take_prefetched(x)
-        kind = prefetched[0] if prefetched is not None else None
         fast = self.uses_fused(x)
-        if fast and kind == "tokens":  # the previous post-mix launch computed it
-            u, mix = prefetched[1:]
+        if fast and prefetched is not None and len(prefetched) == 2:  # the previous post-mix launch computed it
+            u, mix = prefetched
         elif fast:  # coefficients, H_res and the pre-mix: one fused node
             opts = self._options
-            recipe = prefetched[1] if kind == "recipe" else None  # x recomputed in backward
-            first = prefetched[1] if kind == "first" else None  # the previous boundary kernel's
+            recipe = prefetched[0] if prefetched is not None else None  # x recomputed in backward
             norm = None if torch.is_grad_enabled() or torch.compiler.is_compiling() else self._branch_norm()
-            u, mix = fused.site_pre_unchecked(
-                x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm, first
-            )
+            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm)
         else:
             H_pre, H_post, H_res = self.coefficients(x)
             u, anchor, dev = site.pre_mix(x, H_pre)
@@ -458,18 +441,12 @@ class MHCBlock(nn.Module):
                 block, params, norm = after
                 opts = block._options
                 x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol, norm)
-                block._prefetched[0] = (x_new, x_new._version, "tokens", u_next, mix_next)
+                block._prefetched[0] = (x_new, x_new._version, u_next, mix_next)
             elif self._options.keep_streams_every > 1 and self._next_site is not None:
                 x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
                 block = self._next_site() if recipe is not None else None  # (None under torch.compile)
                 if block is not None:
-                    block._prefetched[0] = (x_new, x_new._version, "recipe", recipe)
-            elif (linked := self._linked_fused_next(x)) is not None:  # this post-mix and the next first step
-                block, params = linked
-                opts = block._options
-                x_new, first = fused.post_mix_then_first_step(y, mix, *params, opts.norm_eps, opts.tol)
-                if first is not None:
-                    block._prefetched[0] = (x_new, x_new._version, "first", first)
+                    block._prefetched[0] = (x_new, x_new._version, recipe)
             else:
                 x_new = fused.post_mix_unchecked(y, mix)
         elif self._options.mode == "residual":
@@ -496,4 +473,16 @@ class MHCBlock(nn.Module):
         return s
 
 
-add_option_properties(MHCBlock)
+def _option_property(name: str) -> property:
+    def get(self: MHCBlock):
+        return getattr(self._options, name)
+
+    def set(self: MHCBlock, value) -> None:
+        self.options = self._options.replace(**{name: value})
+
+    return property(get, set, doc=f"``options.{name}`` (:class:`mhc.MHCOptions`); setting it is checked.")
+
+
+for _name in MHCOptions.fields():
+    setattr(MHCBlock, _name, _option_property(_name))
+del _name

@@ -20,18 +20,13 @@ One kernel per memory pass (design.md §1 for the maths):
   affine map ``α·z + b`` of every column, σ of H_pre's and H_post's, and
   ``u = Σ_i h_pre[i] x_i`` (the streams' second read).
 * ``postmix_fwd``: ``x'_i = Σ_j h_res[i, j] x_j + H_post[i] y``.
-* ``boundary_fwd``: ``postmix_fwd`` and the next site's ``coeff_partial`` and
-  ``coeff_fwd`` in one kernel, for a boundary between two sites: ``x'`` is
-  dotted with the next ``φ`` while in registers, and read back for the next
-  pre-mix from L2 (design.md §1, "Passes over the streams").
 * ``postmix_bwd``: ``dy = Σ_i H_post[i] dx'_i`` and the per-token reductions
   ``∂/∂h[n + i] = 2·⟨dx'_i, y⟩``, ``g_res[i, j] = ⟨dx'_i, x_j⟩``.
 * ``coeff_bwd``: ``g_pre[i] = ⟨du, x_i⟩`` and, per token, everything back
   to ``z``: through σ and ``α·z + b``, into the token's work row.
 * ``stream_grad``: the whole ``dx`` in one write: through the norm and
-  ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``; and
-  from the same read of ``x``, ``dφ = Σ_t (r_t dz_t)ᵀ x_t`` in per-program
-  partial sums over tokens. Either gradient may be left out (``DX``, ``DPHI``).
+  ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
+* ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
 
 The mixes are written around stream 0 (``Σ_i h_i x_i = (Σ_i h_i) x_0 +
 Σ_i h_i (x_i − x_0)``), as :class:`mhc.MHCBlock` does, so that identical
@@ -65,26 +60,6 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _dot_phi(acc, xt, xf, w, PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr):
-    # acc + x wᵀ for a tile of streams xt (xf: the same in ACC) and φ's columns w [BK, ZP].
-    if PRECISION == "bf16x2":
-        # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
-        # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
-        # bf16 values are exact in fp32. 43 vs 77 µs for the loop at C=768 on the H200.
-        w_hi = w.to(tl.bfloat16)
-        w_lo = (w - w_hi.to(ACC)).to(tl.bfloat16)
-        if COMPILED:
-            acc = tl.dot(xt, w_hi, acc, out_dtype=ACC)
-            acc = tl.dot(xt, w_lo, acc, out_dtype=ACC)
-        else:  # the interpreter has no bf16 dot: the same exact products in fp32
-            acc = tl.dot(xf, w_hi.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-            acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
-    else:
-        acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
-    return acc
-
-
-@triton.jit
 def coeff_partial(
     x_ptr, phi_ptr, part_ptr, T, C, k_per_split,
     n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr,
@@ -112,21 +87,40 @@ def coeff_partial(
         sq += xf * xf
         # φ is read as stored, [Z, K]: on the H200 this beat a zero-padded φᵀ (226 vs 293 µs).
         w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=k_ok[:, None] & (rz[None, :] < Z), other=0.0)
-        acc = _dot_phi(acc, xt, xf, w, PRECISION, ACC, COMPILED)
+        if PRECISION == "bf16x2":
+            # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
+            # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
+            # bf16 values are exact in fp32. 43 vs 77 µs for the loop at C=768 on the H200.
+            w_hi = w.to(tl.bfloat16)
+            w_lo = (w - w_hi.to(ACC)).to(tl.bfloat16)
+            if COMPILED:
+                acc = tl.dot(xt, w_hi, acc, out_dtype=ACC)
+                acc = tl.dot(xt, w_lo, acc, out_dtype=ACC)
+            else:  # the interpreter has no bf16 dot: the same exact products in fp32
+                acc = tl.dot(xf, w_hi.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
+                acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
+        else:
+            acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
     acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
     tl.store(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
-def _coefficients(
-    acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
-    n: tl.constexpr, ZP: tl.constexpr, COMPILED: tl.constexpr,
+def coeff_fwd(
+    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
+    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
 ):
-    # From acc [BM, ZP] (x φᵀ in columns [0, Z), Σ x² in column Z) to the token's
-    # coefficients: writes zr, h and R's columns α·z + b; returns σ of H_pre's columns.
     Z: tl.constexpr = n * n + 2 * n
-    col = tl.arange(0, ZP)[None, :]
+    K = n * C
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rz = tl.arange(0, ZP)
+    row_ok = rm < T
     ok = row_ok[:, None]
+    rows = rm.to(tl.int64) * K
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    for split in range(splits):
+        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
+    col = rz[None, :]
     r = tl.rsqrt(tl.sum(tl.where(col == Z, acc, 0.0), axis=1) / K + eps)
     z = acc * r[:, None]
     # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
@@ -142,16 +136,9 @@ def _coefficients(
     tl.store(zr_ptr + rm * (Z + 1) + Z, r, mask=row_ok)
     tl.store(h_ptr + rm[:, None] * (2 * n) + col, h, mask=ok & (col < 2 * n))
     tl.store(res_ptr + rm[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
-    return tl.where(is_pre, h, 0.0)
 
-
-@triton.jit
-def _pre_mix(x_ptr, u_ptr, rm, row_ok, h_pre, C, n: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr,
-             ACC: tl.constexpr):
     # u = Σ_i h_pre[i] x_i, around stream 0 as in MHCBlock: (Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0).
-    col = tl.arange(0, ZP)[None, :]
-    ok = row_ok[:, None]
-    rows = rm.to(tl.int64) * (n * C)
+    h_pre = tl.where(is_pre, h, 0.0)
     h_sum = tl.sum(h_pre, axis=1)
     for c0 in range(0, C, BC):
         rc = c0 + tl.arange(0, BC)
@@ -163,74 +150,6 @@ def _pre_mix(x_ptr, u_ptr, rm, row_ok, h_pre, C, n: tl.constexpr, ZP: tl.constex
             h_i = tl.sum(tl.where(col == i, h_pre, 0.0), axis=1)
             u += h_i[:, None] * (tl.load(x_row + i * C, mask=m, other=0.0).to(ACC) - x0)
         tl.store(u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def coeff_fwd(
-    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
-    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
-):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rz = tl.arange(0, ZP)
-    row_ok = rm < T
-    acc = tl.zeros((BM, ZP), dtype=ACC)
-    for split in range(splits):
-        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=row_ok[:, None],
-                       other=0.0)
-    h_pre = _coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr,
-                          n * C, eps, n, ZP, COMPILED)
-    _pre_mix(x_ptr, u_ptr, rm, row_ok, h_pre, C, n, ZP, BC, ACC)
-
-
-@triton.jit
-def boundary_fwd(
-    x_ptr, y_ptr, hs_ptr, hres_ptr, out_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr,
-    zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps,
-    n: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
-):
-    # One site's post-mix and the next site's first step, for BM tokens: x' = H_res·x + H_post ⊗ y
-    # is written and, while in registers, dotted with the next φ; then the next coefficients, and
-    # its pre-mix from x' as just written (this program's own rows, still in L2). Streams: read
-    # once, written once, read again for u, against four passes for postmix_fwd, coeff_partial and
-    # coeff_fwd. hs/hres are this site's h and H_res; zr, h, res and u are the next site's.
-    Z: tl.constexpr = n * n + 2 * n
-    K = n * C
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    row_ok = rm < T
-    tok = rm.to(tl.int64)
-    rj = tl.arange(0, NP)
-    rz = tl.arange(0, ZP)
-    j_ok = rj[None, :] < n
-    acc = tl.zeros((BM, ZP), dtype=ACC)
-    sq = tl.zeros((BM, BC), dtype=ACC)
-    for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
-        c_ok = rc < C
-        m2 = row_ok[:, None] & c_ok[None, :]
-        m3 = row_ok[:, None, None] & j_ok[:, :, None] & c_ok[None, None, :]
-        xs = tl.load(x_ptr + tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :], mask=m3,
-                     other=0.0).to(ACC)
-        x0 = tl.sum(tl.where(rj[None, :, None] == 0, xs, 0.0), axis=1)
-        dev = xs - x0[:, None, :]
-        y = tl.load(y_ptr + tok[:, None] * C + rc[None, :], mask=m2, other=0.0).to(ACC)
-        for i in tl.static_range(n):
-            hr = tl.load(hres_ptr + (tok[:, None] * n + i) * n + rj[None, :], mask=row_ok[:, None] & j_ok, other=0.0)
-            hp = tl.load(hs_ptr + tok * (2 * n) + n + i, mask=row_ok, other=0.0)
-            # Newton's rows sum to one by construction: Σ_j h[i, j] x_j = x_0 + Σ_j h[i, j] (x_j − x_0).
-            out = (x0 + tl.sum(hr[:, :, None] * dev, axis=1) + 2 * hp[:, None] * y).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + tok[:, None] * K + i * C + rc[None, :], out, mask=m2)
-            # The next site sees x' as stored (rounded to the streams' dtype), as it would on its own.
-            of = out.to(ACC)
-            sq += of * of
-            w = tl.load(phi_ptr + rz[None, :] * K + (i * C + rc)[:, None], mask=c_ok[:, None] & (rz[None, :] < Z),
-                        other=0.0)
-            acc = _dot_phi(acc, out, of, w, PRECISION, ACC, COMPILED)
-    acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
-    h_pre = _coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr,
-                          K, eps, n, ZP, COMPILED)
-    tl.debug_barrier()  # this program's x' stores are visible to all of its threads before they read them back
-    _pre_mix(out_ptr, u_ptr, rm, row_ok, h_pre, C, n, ZP, BC, ACC)
 
 
 @triton.jit
@@ -331,15 +250,13 @@ def coeff_bwd(
 
 @triton.jit
 def stream_grad(
-    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, dphi_ptr, T, C, tokens_per_prog,
+    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
     n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr, DX: tl.constexpr, DPHI: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
     # block, for every stream, are loaded once and kept across its token loop
     # (re-reading them per 16 tokens made the kernel 1.6-1.9x slower on the H200).
-    # The same read of x serves dφ's share of the program, (r·dz)ᵀ x over its
-    # tokens, written to its row of dphi [programs along T, Z, n·C] and summed after.
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     rc = tl.program_id(0) * BC + tl.arange(0, BC)
@@ -347,47 +264,56 @@ def stream_grad(
     rj = tl.arange(0, NP)
     c_ok = rc < C
     jc_ok = (rj[:, None] < n) & c_ok[None, :]
-    if DX:
-        w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
-                    mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
-        w = tl.reshape(w, (ZP, NP * BC))
-    if DPHI:
-        dphi = tl.zeros((ZP, NP * BC), dtype=ACC)
+    w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
+                mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
+    w = tl.reshape(w, (ZP, NP * BC))
     t_begin = tl.program_id(1) * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
     for t0 in range(t_begin, t_end, BM):
         rm = t0 + tl.arange(0, BM)
         m_ok = rm < t_end
         tok = rm.to(tl.int64)
+        # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
         row = work_ptr + tok * (2 * Z + 4)  # [r·dz | dv | α sums | c2]
         dzr = tl.load(row[:, None] + rz[None, :], mask=m_ok[:, None] & (rz[None, :] < Z), other=0.0)
+        acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
         offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
         mask3 = m_ok[:, None, None] & jc_ok[None, :, :]
-        xs = tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
-        if DPHI:
-            dphi = tl.dot(tl.trans(dzr), tl.reshape(xs, (BM, NP * BC)), dphi, input_precision=PRECISION, out_dtype=ACC)
-        if DX:
-            # [BM, NP (stream j), BC]: (r·dz) φ for every j at once, then − c2·x_j.
-            acc = tl.reshape(tl.dot(dzr, w, input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC))
-            c2 = tl.load(row + 2 * Z + 3, mask=m_ok, other=0.0)
-            acc -= c2[:, None, None] * xs
-            # + h_pre[j] du
-            row_j = m_ok[:, None] & (rj[None, :] < n)
-            du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
-            hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
-            acc += hpre[:, :, None] * du[:, None, :]
-            # + Σ_i h_res[i, j] dx'_i
-            for i in tl.static_range(n):
-                hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
-                di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                             other=0.0)
-                acc += hi[:, :, None] * di.to(ACC)[:, None, :]
-            tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
-    if DPHI:
-        cols = tl.reshape(rj[:, None] * C + rc[None, :], (NP * BC,))
-        cols_ok = tl.reshape(jc_ok, (NP * BC,))
-        out = dphi_ptr + (tl.program_id(1) * Z + rz[:, None]).to(tl.int64) * K + cols[None, :]
-        tl.store(out, dphi, mask=(rz[:, None] < Z) & cols_ok[None, :])
+        c2 = tl.load(row + 2 * Z + 3, mask=m_ok, other=0.0)
+        acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
+        # + h_pre[j] du
+        row_j = m_ok[:, None] & (rj[None, :] < n)
+        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+        hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
+        acc += hpre[:, :, None] * du[:, None, :]
+        # + Σ_i h_res[i, j] dx'_i
+        for i in tl.static_range(n):
+            hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
+            di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+            acc += hi[:, :, None] * di.to(ACC)[:, None, :]
+        tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
+
+
+@triton.jit
+def phi_grad(
+    work_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
+    ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(1)
+    rz = tl.arange(0, ZP)
+    n_ok = rn < K
+    acc = tl.zeros((ZP, BN), dtype=ACC)
+    t_begin = split * tokens_per_split
+    t_end = tl.minimum(t_begin + tokens_per_split, T)
+    for t0 in range(t_begin, t_end, BT):
+        rt = t0 + tl.arange(0, BT)
+        t_ok = rt < t_end
+        a = tl.load(work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
+                    mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
+        xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
+    tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])
 
 
 def acc_type(dtype: torch.dtype):

@@ -19,7 +19,7 @@ from .projection import effective_tol
 # Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
 SHARED_MEMORY_BUDGET = 192 * 1024
 
-__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants", "even_split"]
+__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
 
 
 class Launcher:
@@ -93,7 +93,7 @@ class Launch:
 
 LAUNCHERS: dict[str, Launcher] = {
     name: Launcher(getattr(_k, name))
-    for name in ("coeff_partial", "coeff_fwd", "boundary_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad")
+    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
 }
 
 
@@ -101,15 +101,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def even_split(total: int, parts: int, step: int) -> tuple[int, int]:
+def _split(total: int, parts: int, step: int) -> tuple[int, int]:
     """``(per, count)``: ``total`` in at most ``parts`` pieces of ``per``, a multiple of ``step``, covering it once."""
     per = _cdiv(_cdiv(total, parts), step) * step
     return per, _cdiv(total, per)
-
-
-def _stages(step_bytes: int, most: int) -> int:
-    # Triton's pipeline holds num_stages - 1 copies of a loop step's tiles in shared memory.
-    return max(1, min(most, 1 + SHARED_MEMORY_BUDGET // step_bytes))
 
 
 def _pow2(v: int, lo: int = 1) -> int:
@@ -135,7 +130,7 @@ class Plan:
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
         # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
-        # same split of r·dz in dφ's products was 9-10% slower than tf32 at every C (768-4096).
+        # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
         numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
@@ -148,30 +143,19 @@ class Plan:
         # notes/block_benchmarks.md). Then σ and the pre-mix, 8 tokens x 256 columns a program.
         # Together 93.6 / 73.1 µs against 154.3 / 86.5 for the one kernel of 64-token
         # programs this replaced, which left the 1.1B's GPU with 128 programs.
-        # 4 stages where 3 steps' tiles fit the shared-memory budget (n <= 4 in bf16 or fp32), fewer
-        # for wide n or fp64 (227 KB a block on the H200).
+        # Triton's pipeline holds num_stages - 1 copies of a step's tiles in shared memory (227 KB on
+        # the H200): 4 stages where they fit in 192 KB (n <= 4 in bf16 or fp32), fewer for wide n or fp64.
         BM, BK, K = 64, 128, n * C
         step_bytes = BK * (BM * dtype.itemsize + ZP * self.cdt.itemsize)
-        self.coeff_k_per_split, self.coeff_splits = even_split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
+        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
         self.coeff_partial = launch(
             (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
             n=n, BM=BM, BK=BK, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
-            num_stages=_stages(step_bytes, 4),
+            num_stages=max(1, min(4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
         self.coeff_fwd = launch(
             (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
             COMPILED=device.type == "cuda",
-        )
-        # A boundary's post-mix and the next site's first step: 16-token programs keep each one's
-        # rows (16 n·C values) within its share of L2 for the pre-mix's read-back. The tile sizes
-        # are a first guess, not yet swept (sweep_site_kernels.py).
-        # A step of its loop loads the streams [BM, NP, BC], y and n blocks of φ [BC, ZP]; Triton's
-        # default 3 stages where two such steps fit the shared-memory budget.
-        BM, BC = 16, min(64 if NP <= 4 else 32, _pow2(C, 16))
-        step_bytes = BC * ((BM * NP + BM) * dtype.itemsize + n * ZP * self.cdt.itemsize)
-        self.boundary_fwd = launch(
-            (_cdiv(T, BM),), (T, C), n=n, NP=NP, BM=BM, BC=BC, ZP=ZP, **coeff_numerics,
-            COMPILED=device.type == "cuda", num_stages=_stages(step_bytes, 3),
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048).
@@ -184,24 +168,23 @@ class Plan:
         self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1)
         # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
         # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
-        # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py; dx alone, before
-        # dφ joined the kernel). Wider n keeps 32-token steps over 128, which beat 16 (n=8, C=768:
-        # 906 vs 1283 µs). Loading every operand straight into the [BM, NP, BC] layout, one stream
-        # per program, or flat [BM, n·C] tiles were no faster or slower. Wider n narrows the
-        # columns to keep φ's block [ZP, NP·BC] at 8K values per program. With dφ's [ZP, NP·BC]
-        # accumulator beside dx's the launch takes twice the warps (not yet swept).
+        # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py). Wider n keeps
+        # 32-token steps over 128, which beat 16 (n=8, C=768: 906 vs 1283 µs). Loading every
+        # operand straight into the [BM, NP, BC] layout, one stream per program, or flat [BM, n·C]
+        # tiles were no faster or slower. Wider n narrows the columns to keep φ's block
+        # [ZP, NP·BC] at 8K values per program.
         BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
         BM, self.stream_tokens, stages = (64, 256, 1) if NP <= 4 else (32, 128, 3)
-        self.stream_splits = _cdiv(T, self.stream_tokens)  # dφ's partial sums, one per program along T
-        warps = 4 if ZP * NP * BC <= 8192 else 8
-        self.stream_grad = {
-            (dx, dphi): launch(
-                (_cdiv(C, BC), self.stream_splits), (T, C, self.stream_tokens),
-                n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics, DX=dx, DPHI=dphi,
-                num_warps=min(8, 2 * warps) if dx and dphi else warps, num_stages=stages,
-            )
-            for dx, dphi in ((True, True), (True, False), (False, True))
-        }
+        self.stream_grad = launch(
+            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
+            n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics,
+            num_warps=4 if ZP * NP * BC <= 8192 else 8, num_stages=stages,
+        )
+        BT, BN = 32, 128
+        self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
+        self.phi_grad = launch(
+            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
+        )
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()

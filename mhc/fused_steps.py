@@ -16,12 +16,9 @@ from . import fused_plan as _plans
 from . import projection_cuda as _projection_cuda
 from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
-__all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward", "boundary_forward"]
+__all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
 
-_coeff_partial, _coeff_fwd, _boundary_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad = (
-    _plans.LAUNCHERS[name]
-    for name in ("coeff_partial", "coeff_fwd", "boundary_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad")
-)
+_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
 
 
 def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -44,40 +41,19 @@ def pre_forward(plan, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: floa
     ``x [..., n, C]`` dense; the parameters dense in ``plan.cdt``. ``zr`` holds
     ``z`` and the norm's ``1/rms``; ``h`` is σ of H_pre's and H_post's columns.
     """
-    T, C = plan.T, plan.C
-    zr, h, R, u = _first_step_outputs(plan, x)
-    part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
-    _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
-    _coeff_fwd(plan.coeff_fwd, part, x, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps, plan.coeff_splits)
-    return u, zr, h, _project(plan, R, tol)
-
-
-def boundary_forward(plan, x, y, h, H_res, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
-    """:func:`post_forward` then :func:`pre_forward` of the next site, in one pass: ``(x', u, zr, h', H_res')``.
-
-    ``x, y, h, H_res`` as for :func:`post_forward`; ``phi … b_res`` the next
-    site's parameters, as for :func:`pre_forward`, whose outputs follow ``x'``.
-    """
-    x_new = torch.empty_like(x)
-    zr, h_new, R, u = _first_step_outputs(plan, x)
-    _boundary_fwd(plan.boundary_fwd, x, y, h, H_res, x_new, phi, alpha, b_pre, b_post, b_res, zr, h_new, R, u,
-                  plan.T, plan.C, eps)
-    return x_new, u, zr, h_new, _project(plan, R, tol)
-
-
-def _first_step_outputs(plan, x):
-    T, n, Z = plan.T, plan.n, plan.Z
+    T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
     zr = x.new_empty((T, Z + 1), dtype=plan.cdt)
     h = x.new_empty((T, 2 * n), dtype=plan.cdt)
     R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
-    u = x.new_empty((*x.shape[:-2], plan.C))
-    return zr, h, R, u
-
-
-def _project(plan, R, tol: float):
+    u = x.new_empty((*x.shape[:-2], C))
+    part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
+    _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
+    _coeff_fwd(plan.coeff_fwd, part, x, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps, plan.coeff_splits)
     if plan.cuda_projection:
-        return _projection_cuda.project_no_autograd(R, plan.projection_tol(tol), NEWTON_MAX_ITER)
-    return birkhoff_project(R, tol=tol, max_iter=NEWTON_MAX_ITER)
+        H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(tol), NEWTON_MAX_ITER)
+    else:
+        H_res = birkhoff_project(R, tol=tol, max_iter=NEWTON_MAX_ITER)
+    return u, zr, h, H_res
 
 
 def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs_dx: bool, needs_dphi: bool):
@@ -101,19 +77,14 @@ def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs
     _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
 
     dx = dphi = None
-    if needs_dx or needs_dphi:
-        # One pass over x for both; what a left-out gradient would have used is a placeholder
-        # of the same dtype (never read or written), so each launch keeps one compiled variant.
-        if needs_dx:
-            d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
-            dx = torch.empty_like(x)
-        part = zr.new_empty((plan.stream_splits, Z, n * C)) if needs_dphi else zr
-        _stream_grad(
-            plan.stream_grad[needs_dx, needs_dphi], d_out if needs_dx else x, du, x, work, phi, h, H_res,
-            dx if needs_dx else x, part, T, C, plan.stream_tokens,
-        )
-        if needs_dphi:
-            dphi = part.sum(0)
+    if needs_dx:
+        d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
+        dx = torch.empty_like(x)
+        _stream_grad(plan.stream_grad, d_out, du, x, work, phi, h, H_res, dx, T, C, plan.stream_tokens)
+    if needs_dphi:
+        part = zr.new_empty((plan.phi_splits, Z, n * C))
+        _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
+        dphi = part.sum(0)
     return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = [
     "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option",
-    "reject_unknown_options", "add_option_properties",
+    "reject_unknown_options",
 ]
 
 MODES = ("mhc", "hc", "residual")
@@ -231,24 +231,3 @@ class MHCOptions:
 
 
 _FIELDS = MHCOptions.fields()
-
-
-def add_option_properties(cls: type) -> None:
-    """Give ``cls`` (whose instances hold an ``MHCOptions`` as ``_options``) one property per field.
-
-    Reading ``obj.tol`` gives ``obj._options.tol``; setting it replaces
-    ``obj.options`` by a checked copy (the class's ``options`` setter decides
-    what may change).
-    """
-
-    def option_property(name: str) -> property:
-        def get(self):
-            return getattr(self._options, name)
-
-        def set(self, value) -> None:
-            self.options = self._options.replace(**{name: value})
-
-        return property(get, set, doc=f"``options.{name}`` (:class:`mhc.MHCOptions`); setting it is checked.")
-
-    for name in MHCOptions.fields():
-        setattr(cls, name, option_property(name))

@@ -170,9 +170,7 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
         sys.path.remove(str(BENCHMARKS))
     T, n, C = 16384, 4, 768
     nbytes = common.site_kernel_bytes(T, n, C)
-    assert set(nbytes) == {
-        "coeff_partial", "coeff_fwd", "boundary_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad",
-    }
+    assert set(nbytes) == {"coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"}
     # x and x' in bf16 (2 n C), y (C), then h and H_res in float32 (2n + n²), per token:
     assert nbytes["postmix_fwd"] == T * ((2 * n * C + C) * 2 + (2 * n + n * n) * 4)
     assert nbytes["stream_grad"] > nbytes["postmix_bwd"] > nbytes["postmix_fwd"] > nbytes["coeff_fwd"] > nbytes["coeff_partial"]

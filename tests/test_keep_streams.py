@@ -67,18 +67,6 @@ def with_keep_every(blocks: nn.ModuleList, keep_every: int) -> nn.ModuleList:
     return copies
 
 
-def unlink_sites(model: nn.Module) -> nn.Module:
-    """``model`` with every MHCBlock unlinked, so that its post-mixes run the kernel a recomputation runs.
-
-    Linked sites with keep_streams_every=1 fuse each boundary instead (tests/test_boundary.py), whose
-    coefficient dots round differently; keep_streams_every > 1 must give the unlinked chain's bits.
-    """
-    for m in model.modules():
-        if isinstance(m, mhc.MHCBlock):
-            m.set_next_site(None)
-    return model
-
-
 def run(blocks, x, g, saved: list | None = None):
     """Output, d x and every parameter's gradient of ``(blocks(x) * g).sum()``; ``saved`` collects saved tensors."""
     x = x.clone().requires_grad_()
@@ -102,7 +90,6 @@ def stream_bytes(saved: list, shape) -> int:
 def test_recomputed_streams_give_the_kept_streams_bits(keep_every, dtype, fresh_seed):
     kept = linked_chain(1, dtype)
     recomputed = with_keep_every(kept, keep_every)
-    unlink_sites(kept)
     x = torch.randn(2, 9, N, C, device=DEVICE, dtype=dtype)
     g = torch.randn_like(x)
     saved_kept, saved_recomputed = [], []
@@ -127,10 +114,8 @@ def test_backward_recomputes_each_dropped_stream_once(keep_every, monkeypatch):
     for block in blocks:
         out = block(out)
     launches = []
-    from mhc import fused_nodes
-
-    post_forward = fused_nodes.post_forward
-    monkeypatch.setattr(fused_nodes, "post_forward", lambda *args: launches.append(1) or post_forward(*args))
+    post_forward = fused._post_forward
+    monkeypatch.setattr(fused, "_post_forward", lambda *args: launches.append(1) or post_forward(*args))
     out.sum().backward()
     assert len(launches) == SITES - len(range(0, SITES, keep_every))
 
@@ -169,7 +154,7 @@ def test_no_grad_and_unlinked_sites_are_unaffected(fresh_seed):
         for block in blocks:
             out = block(out)
     assert all(block._prefetched[0] is None for block in blocks)  # nothing left behind
-    plain = unlink_sites(with_keep_every(blocks, 1))
+    plain = with_keep_every(blocks, 1)
     with torch.no_grad():
         ref = x
         for block in plain:
@@ -202,7 +187,7 @@ def test_converted_llama_recomputes_streams_between_layers(monkeypatch, fresh_se
                       num_key_value_heads=2, vocab_size=61, max_position_embeddings=32)
     torch.manual_seed(fresh_seed)
     base = LlamaForCausalLM(cfg)
-    kept = unlink_sites(mhc.convert_to_mhc(copy.deepcopy(base), n_streams=N, init="paper").to(DEVICE))
+    kept = mhc.convert_to_mhc(copy.deepcopy(base), n_streams=N, init="paper").to(DEVICE)
     recomputed = mhc.convert_to_mhc(base, n_streams=N, init="paper", keep_streams_every=3).to(DEVICE)
     recomputed.load_state_dict(kept.state_dict())
     ids = torch.randint(3, 61, (2, 11), device=DEVICE)
@@ -234,8 +219,6 @@ def test_every_layout_gets_the_kept_streams_gradients(family, checkpointing, mon
     results = []
     for keep_every in (1, 2):
         model = mhc.convert_to_mhc(family_model(family), n_streams=N, keep_streams_every=keep_every).to(DEVICE)
-        if keep_every == 1:
-            unlink_sites(model)
         perturb(model)
         model.train()
         for m in model.modules():  # dropout would draw different masks in the two runs
