@@ -83,6 +83,16 @@ def _attribute(hc: object, name: str):
     return getattr(hc, name)
 
 
+def _norm_epsilon(norm: object):
+    # transformers 5.25 renamed DeepseekV4UnweightedRMSNorm.eps to variance_epsilon (its other RMSNorms' name).
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return getattr(norm, name)
+    raise TypeError(
+        f"DeepseekV4HyperConnection.input_norm ({type(norm).__name__}) has no epsilon (variance_epsilon or eps)"
+    )
+
+
 def _finite_float(name: str, value) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
@@ -96,7 +106,8 @@ def read_hyper_connection(hc: object) -> DeepseekV4Site:
     Args:
         hc: transformers' ``DeepseekV4HyperConnection`` (or any object with its
             ``fn``, ``base``, ``scale``, ``hc_mult``, ``hc_sinkhorn_iters``,
-            ``hc_eps`` and ``input_norm.eps``).
+            ``hc_eps`` and ``input_norm.variance_epsilon``, ``eps`` before
+            transformers 5.25).
 
     Returns:
         A :class:`DeepseekV4Site`; its tensors are detached float32 copies.
@@ -124,9 +135,9 @@ def read_hyper_connection(hc: object) -> DeepseekV4Site:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"DeepseekV4HyperConnection.hc_sinkhorn_iters must be an int >= 1, got {iters!r}")
     hc_eps = _finite_float("hc_eps", _attribute(hc, "hc_eps"))
-    norm_eps = _finite_float("input_norm.eps", getattr(_attribute(hc, "input_norm"), "eps", math.nan))
+    norm_eps = _finite_float("input_norm's epsilon", _norm_epsilon(_attribute(hc, "input_norm")))
     if norm_eps == 0:
-        raise ValueError("DeepseekV4HyperConnection.input_norm.eps must be > 0")
+        raise ValueError("DeepseekV4HyperConnection.input_norm's epsilon must be > 0")
 
     with torch.no_grad():
         fn, base, scale = (t.detach().to(torch.float32).clone() for t in (fn, base, scale))

@@ -155,6 +155,28 @@ def test_from_deepseek_v4_refuses_what_does_not_fit():
     assert MHCBlock.from_deepseek_v4(fresh, branch, recompute=True).recompute  # other options pass through
 
 
+def test_the_norm_epsilon_is_read_under_either_transformers_name():
+    from mhc.deepseek_v4 import read_hyper_connection
+
+    class NormWith(nn.Module):  # eps until transformers 5.24, variance_epsilon from 5.25
+        def __init__(self, **epsilon):
+            super().__init__()
+            for name, value in epsilon.items():
+                setattr(self, name, value)
+
+    hc = modeling.DeepseekV4HyperConnection(small_config())
+    randomise(hc, fresh_generator())
+    for name in ("eps", "variance_epsilon"):
+        hc.input_norm = NormWith(**{name: 3e-5})
+        assert read_hyper_connection(hc).norm_eps == 3e-5
+    hc.input_norm = NormWith(variance_epsilon=0.0)
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        read_hyper_connection(hc)
+    hc.input_norm = NormWith()
+    with pytest.raises(TypeError, match=r"input_norm \(NormWith\) has no epsilon"):
+        read_hyper_connection(hc)
+
+
 def test_truncation_gap_is_what_the_two_blocks_give_and_vanishes_with_enough_rounds():
     from mhc.deepseek_v4 import truncation_gap
 
