@@ -106,21 +106,15 @@ def coeff_partial(
 
 
 @triton.jit
-def coeff_fwd(
-    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
-    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+def store_coefficients(
+    acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
+    n: tl.constexpr, ZP: tl.constexpr, COMPILED: tl.constexpr,
 ):
+    """From the summed ``[x φᵀ | Σ x²]`` rows ``acc [BM, ZP]`` of tokens ``rm``: store ``zr``, ``h`` and R's
+    ``α·z + b``, and return ``h`` over the ZP columns (σ of H_pre's and H_post's; junk past 2n)."""
     Z: tl.constexpr = n * n + 2 * n
-    K = n * C
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rz = tl.arange(0, ZP)
-    row_ok = rm < T
     ok = row_ok[:, None]
-    rows = rm.to(tl.int64) * K
-    acc = tl.zeros((BM, ZP), dtype=ACC)
-    for split in range(splits):
-        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
-    col = rz[None, :]
+    col = tl.arange(0, ZP)[None, :]
     r = tl.rsqrt(tl.sum(tl.where(col == Z, acc, 0.0), axis=1) / K + eps)
     z = acc * r[:, None]
     # The affine map v = α·z + b per column group: [0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's.
@@ -136,6 +130,27 @@ def coeff_fwd(
     tl.store(zr_ptr + rm * (Z + 1) + Z, r, mask=row_ok)
     tl.store(h_ptr + rm[:, None] * (2 * n) + col, h, mask=ok & (col < 2 * n))
     tl.store(res_ptr + rm[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
+    return h
+
+
+@triton.jit
+def coeff_fwd(
+    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
+    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+):
+    K = n * C
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rz = tl.arange(0, ZP)
+    row_ok = rm < T
+    ok = row_ok[:, None]
+    rows = rm.to(tl.int64) * K
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    for split in range(splits):
+        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
+    h = store_coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
+                           n, ZP, COMPILED)
+    col = rz[None, :]
+    is_pre = col < n
 
     # u = Σ_i h_pre[i] x_i, around stream 0 as in MHCBlock: (Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0).
     h_pre = tl.where(is_pre, h, 0.0)

@@ -6,7 +6,7 @@ program takes BT tokens and CC columns of every stream, writes its chunk of
 ``x' = H_res·x + H_post ⊗ y``, dots it with the same rows of the next site's
 φ (n·CC rows, so φ's traffic is n·CC·Z per BT tokens), and posts the partial
 sums. The last program of a tile to post sums the tile's parts and writes the
-next site's coefficients (``coeff_fwd``'s maths); the others wait for them and
+next site's coefficients (``coeff_fwd``'s helper); the others wait for them and
 write their chunk of ``u = Σ_i h_pre[i] x'_i``. The streams are read once and
 written once.
 
@@ -26,16 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _sigmoid(v, COMPILED: tl.constexpr):
-    if COMPILED:
-        e = libdevice.exp(-v)
-    else:
-        e = tl.exp(-v)
-    return tl.math.div_rn(1.0, 1.0 + e)
+from mhc.fused_kernels import store_coefficients
 
 
 @triton.jit
@@ -107,22 +99,8 @@ def boundary_split(
         for ch in range(CL):
             tot += tl.load(part_ptr + ((tile * CL + ch) * BT + tl.arange(0, BT))[:, None] * ZP + rz[None, :],
                            cache_modifier=".cg")
-        col = rz[None, :]
-        ok = t_ok[:, None]
-        r = tl.rsqrt(tl.sum(tl.where(col == Z, tot, 0.0), axis=1) / K + eps)
-        z = tot * r[:, None]
-        is_pre = col < n
-        is_post = (col >= n) & (col < 2 * n)
-        is_res = (col >= 2 * n) & (col < Z)
-        a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
-        b = (tl.load(bpre_ptr + col, mask=is_pre, other=0.0) + tl.load(bpost_ptr + col - n, mask=is_post, other=0.0)
-             + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0))
-        v = z * a + b
-        hv = _sigmoid(v, COMPILED)
-        tl.store(zr_ptr + rt[:, None] * (Z + 1) + col, z, mask=ok & (col < Z))
-        tl.store(zr_ptr + rt * (Z + 1) + Z, r, mask=t_ok)
-        tl.store(hn_ptr + rt[:, None] * (2 * n) + col, hv, mask=ok & (col < 2 * n))
-        tl.store(res_ptr + rt[:, None] * (n * n) + col - 2 * n, v, mask=ok & is_res)
+        store_coefficients(tot, rt, t_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, hn_ptr, res_ptr, K, eps,
+                           n, ZP, COMPILED)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + tile, CL, sem="release", scope="gpu")
     elif SYNC:  # (SYNC=False: an ablation that skips the wait, wrong u)
