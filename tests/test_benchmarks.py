@@ -14,8 +14,9 @@ BENCHMARKS = ROOT / "benchmarks"
 PYTHON_SCRIPTS = ["bench_block.py", "profile_step.py", "gpu_block_smoke.py"]
 
 
-def _run(*command: str) -> subprocess.CompletedProcess:
+def _run(*command: str, **env_overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(env_overrides)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -191,11 +192,9 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
 def test_the_boundary_prototype_matches_the_site_kernels_in_the_interpreter():
     """benchmarks/boundary_split: the one-pass prototype behind the notes' figures, CL = 1 on the CPU."""
     script = str(BENCHMARKS / "boundary_split" / "check.py")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cpu = dict(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = _run(sys.executable, script, **cpu)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bad cases: 0" in proc.stdout and proc.stdout.count(" x' ") == 4, proc.stdout
-    proc = subprocess.run([sys.executable, script, "--bench", "configs"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # CUDA hidden: refused, nothing run
+    proc = _run(sys.executable, script, "--bench", "configs", **cpu)  # CUDA hidden: refused, nothing run
     assert proc.returncode == 2 and "--bench needs CUDA" in proc.stderr, proc.stdout + proc.stderr

@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # kernel.py, and benchmarks/common.py
 
 
 def site_inputs(T, n, C, dtype, dev, seed=0):
@@ -89,14 +90,12 @@ def check(dev, cases):
 
 
 def bench(shapes, variants):
+    import common
     import kernel as bs
     import triton.testing
     from mhc import fused_plan
 
-    copy_src = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy_us = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), rep=200) * 1e3
-    copy_gbps = 2 * copy_src.numel() * 2 / copy_us / 1e3
+    copy_gbps = common.copy_gbps()
     print(f"device copy {copy_gbps:.0f} GB/s")
     for C, T in shapes:
         n = 4
