@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
 from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
-from .deepseek_v4 import PARAMETER_NAMES, deepseek_v4_settings
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
 
@@ -165,7 +164,7 @@ class MHCBlock(nn.Module):
         ``hc_sinkhorn_iters`` rounds (every sum plus ``hc_eps``), and its decoder
         layer mixes ``x' = post ⊗ F(collapsed) + combᵀ x``. The block reads ``fn``,
         ``base`` and ``scale`` (float32 copies; comb moved into ``H_res = combᵀ``'s
-        layout, :mod:`mhc.deepseek_v4`) and sets ``pre_eps = sinkhorn_eps = hc_eps``,
+        layout, :mod:`mhc.hf.deepseek_v4`) and sets ``pre_eps = sinkhorn_eps = hc_eps``,
         ``sinkhorn_iters = hc_sinkhorn_iters`` and ``norm_eps`` to the input norm's.
 
         Args:
@@ -188,6 +187,8 @@ class MHCBlock(nn.Module):
                 (mHC-lite has ``n!`` logits, DeepSeek ``n²``), an option sets what
                 the hyper-connection fixes, or its weights are malformed.
         """
+        from .hf.deepseek_v4 import PARAMETER_NAMES, deepseek_v4_settings  # the HF integration, on demand
+
         site, settings = deepseek_v4_settings(hc, projection, option_values)
         block = cls(branch, **settings)
         for name in PARAMETER_NAMES:  # float32 copies on fn's device; the branch stays where it is
@@ -327,7 +328,7 @@ class MHCBlock(nn.Module):
     def _branch_norm(self) -> tuple[Tensor, float] | None:
         # (weight, eps) of the branch's input RMSNorm, which the no-grad token kernels then apply
         # where they write u (a decode step's norm is ~8 launches of host time): offered by a branch
-        # whose class has fusable_input_norm and call_normed (mhc.hf_branch.SiteBranch). Looked up on
+        # whose class has fusable_input_norm and call_normed (mhc.hf.branch.SiteBranch). Looked up on
         # the class: a Module branch's missing attribute would cost an exception each call.
         offer = getattr(type(self.branch), "fusable_input_norm", None)
         return offer(self.branch) if offer is not None else None
@@ -384,7 +385,7 @@ class MHCBlock(nn.Module):
         """The block that runs next on this one's output, or ``None`` (the default; see :meth:`set_next_site`).
 
         :class:`mhc.MHCForCausalLM` links its sites in order. In generation
-        (no grad, CUDA streams of at most ``mhc.fused_tokens.MAX_TOKENS``
+        (no grad, CUDA streams of at most ``mhc.fused.tokens.MAX_TOKENS``
         tokens, both blocks on the fused path) this block's post-mix and the
         next block's first step then run as one launch, with the bits of two
         separate calls. The next block uses that first step only if it is

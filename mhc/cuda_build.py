@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import _build
+from ._ext import build as _build
 
 __all__ = ["source_dir", "source_files", "build_problem", "main"]
 

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhc import MHCBlock, MHCForCausalLM  # noqa: E402
-from mhc.deepseek_v4 import gap_table  # noqa: E402
+from mhc.hf.deepseek_v4 import gap_table  # noqa: E402
 
 from mhc.train import load_config, prepare_data, read_metrics  # noqa: E402
 from mhc.train.config import VARIANTS  # noqa: E402
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument("--smoke", action="store_true", help=f"{SMOKE_CONFIG.name} on the CPU: tests the pipeline in seconds")
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
-    p.add_argument("--deepseek-gap", action="store_true", help="print mhc.deepseek_v4.gap_table() (CPU) and exit")
+    p.add_argument("--deepseek-gap", action="store_true", help="print mhc.hf.deepseek_v4.gap_table() (CPU) and exit")
     p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                    help="with --report-only: OUT folders of several batches to merge into --out first "
                         "(a later folder's run replaces an earlier one of the same variant and seed)")  # fmt: skip

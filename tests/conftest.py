@@ -12,7 +12,7 @@ import mutations
 
 # Without CUDA, the fused Triton kernels run in Triton's interpreter on CPU
 # tensors, so their maths is tested on every machine. This must be set before
-# mhc (and so mhc.fused_kernels) is imported. It is forced, not defaulted:
+# mhc (and so mhc.fused.kernels) is imported. It is forced, not defaulted:
 # without CUDA the interpreter is the only way Triton runs at all.
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ["TRITON_INTERPRET"] = "1"

@@ -132,14 +132,14 @@ BROKEN_KERNELS_MESSAGE = "simulated by tests/mutations.py: cannot import name 'l
 
 @mutation(
     "fused_kernels_import_broken",
-    "importing mhc.fused_kernels raises ImportError while Triton imports",
+    "importing mhc.fused.kernels raises ImportError while Triton imports",
     ("tests/test_fused_block.py", "-k", "bad_inputs"),
     "test_fused_block.py (collection: fused.available() raises)",
 )
 def _fused_kernels_import_broken():
     if "mhc" in sys.modules:
         raise RuntimeError("fused_kernels_import_broken must be applied before mhc is imported")
-    sys.meta_path.insert(0, BrokenImport("mhc.fused_kernels", BROKEN_KERNELS_MESSAGE))
+    sys.meta_path.insert(0, BrokenImport("mhc.fused.kernels", BROKEN_KERNELS_MESSAGE))
 
 
 _CHECKPOINT_OPTIONS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state", "early_stop")
@@ -377,14 +377,14 @@ def _tol_ignored():
 
 @mutation(
     "rms_norm_hooks_ignored",
-    "mhc.hf_branch.is_llama_rms_norm accepts a norm with forward hooks (the token kernels would skip them)",
+    "mhc.hf.branch.is_llama_rms_norm accepts a norm with forward hooks (the token kernels would skip them)",
     ("tests/test_fused_norm.py", "-k", "recognised"),
     "test_fused_norm.py -k recognised",
 )
 def _rms_norm_hooks_ignored():
-    import mhc.hf_branch
+    import mhc.hf.branch
 
-    original = mhc.hf_branch.is_llama_rms_norm
+    original = mhc.hf.branch.is_llama_rms_norm
 
     def ignoring_hooks(norm):
         forward, pre = norm._forward_hooks, norm._forward_pre_hooks
@@ -394,7 +394,7 @@ def _rms_norm_hooks_ignored():
         finally:
             norm._forward_hooks, norm._forward_pre_hooks = forward, pre
 
-    replace(mhc.hf_branch, "is_llama_rms_norm", ignoring_hooks, in_modules=("mhc", "test_fused_norm"))
+    replace(mhc.hf.branch, "is_llama_rms_norm", ignoring_hooks, in_modules=("mhc", "test_fused_norm"))
 
 
 @mutation(

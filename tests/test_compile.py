@@ -118,7 +118,7 @@ def test_projection_compiles_and_still_warns_when_unconverged():
 @CUDA
 @pytest.mark.parametrize("keep_streams_every", [1, 3])
 def test_cuda_model_compiles_as_one_graph_and_matches_eager(keep_streams_every):
-    """The default options on CUDA (bf16 weights, fp32 coefficients, the fused site through mhc.fused_ops),
+    """The default options on CUDA (bf16 weights, fp32 coefficients, the fused site through mhc.fused.ops),
     compiled with inductor and fullgraph; keep_streams_every > 1 (eager only) must not break the graph."""
     model = mhc.convert_to_mhc(tiny_llama(), n_streams=4, init="paper", keep_streams_every=keep_streams_every)
     model = model.to("cuda", torch.bfloat16)

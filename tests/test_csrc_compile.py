@@ -90,7 +90,8 @@ _FALLBACK_PROBE = r"""
 import json, sys, warnings
 import torch
 import mhc
-from mhc import cuda_build, projection_cuda
+from mhc import cuda_build
+from mhc.projection import cuda as projection_cuda
 
 out = {"problem": cuda_build.build_problem()}
 with warnings.catch_warnings(record=True) as caught:

@@ -156,7 +156,7 @@ def test_from_deepseek_v4_refuses_what_does_not_fit():
 
 
 def test_the_norm_epsilon_is_read_under_either_transformers_name():
-    from mhc.deepseek_v4 import read_hyper_connection
+    from mhc.hf.deepseek_v4 import read_hyper_connection
 
     class NormWith(nn.Module):  # eps until transformers 5.24, variance_epsilon from 5.25
         def __init__(self, **epsilon):
@@ -178,7 +178,7 @@ def test_the_norm_epsilon_is_read_under_either_transformers_name():
 
 
 def test_truncation_gap_is_what_the_two_blocks_give_and_vanishes_with_enough_rounds():
-    from mhc.deepseek_v4 import truncation_gap
+    from mhc.hf.deepseek_v4 import truncation_gap
 
     g = fresh_generator()
     seed = f"seed {g.initial_seed()}"

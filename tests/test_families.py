@@ -14,12 +14,12 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-import mhc.hf_verify
+import mhc.hf.verify
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
-from mhc.adapters import Adapter, Branch, Site, register_adapter, registered_adapter, unregister_adapter
-from mhc.adapters_generic import infer_adapter
+from mhc.hf.adapters import Adapter, Branch, Site, register_adapter, registered_adapter, unregister_adapter
+from mhc.hf.generic import infer_adapter
 from mhc.hf import MHCDecoderLayer, added_parameter_count
-from mhc.hf_verify import ConversionMismatchError, verify_by_default
+from mhc.hf.verify import ConversionMismatchError, verify_by_default
 
 VOCAB = 96
 _TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -324,7 +324,7 @@ def test_self_check_default_follows_the_size_threshold(monkeypatch):
     base = family_model("granite")
     assert verify_by_default(base)
     with registered("granite", WRONG_ADAPTERS["granite"]):
-        monkeypatch.setattr(mhc.hf_verify, "VERIFY_AUTO_MAX_PARAMETERS", base.num_parameters() - 1)
+        monkeypatch.setattr(mhc.hf.verify, "VERIFY_AUTO_MAX_PARAMETERS", base.num_parameters() - 1)
         assert not verify_by_default(base)
         convert_to_mhc(base, n_streams=4)  # too big for the default check: converted unchecked
         with pytest.raises(ConversionMismatchError):

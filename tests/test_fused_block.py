@@ -159,7 +159,7 @@ def test_fused_site_many_tokens(fresh_seed):
 @pytest.mark.parametrize("T, n, C, splits", [(16384, 4, 768, 1), (8192, 4, 2048, 2), (100, 3, 200, 3), (64, 4, 32, 1)])
 def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, splits):
     """coeff_partial's splits: enough for ~256 programs, each a whole number of 128-column steps, covering n·C once."""
-    from mhc import fused_plan
+    from mhc.fused import plan as fused_plan
 
     plan = fused_plan.Plan(torch.Size((T, n, C)), torch.bfloat16, torch.device("cpu"))
     assert plan.coeff_splits == splits
@@ -172,7 +172,7 @@ def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, spli
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
     """coeff_partial's num_stages - 1 buffered x and φ steps fit the budget (4 stages at n=8 did not, on the H200)."""
-    from mhc import fused_plan
+    from mhc.fused import plan as fused_plan
 
     plan = fused_plan.Plan(torch.Size((4096, n, 768)), dtype, torch.device("cpu"))
     meta = plan.coeff_partial.meta
@@ -398,7 +398,7 @@ def test_fused_site_under_activation_recompute(fresh_seed):
 
 
 # Imports mhc after the mutation's sys.meta_path finder is in place: importing
-# mhc.fused_kernels raises an ImportError, while Triton imports.
+# mhc.fused.kernels raises an ImportError, while Triton imports.
 BROKEN_KERNELS_SCRIPT = """
 import sys, traceback
 sys.path.insert(0, {tests!r})
@@ -454,7 +454,7 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
-    """Under torch.compile(fullgraph=True) the fused site runs as custom ops (mhc.fused_ops): no graph break,
+    """Under torch.compile(fullgraph=True) the fused site runs as custom ops (mhc.fused.ops): no graph break,
     the eager fused numbers, forward and backward, for a stack whose sites hand dx' on through the graph."""
     from torch._dynamo.utils import counters
 

@@ -1,6 +1,6 @@
-"""Kept compiled variants of the fused site's Triton kernels (:mod:`mhc.fused_plan`), CUDA only.
+"""Kept compiled variants of the fused site's Triton kernels (:mod:`mhc.fused.plan`), CUDA only.
 
-After Triton's own first launch of a variant, :class:`mhc.fused_plan.Launcher` launches it directly; these
+After Triton's own first launch of a variant, :class:`mhc.fused.plan.Launcher` launches it directly; these
 tests check that the direct launches give Triton's own bits and call installed launch hooks. Triton's CPU
 interpreter always takes Triton's own path, so they need CUDA. Shares its blocks with
 tests/test_fused_block.py.
@@ -20,11 +20,11 @@ def test_kept_launches_match_tritons_own():
     """After fused.clear_plans() a shape's first fwd+bwd goes through Triton's own launches and keeps every
     compiled variant; later calls launch those directly, with the bits of the first call, whichever
     inputs need gradients."""
-    from mhc import fused_tokens
+    from mhc.fused import tokens as fused_tokens
 
     n = 4
     ref, fast = _blocks(n, 200, torch.bfloat16, seed=5)
-    # more tokens than mhc.fused_tokens takes, so that the forward runs the Triton kernels too
+    # more tokens than mhc.fused.tokens takes, so that the forward runs the Triton kernels too
     x = torch.randn(3, fused_tokens.MAX_TOKENS // 3 + 5, n, 200, device=DEVICE, dtype=torch.bfloat16)
     fused.clear_plans()
     assert set(fused.compiled_variants().values()) == {0}
@@ -68,10 +68,10 @@ def test_kept_launches_call_installed_launch_hooks():
     chain = triton.knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
         pytest.skip(f"the installed Triton {triton.__version__} keeps launch hooks without a HookChain")
-    from mhc import fused_tokens
+    from mhc.fused import tokens as fused_tokens
 
     _, fast = _blocks(4, 96, torch.bfloat16, seed=4)
-    # more tokens than mhc.fused_tokens takes, so that the forward runs the Triton kernels too
+    # more tokens than mhc.fused.tokens takes, so that the forward runs the Triton kernels too
     x = torch.randn(2, fused_tokens.MAX_TOKENS // 2 + 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     fast(x).sum().backward()  # compiles and keeps every variant
     names = []

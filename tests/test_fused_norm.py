@@ -1,7 +1,7 @@
 """The branch's input RMSNorm applied by the no-grad token kernels (generation).
 
 In a decode step the first step of each site also writes ``LlamaRMSNorm(u)`` when the site's branch
-starts with a norm of that form (``mhc.hf_branch.is_llama_rms_norm``), so the branch skips its norm's
+starts with a norm of that form (``mhc.hf.branch.is_llama_rms_norm``), so the branch skips its norm's
 ~8 launches. The CPU tests check which norms qualify and the branch protocol; the CUDA tests check the
 kernels against HF's norm and a converted model's generation against the same model with the fusion off.
 """
@@ -20,7 +20,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import mhc
-from mhc.hf_branch import is_llama_rms_norm
+from mhc.hf.branch import is_llama_rms_norm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -97,7 +97,7 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
     Half precision rounds twice, as HF's norm does (``u·r``, then ``w·that``): where our ``r`` and
     torch's differ in their last bit, the first rounding can land one ulp apart and the product two
     (seen on the H200: at most 2 ulps, in under 0.1 % of elements over 40 seeds per case)."""
-    from mhc import fused_tokens
+    from mhc.fused import tokens as fused_tokens
 
     torch.manual_seed(fresh_seed)
     block = mhc.MHCBlock(torch.nn.Identity(), C, n, init="paper").cuda()

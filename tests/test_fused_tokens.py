@@ -1,6 +1,6 @@
-"""The fused site at decode sizes: the token kernels (:mod:`mhc.fused_tokens`) and the no-grad path.
+"""The fused site at decode sizes: the token kernels (:mod:`mhc.fused.tokens`) and the no-grad path.
 
-A few tokens (at most ``mhc.fused_tokens.MAX_TOKENS``) run both forward steps on the CUDA extension's
+A few tokens (at most ``mhc.fused.tokens.MAX_TOKENS``) run both forward steps on the CUDA extension's
 one-block-per-token kernels in every mode; on the CPU (Triton's interpreter) the same token counts run the
 Triton kernels, so the CPU tests here check the site at those sizes and the CUDA tests the token kernels.
 Shares its blocks and comparisons with tests/test_fused_block.py.
@@ -27,7 +27,7 @@ import mhc
 @pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_at_few_tokens_matches_reference(token_count, n, dtype, fresh_seed):
-    """Decode-sized token counts (on CUDA up to mhc.fused_tokens.MAX_TOKENS = 128 take the token kernels,
+    """Decode-sized token counts (on CUDA up to mhc.fused.tokens.MAX_TOKENS = 128 take the token kernels,
     129 the Triton ones): forward and backward match the reference, and a second call gives the same bits.
     C = 200 is not a multiple of 128."""
     C = 200
@@ -45,7 +45,7 @@ def test_fused_site_at_few_tokens_matches_reference(token_count, n, dtype, fresh
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_without_grad_matches_the_recorded_forward(dtype, fresh_seed):
     """Under no_grad (generation) the site runs its kernels without autograd nodes: the recorded
-    forward's bits, at decode sizes (mhc.fused_tokens on CUDA) and above."""
+    forward's bits, at decode sizes (mhc.fused.tokens on CUDA) and above."""
     n, C = 4, 72
     _, fast = _blocks(n, C, dtype, fresh_seed)
     for token_count in (1, 3, 16, 300):
@@ -62,11 +62,13 @@ def test_fused_site_without_grad_matches_the_recorded_forward(dtype, fresh_seed)
 @pytest.mark.parametrize("C", [72, 200, 768, 1100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_kernels_match_the_triton_steps(n, C, dtype, fresh_seed):
-    """mhc.fused_tokens (at most MAX_TOKENS tokens) against the Triton kernel sequences of mhc.fused_steps:
+    """mhc.fused.tokens (at most MAX_TOKENS tokens) against the Triton kernel sequences of mhc.fused.steps:
     u, h, H_res and x', then the whole site with grad against the PyTorch reference. On the H200 a token's
     columns are split over a cluster of ceil(C / 128) blocks, at most 8: C = 72 runs one block, 200 two,
     768 six and 1100 eight, with a ragged last block."""
-    from mhc import fused_plan, fused_steps, fused_tokens
+    from mhc.fused import plan as fused_plan
+    from mhc.fused import steps as fused_steps
+    from mhc.fused import tokens as fused_tokens
 
     ref, fast = _blocks(n, C, dtype, fresh_seed)
     params = [p.detach() for p in (fast.phi, fast.alpha, fast.b_pre, fast.b_post, fast.b_res)]
@@ -133,10 +135,10 @@ def test_fused_decode_site_replays_in_a_cuda_graph(token_count, fresh_seed):
 @pytest.mark.skipif(DEVICE != "cuda", reason=NO_CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_grad_token_path_takes_what_the_grad_path_takes(dtype, fresh_seed):
-    """The no-grad token call (mhc.fused_tokens.pre_no_grad / post_no_grad) converts what the grad path's
+    """The no-grad token call (mhc.fused.tokens.pre_no_grad / post_no_grad) converts what the grad path's
     Python does: strided streams, coefficients cast to bf16, a branch output in another dtype. Same bits
     as the recorded forward; None (the Triton path) for more than MAX_TOKENS tokens or float64."""
-    from mhc import fused_tokens
+    from mhc.fused import tokens as fused_tokens
 
     n, C = 4, 200
 

@@ -101,7 +101,7 @@ def test_static_cache_gives_the_dynamic_cache_tokens(device, fresh_seed):
     assert torch.equal(static_tokens, tokens), f"seed {fresh_seed}: {static_tokens} != {tokens}"
     torch.testing.assert_close(static_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
     # the token-dependent mixing matters here: without it (φ = 0) the logits are far from these
-    with mhc.hf_verify.identity_coefficients(model):
+    with mhc.hf.verify.identity_coefficients(model):
         _, fixed_logits = greedy(model, ids, mask)
     assert (fixed_logits - logits).abs().max() > 0.1, f"seed {fresh_seed}: the mixing changes nothing"
 

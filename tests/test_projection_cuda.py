@@ -27,7 +27,7 @@ MILLION = 1 << 20
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     assert projection_cuda.available(), "the CUDA extension failed to build"
     yield
@@ -345,7 +345,7 @@ def test_other_n_and_double_use_pytorch_path():
 
 
 def test_unconverged_counter_and_warning():
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     # Counter at 0, nothing warned yet, and the periodic poll POLL_EVERY calls away.
     projection_cuda.reset_convergence_tracking()
@@ -368,7 +368,7 @@ def test_unconverged_counter_and_warning():
 
 def test_project_no_autograd_is_the_same_kernel():
     """The fused site's call past autograd: birkhoff_project's bits, no graph, and the same counter."""
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     R = _draw("normal10", (4096, 4, 4)).requires_grad_()
     tol = P.effective_tol(1e-6, 4, R.dtype)
@@ -387,7 +387,7 @@ def test_hot_path_looks_at_the_counter_every_poll_every_calls():
     """birkhoff_project's hot call counts itself in the extension: every POLL_EVERY calls it starts a copy of the
     counter, and the next look hands the value copied to the warning, which fires once for one growth. A reset
     forgets copies made before it, and no look runs while a CUDA graph is captured."""
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     R = _draw("normal10", (4096, 4, 4))
     projection_cuda.reset_convergence_tracking()
@@ -435,7 +435,7 @@ def test_hot_call_binding_checks_its_arguments_and_passes_errors_on():
     """The extension's project_or_none is a plain CPython function: it must reject what pybind11 would have
     rejected, hand back None for inputs the kernels do not take, give the op's bits, and raise the poll
     callback's exception rather than lose it."""
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     ext = projection_cuda.extension()
     R = _draw("normal10", (300, 4, 4))
@@ -524,7 +524,7 @@ def test_current_stream_launch():
 def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
     """birkhoff_project's unchecked hot path (one call into the extension) gives the checked path's bits,
     with and without a graph, for any leading shape; subclasses and options it does not take go the checked way."""
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     for shape in [(257, n, n), (3, 5, n, n), (n, n), (0, n, n)]:
         R = (torch.randn(shape, device="cuda") * 10).to(dtype)

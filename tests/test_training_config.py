@@ -92,7 +92,7 @@ def test_bad_mhc_option_values_are_refused_before_any_setup(tmp_path, cli, capsy
 def test_fused_projection_false_lasts_only_for_the_run(tmp_path, monkeypatch):
     """fused_projection=false turns the CUDA projection kernels off (projection_cuda.set_enabled) for the run
     only, and restores the setting it found however the run ends."""
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
     from mhc.train import RunDirLock
 
     calls = []

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .. import projection_cuda
+from ..projection import cuda as projection_cuda
 from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_write_bytes, save_checkpoint
 from .config import TrainConfig, config_yaml
 from .data import PackedData, prepare_data, unigram_entropy

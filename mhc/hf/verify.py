@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from .adapters_generic import probe_input_ids
-from .block import MHCBlock
+from .generic import probe_input_ids
+from ..block import MHCBlock
 
 __all__ = [
     "VERIFY_AUTO_MAX_PARAMETERS",
@@ -85,7 +85,7 @@ def check_logits(reference: Tensor, converted: Tensor, dtype: torch.dtype, what:
             f"mHC conversion self-check failed for {what}: the converted model's logits differ from the "
             f"original's by up to {diff:.4g} (max |logit| {reference.abs().max().item():.4g}, tolerance {tol:.3g}). "
             "The adapter does not describe this model's decoder layer; the model was left unconverted. "
-            "Fix or register the adapter (mhc.adapters.register_adapter), or pass verify=False to skip the check."
+            "Fix or register the adapter (mhc.hf.adapters.register_adapter), or pass verify=False to skip the check."
         )
     return diff
 

@@ -3,9 +3,9 @@
 ``T = Π_B(exp(R))`` is the unique doubly stochastic matrix of the form
 ``T_ij = exp(R_ij + a_i + b_j)`` (design.md §2). This module is the CPU
 implementation and the float64 ground truth for the fused CUDA kernels
-(:mod:`mhc.projection_cuda`); :func:`mhc.birkhoff_project`
+(:mod:`mhc.projection.cuda`); :func:`mhc.birkhoff_project`
 (:mod:`mhc.projection`) chooses between the two. It imports only
-:mod:`mhc.projection_common` (checks and reports shared with the CUDA path).
+:mod:`mhc.projection.common` (checks and reports shared with the CUDA path).
 
 * ``method="newton"`` (default): batched Newton on the (n-1)-dimensional dual
   ``f(b) = Σ_i logsumexp_j(R_ij + b_j) - Σ_j b_j`` with ``b_n = 0``, an Armijo
@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .projection_common import (
+from .common import (
     NEWTON_MAX_ITER,
     ProjectionInfo,
     check_arguments,

@@ -1,7 +1,7 @@
 """What both Birkhoff projection paths share: argument checks, tolerances and the solver report.
 
-:mod:`mhc.projection_reference` (the PyTorch solver) and
-:mod:`mhc.projection_cuda` (the CUDA op) check, round and report the same
+:mod:`mhc.projection.reference` (the PyTorch solver) and
+:mod:`mhc.projection.cuda` (the CUDA op) check, round and report the same
 way through this module; :mod:`mhc.projection` re-exports its public names.
 It imports no other ``mhc`` module.
 """

@@ -20,7 +20,7 @@ except ImportError:  # transformers 4.x
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .adapters import Adapter, registered_adapter, supported_model_types
-from .options import MHCOptions, check_options, close_option
+from ..options import MHCOptions, check_options, close_option
 
 __all__ = ["MHCConfig", "MHC_FIELDS", "added_parameter_count"]
 
@@ -100,7 +100,7 @@ class MHCConfig(_BaseConfig):
         reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
             starting at ``1/n``) to merge the streams before the final norm.
         adapter: how the base model's decoder layers are wrapped, an
-            :class:`mhc.adapters.Adapter` or its ``to_dict()`` (stored as the
+            :class:`mhc.hf.adapters.Adapter` or its ``to_dict()`` (stored as the
             dict). :func:`mhc.convert_to_mhc` records the adapter it used, so a
             saved model reloads with it; ``None`` takes the registered adapter
             of the base ``model_type`` (:meth:`get_adapter`).
@@ -168,12 +168,12 @@ class MHCConfig(_BaseConfig):
         if isinstance(adapter, dict):
             adapter = Adapter.from_dict(adapter)
         elif adapter is not None and not isinstance(adapter, Adapter):
-            raise TypeError(f"adapter must be an mhc.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}")
+            raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}")
         self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
 
     def get_adapter(self) -> Adapter:
-        """The :class:`~mhc.adapters.Adapter` the model is built with: the recorded one, else the registered one.
+        """The :class:`~mhc.hf.adapters.Adapter` the model is built with: the recorded one, else the registered one.
 
         Raises:
             ValueError: none is recorded and the base ``model_type`` has no registered adapter.
@@ -186,7 +186,7 @@ class MHCConfig(_BaseConfig):
             raise ValueError(
                 f"mHC has no adapter for architecture {base.model_type!r}; supported model types: "
                 f"{', '.join(supported_model_types())}. mhc.convert_to_mhc(model) tries the generic adapter on "
-                "other architectures (and records it in the config); mhc.adapters.register_adapter adds one."
+                "other architectures (and records it in the config); mhc.hf.adapters.register_adapter adds one."
             )
         return adapter
 

@@ -2,10 +2,10 @@
 
 ``T = Π_B(exp(R))`` is the exact doubly stochastic ``H_res`` (design.md §2).
 This module only chooses the path: the fused CUDA kernels
-(:mod:`mhc.projection_cuda`) for CUDA tensors with ``n`` in {4, 8} and
+(:mod:`mhc.projection.cuda`) for CUDA tensors with ``n`` in {4, 8} and
 float32 / bfloat16 / float16 logits, the pure-PyTorch reference solver
-(:mod:`mhc.projection_reference`) for everything else. It re-exports the
-public names of both and of :mod:`mhc.projection_common` (``birkhoff_project_reference``,
+(:mod:`mhc.projection.reference`) for everything else. It re-exports the
+public names of both and of :mod:`mhc.projection.common` (``birkhoff_project_reference``,
 ``birkhoff_backward``, ``ProjectionInfo``, ``ConvergenceWarning``, ...), so
 ``from mhc.projection import ...`` finds them all.
 """
@@ -17,8 +17,8 @@ import math
 import torch
 from torch import Tensor
 
-from . import projection_cuda
-from .projection_common import (
+from . import cuda as projection_cuda
+from .common import (
     METHODS,
     NEWTON_MAX_ITER,
     ConvergenceWarning,
@@ -29,7 +29,7 @@ from .projection_common import (
     marginal_error,
     newton_report,
 )
-from .projection_reference import birkhoff_backward, birkhoff_project_reference, dual_hessian, project_unchecked
+from .reference import birkhoff_backward, birkhoff_project_reference, dual_hessian, project_unchecked
 
 __all__ = [
     "birkhoff_project",

@@ -25,10 +25,10 @@ Design (why it looks like this):
   cache) is the original object.
 
 What differs per architecture is data, not code: an adapter
-(:mod:`mhc.adapters`; the generic one, :mod:`mhc.adapters_generic`, reads it
+(:mod:`mhc.hf.adapters`; the generic one, :mod:`mhc.hf.generic`, reads it
 from one forward pass for architectures without one) lists each site's
 branches (norm, sublayer, post-norm, dropout, scale). :func:`convert_to_mhc`
-checks the result against the original model (:mod:`mhc.hf_verify`) and
+checks the result against the original model (:mod:`mhc.hf.verify`) and
 records the adapter in the config.
 
 Alternatives rejected: our own loop over the layers would fork every architecture's
@@ -61,13 +61,13 @@ except ImportError:  # pragma: no cover - very old transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .adapters import Adapter
-from .adapters_generic import adapter_for_model
-from .block import MHCBlock
-from .hf_config import MHC_FIELDS, MHCConfig, added_parameter_count
-from .hf_branch import SiteBranch
-from .hf_verify import check_logits, identity_coefficients, reference_logits, verify_by_default
-from .options import reject_unknown_options
-from .streams import StreamReduce, expand_streams
+from .generic import adapter_for_model
+from ..block import MHCBlock
+from .config import MHC_FIELDS, MHCConfig, added_parameter_count
+from .branch import SiteBranch
+from .verify import check_logits, identity_coefficients, reference_logits, verify_by_default
+from ..options import reject_unknown_options
+from ..streams import StreamReduce, expand_streams
 
 __all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
 
@@ -97,7 +97,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
     """
 
     # In generation on the token kernels, a site's first step also applies the branch's input RMSNorm
-    # (mhc.hf_branch.SiteBranch.fusable_input_norm): a decode step's norms cost host time, not GPU time.
+    # (mhc.hf.branch.SiteBranch.fusable_input_norm): a decode step's norms cost host time, not GPU time.
     fuse_input_norm: bool = True
 
     def __init__(self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool):
@@ -426,21 +426,21 @@ def convert_to_mhc(
 
     Args:
         model: a ``*ForCausalLM``, random or pretrained: of a registered
-            architecture (:mod:`mhc.adapters`), or one the generic adapter
-            recognises (:mod:`mhc.adapters_generic`), which is refused with a
+            architecture (:mod:`mhc.hf.adapters`), or one the generic adapter
+            recognises (:mod:`mhc.hf.generic`), which is refused with a
             ``ValueError`` saying what does not fit otherwise.
         n_streams: number of streams.
-        adapter: an :class:`mhc.adapters.Adapter` to use instead of the
+        adapter: an :class:`mhc.hf.adapters.Adapter` to use instead of the
             registered or generic one.
         verify: the self-check. ``True``: run the original and the converted
             model on a random ``[2, 8]`` input (``φ`` at the identity init's
             zero during the check, whatever ``init``) and raise
-            :class:`mhc.hf_verify.ConversionMismatchError` (a ``ValueError``
+            :class:`mhc.hf.verify.ConversionMismatchError` (a ``ValueError``
             with the measured max |logit difference|) beyond
-            :func:`mhc.hf_verify.logit_tolerance` (``1e-4·max(1, max|logit|)``
+            :func:`mhc.hf.verify.logit_tolerance` (``1e-4·max(1, max|logit|)``
             in fp32); the model is then left unconverted. ``False``: no
             check. ``None`` (default): check models of at most
-            :data:`mhc.hf_verify.VERIFY_AUTO_MAX_PARAMETERS` (4e9)
+            :data:`mhc.hf.verify.VERIFY_AUTO_MAX_PARAMETERS` (4e9)
             parameters with no weights on the meta device.
         **mhc_options: any other mHC setting of :class:`MHCConfig` (``mode``,
             ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
@@ -456,7 +456,7 @@ def convert_to_mhc(
     if adapter is None:
         adapter = adapter_for_model(model)
     elif not isinstance(adapter, Adapter):
-        raise TypeError(f"adapter must be an mhc.adapters.Adapter, got {type(adapter).__name__}")
+        raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
     config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
     quant = config.base_config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "gguf":

@@ -2,9 +2,9 @@
 
 :func:`mhc.birkhoff_project` sends CUDA tensors with ``method="newton"``,
 ``n`` in {4, 8} and dtype float32 / bfloat16 / float16 here; everything else
-stays on the PyTorch path (:mod:`mhc.projection_reference`). This module
+stays on the PyTorch path (:mod:`mhc.projection.reference`). This module
 imports only that reference module (for the shared reporting pieces and the
-differentiable backward) and :mod:`mhc._build`, which compiles and loads the
+differentiable backward) and :mod:`mhc._ext.build`, which compiles and loads the
 extension.
 
 Operators (registered by the extension, with fake impls and autograd here):
@@ -18,7 +18,7 @@ Autograd of ``birkhoff_forward`` is a C++ node (a Python one cost ~150 µs of
 host time per forward+backward). Double backward: the backward kernel has no
 derivative of its own, so under ``create_graph=True`` the node's backward is
 the reference's differentiable
-:func:`~mhc.projection_reference.birkhoff_backward` on the same ``T``
+:func:`~mhc.projection.reference.birkhoff_backward` on the same ``T``
 (float32, the op ``mhc::birkhoff_backward_graph`` defined here), and second
 derivatives come out right; plain backward runs the kernel.
 
@@ -27,21 +27,20 @@ misses ``tol`` after ``max_iter`` iterations to a per-device counter in
 device memory, with no host sync. :func:`unconverged_count` reads it (and
 syncs); in eager mode the wrapper also polls it without blocking (an
 asynchronous copy every ``POLL_EVERY`` calls) and raises a
-:class:`~mhc.projection_common.ConvergenceWarning` when it grows.
+:class:`~mhc.projection.common.ConvergenceWarning` when it grows.
 :func:`reset_convergence_tracking` starts the accounting afresh.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import torch
 from torch import Tensor
 
-from . import _build
-from .projection_common import ConvergenceWarning, effective_tol, newton_report
-from .projection_reference import birkhoff_backward
+from .. import _ext
+from .common import ConvergenceWarning, effective_tol, newton_report
+from .reference import birkhoff_backward
 
 __all__ = [
     "available", "extension", "fast_forward", "supports", "project", "project_fast", "project_no_autograd", "poll",
@@ -52,13 +51,12 @@ SUPPORTED_N = (4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POLL_EVERY = 64  # eager calls between two non-blocking looks at the counter
 
-_LOADED: bool | None = None  # None: not tried yet
-_module = None  # the extension's Python module, once loaded
+_module = None  # the extension's Python module while loaded and enabled (mhc._ext)
 fast_forward = None  # its project_or_none while loaded and enabled, else None (see project_fast)
-_ENABLED = True  # set_enabled(False) keeps every CUDA tensor on the PyTorch path
-_lock = threading.Lock()
+_registered = False  # the fake impls and autograd below, once per process
 _calls = 0
 _last_warned: dict[int, int] = {}
+set_enabled = _ext.set_enabled
 
 
 def supports(logits: Tensor) -> bool:
@@ -72,55 +70,20 @@ def supports(logits: Tensor) -> bool:
     )
 
 
-def set_enabled(enabled: bool) -> bool:
-    """Allow (``True``, the default) or forbid the CUDA kernels; returns the previous setting.
-
-    With ``False``, :func:`available` answers ``False`` without building
-    anything, so :func:`mhc.birkhoff_project` and the fused site keep ``H_res``
-    on the PyTorch Newton path even for CUDA tensors (the training config's
-    ``fused_projection: false``, or an A/B against the reference).
-    """
-    global _ENABLED, fast_forward
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_enabled takes a bool, got {type(enabled).__name__}")
-    previous, _ENABLED = _ENABLED, enabled
-    fast_forward = _module.project_or_none if enabled and _module is not None else None
-    return previous
-
-
 def available() -> bool:
-    """Build/load the extension on first call; ``False`` (after one warning) if impossible or disabled."""
-    if not _ENABLED:
-        return False
-    if _LOADED is None:
-        _try_load()
-    return bool(_LOADED)
+    """Build/load the extension on first call (:func:`mhc._ext.extension`); ``False`` if impossible or switched off."""
+    return _ext.extension() is not None
 
 
-@torch.compiler.disable
-def _try_load() -> None:
-    global _LOADED
-    with _lock:
-        if _LOADED is not None:
-            return
-        try:
-            module = _build.load()
-            _register()
-            module.set_poll(_counter_seen, POLL_EVERY)
-            global fast_forward, _module
-            _module = module
-            if _ENABLED:
-                fast_forward = module.project_or_none
-            _LOADED = True
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
-            _LOADED = False
-            warnings.warn(
-                "mhc: the fused CUDA Birkhoff kernels are unavailable "
-                f"({type(exc).__name__}: {exc}); birkhoff_project runs on the slower PyTorch path "
-                "for CUDA tensors. Run `python -m mhc.cuda_build` to see the build log.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+def _use(module) -> None:
+    """:func:`mhc._ext.on_change`'s callback: keep the extension's hot path, set up once on first load."""
+    global _module, fast_forward, _registered
+    if module is not None and not _registered:
+        _register()
+        module.set_poll(_counter_seen, POLL_EVERY)
+        _registered = True
+    _module = module
+    fast_forward = module.project_or_none if module is not None else None
 
 
 _LIBRARY: torch.library.Library | None = None  # holds the Python-defined op below (kept alive)
@@ -283,7 +246,7 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
 
     For callers that record no graph for the projection (the fused site
     computes its gradient itself). ``tol_eff`` is already
-    :func:`~mhc.projection_common.effective_tol`'s. Polls the convergence
+    :func:`~mhc.projection.common.effective_tol`'s. Polls the convergence
     counter like :func:`project`.
     """
     if torch.compiler.is_compiling():
@@ -294,10 +257,8 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
 
 
 def extension():
-    """The extension's Python module (its functions called without torch.ops), or ``None`` where unavailable."""
-    if not available():
-        return None
-    return _module
+    """The extension's Python module (:func:`mhc._ext.extension`), or ``None`` where unavailable."""
+    return _ext.extension()
 
 
 def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
@@ -318,9 +279,11 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
     forward = fast_forward
     if forward is None:
         # Not loaded yet (a CPU tensor must not trigger the build) or switched off.
-        if not (_ENABLED and logits.is_cuda and available()):
+        if not (logits.is_cuda and available()):
             return None
         forward = fast_forward
+        if forward is None:
+            return None
     return forward(logits, tol, max_iter)
 
 
@@ -344,3 +307,6 @@ def project(logits: Tensor, *, tol: float, max_iter: int, return_info: bool):
     T, iterations, error = torch.ops.mhc.birkhoff_forward_info(R, tol_eff, max_iter)
     info = newton_report(iterations, error, tol_eff, max_iter, shape[:-2])
     return T.reshape(shape), info
+
+
+_ext.on_change(_use)

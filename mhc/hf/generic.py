@@ -288,5 +288,5 @@ def adapter_for_model(model: nn.Module) -> Adapter:
         raise UnsupportedLayoutError(
             f"mHC has no adapter for architecture {model.config.model_type!r} (registered: "
             f"{', '.join(supported_model_types())}), and {err}. Register one with "
-            "mhc.adapters.register_adapter(model_type, Adapter(...))."
+            "mhc.hf.adapters.register_adapter(model_type, Adapter(...))."
         ) from None

@@ -1,6 +1,6 @@
 """Launch plans and direct launches of the fused site's Triton kernels (internal to :mod:`mhc.fused`).
 
-Imported by :mod:`mhc.fused` only once :mod:`mhc.fused_kernels` has imported.
+Imported by :mod:`mhc.fused` only once :mod:`mhc.fused.kernels` has imported.
 A :class:`Plan` holds every launch of a site for one shape, dtype and device,
 worked out once; a :class:`Launcher` launches one kernel with the compiled
 variant Triton's own first launch built, skipping Triton's argument binding.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fused_kernels as _k
-from . import fused_tokens as _tokens
-from . import projection_cuda as _projection_cuda
-from .projection import effective_tol
+from . import kernels as _k
+from . import tokens as _tokens
+from ..projection import cuda as _projection_cuda
+from ..projection import effective_tol
 
 # Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
 SHARED_MEMORY_BUDGET = 192 * 1024

@@ -25,7 +25,7 @@ the block:
 The registry maps a ``config.model_type`` to an :class:`Adapter`, or to a
 function ``config -> Adapter`` where the layout depends on the config
 (GPT-NeoX's ``use_parallel_residual``, Granite's multiplier). An architecture
-outside it is tried by the generic adapter (:mod:`mhc.adapters_generic`),
+outside it is tried by the generic adapter (:mod:`mhc.hf.generic`),
 which recognises the layout from the submodules' use in one forward pass.
 
 Every conversion is checked (:func:`mhc.convert_to_mhc` ``verify=``): the

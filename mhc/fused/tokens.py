@@ -1,11 +1,11 @@
 """The fused site's two steps for a few tokens, on the CUDA extension (internal to :mod:`mhc.fused`).
 
 A decode step runs every site on 1-16 tokens, where the Triton kernels of
-:mod:`mhc.fused_kernels` are the wrong shape: ``coeff_partial`` tiles 64 tokens per
+:mod:`mhc.fused.kernels` are the wrong shape: ``coeff_partial`` tiles 64 tokens per
 program, so a few programs walk all ``n·C`` columns, and each Triton launch
 costs more host time than the work. For CUDA streams of at most
 :data:`MAX_TOKENS` tokens (``n`` in {4, 8}) the forward of both steps runs
-these instead, with or without grad, eagerly or inside :mod:`mhc.fused_ops`
+these instead, with or without grad, eagerly or inside :mod:`mhc.fused.ops`
 under ``torch.compile``: a cluster of blocks per token on Hopper, else one
 block (``csrc/site_tokens.cuh``), one launch per step, called through the
 extension's Python module. Same maths and layouts as ``coeff_partial``/``coeff_fwd``
@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import projection_cuda
-from .projection_common import NEWTON_MAX_ITER
+from .. import _ext
+from ..projection import cuda as projection_cuda
+from ..projection.common import NEWTON_MAX_ITER
 
 __all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "post_pre_no_grad", "unpack"]
 
@@ -43,18 +44,18 @@ def takes(x: Tensor) -> bool:
 
 
 def takes_shape(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
-    """:func:`takes` for streams of this shape, dtype and device (what :class:`mhc.fused_plan.Plan` records)."""
+    """:func:`takes` for streams of this shape, dtype and device (what :class:`mhc.fused.plan.Plan` records)."""
     global _extension
     n, C = shape[-2:]
     if not (device.type == "cuda" and dtype in _DTYPES and n in (4, 8) and shape.numel() // (n * C) <= MAX_TOKENS):
         return False
-    _extension = projection_cuda.extension()
+    _extension = _ext.extension()
     return _extension is not None
 
 
 def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
         eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`mhc.fused_steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
+    """:func:`mhc.fused.steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
     Only for streams :func:`takes` accepted. ``x [..., n, C]`` dense, the
     parameters dense float32. ``tol_eff`` is the projection's effective
@@ -92,7 +93,7 @@ def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Te
     """
     global _extension
     if _extension is None:
-        _extension = projection_cuda.extension()
+        _extension = _ext.extension()
         if _extension is None:
             return None
     weight, norm_eps = norm or _NO_NORM

@@ -10,7 +10,7 @@ Python module. Loading registers the ``torch.ops.mhc.birkhoff_*`` operators
 (``TORCH_LIBRARY`` in ``birkhoff.cu``); the module itself holds only the
 projection's hot path, ``project_or_none``, which skips torch.ops' argument
 parsing.
-This is the one place that builds it: :mod:`mhc.projection_cuda` calls
+This is the one place that builds it: :mod:`mhc.projection.cuda` calls
 :func:`load`, ``python -m mhc.cuda_build`` builds it ahead of time.
 """
 

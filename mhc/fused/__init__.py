@@ -5,7 +5,7 @@ pre-mix, then the sublayer ``F``, called once, then the post-mix. It runs
 those steps on one of two backends: the PyTorch reference of :mod:`mhc.site`
 (CPU streams, ``fused=False``, ``mode="hc"``, Sinkhorn) or, for CUDA streams
 with ``mode="mhc"`` and the Newton projection, the two steps here, each one
-autograd node over the kernels of :mod:`mhc.fused_kernels`::
+autograd node over the kernels of :mod:`mhc.fused.kernels`::
 
     u, site = site_pre(x, φ, α, b_pre, b_post, b_res)  # RMSNorm(x_flat) φᵀ, σ, Π_B(exp(·)), Σ H_pre[i] x_i
     y       = F(u)                                     # the caller's sublayer
@@ -20,7 +20,7 @@ not by the GPU (notes/block_benchmarks.md). So the projection runs inside
 the first node (its implicit backward needs only ``H_res``), each backward is
 one kernel per memory pass plus a couple of small reductions, the launch
 geometry of a shape is worked out once and compiled kernels are launched
-directly (:mod:`mhc.fused_plan`).
+directly (:mod:`mhc.fused.plan`).
 
 Backward order is fixed by the graph: the post-mix, ``F``, then the pre-step.
 The post-mix node returns no gradient for ``x``; it leaves ``dx'`` in the
@@ -28,11 +28,11 @@ call's :class:`_SiteState`, and the pre-step's backward writes the whole
 ``dx`` in one pass (separate gradients would cost extra reads and writes of
 the streams to add up). Double backward is not supported.
 
-Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused_steps`) run as
-``torch.library`` custom ops with fake impls (:mod:`mhc.fused_ops`), so dynamo traces
-the site and its sublayer as one graph. Up to :data:`mhc.fused_tokens.MAX_TOKENS`
+Under ``torch.compile`` the same kernel sequences (:mod:`mhc.fused.steps`) run as
+``torch.library`` custom ops with fake impls (:mod:`mhc.fused.ops`), so dynamo traces
+the site and its sublayer as one graph. Up to :data:`mhc.fused.tokens.MAX_TOKENS`
 tokens (decoding) run both forwards on the extension's token kernels
-(:mod:`mhc.fused_tokens`); the backward is the same.
+(:mod:`mhc.fused.tokens`); the backward is the same.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .options import check_options
-from .projection_common import NEWTON_MAX_ITER
+from ..options import check_options
+from ..projection.common import NEWTON_MAX_ITER
 
 __all__ = [
     "available", "site_pre", "post_mix", "site_pre_unchecked", "post_mix_unchecked", "post_mix_recording",
@@ -58,8 +58,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # and site_pre raise the kept error, not this import, so CPU code still imports mhc.
 _k = None
 _TRITON_ERROR: ImportError | None = None  # why Triton is not importable
-_KERNELS_ERROR: Exception | None = None  # why mhc.fused_kernels failed to import although Triton did
-_plans = None  # mhc.fused_plan: launch plans and direct launches
+_KERNELS_ERROR: Exception | None = None  # why mhc.fused.kernels failed to import although Triton did
+_plans = None  # mhc.fused.plan: launch plans and direct launches
 _INTERPRETED = False  # the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which takes CPU tensors
 try:
     import triton  # only to tell "no Triton" from broken kernels
@@ -67,11 +67,11 @@ except ImportError as err:
     _TRITON_ERROR = err
 else:
     try:
-        from . import fused_kernels as _k
-        from . import fused_ops as _ops
-        from . import fused_plan as _plans
-        from . import fused_steps as _steps
-        from . import fused_tokens as _tokens
+        from . import kernels as _k
+        from . import ops as _ops
+        from . import plan as _plans
+        from . import steps as _steps
+        from . import tokens as _tokens
     except Exception as err:  # a NameError in the module is as much a bug as an ImportError
         _KERNELS_ERROR = err
     else:
@@ -85,7 +85,7 @@ def available() -> bool:
     """Whether the fused Triton path can run; ``False`` only where Triton is not importable.
 
     Raises:
-        ImportError: Triton imports but :mod:`mhc.fused_kernels` does not (a
+        ImportError: Triton imports but :mod:`mhc.fused.kernels` does not (a
             bug in mhc, or a Triton version it does not support). The original
             error is chained as ``__cause__``, with its traceback. The fused
             path is never dropped silently: ``MHCBlock(..., fused=False)`` runs
@@ -94,7 +94,7 @@ def available() -> bool:
     if _KERNELS_ERROR is not None:
         err = _KERNELS_ERROR
         raise ImportError(
-            f"mhc's Triton kernels (mhc.fused_kernels) failed to import although Triton {triton.__version__} "
+            f"mhc's Triton kernels (mhc.fused.kernels) failed to import although Triton {triton.__version__} "
             f"imports: {type(err).__name__}: {err}. This is a bug in mhc or a Triton version it does not "
             "support; pass fused=False to MHCBlock (or MHCConfig) to run the PyTorch path meanwhile."
         ) from err
@@ -299,7 +299,7 @@ def site_pre(
         columns (``H_pre = h[:, :n]``, ``H_post = 2·h[:, n:]``), ``H_res [T, n, n]``
         (both float32, float64 for float64 streams; ``T`` tokens), and the
         call's state (``None`` under ``torch.compile``, where the streams
-        entry is a view of them that carries ``dx'`` back: :mod:`mhc.fused_ops`).
+        entry is a view of them that carries ``dx'`` back: :mod:`mhc.fused.ops`).
 
     Raises:
         ImportError: Triton imports but the kernels do not (see :func:`available`).
@@ -371,7 +371,7 @@ def site_pre_unchecked(
     ``norm``: the branch's input RMSNorm ``(weight, eps)``, applied to ``u``
     by the no-grad token kernels only (:func:`token_site_normed`).
     """
-    if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused_ops)
+    if torch.compiler.is_compiling():  # custom ops dynamo traces around (mhc.fused.ops)
         return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
     if x.is_cuda and not torch.is_grad_enabled():
         # Generation: a few tokens per step, where the site's cost is its host time. One call
@@ -403,7 +403,7 @@ def site_pre_unchecked(
 
 
 def _pre_steps(x, phi, alpha, b_pre, b_post, b_res, state: _SiteState):
-    """The first step's kernels: ``(u, zr, h, H_res)`` (:func:`mhc.fused_steps.pre_forward`)."""
+    """The first step's kernels: ``(u, zr, h, H_res)`` (:func:`mhc.fused.steps.pre_forward`)."""
     if state.plan.tokens:
         tol_eff = state.plan.projection_tol(state.tol)
         return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, state.eps, tol_eff, NEWTON_MAX_ITER)
@@ -494,7 +494,7 @@ def post_then_pre_unchecked(y: Tensor, site: tuple, phi, alpha, b_pre, b_post, b
 
     Only for a ``site`` where :func:`is_token_site` holds, with grad still off;
     the next site's parameters must fit the streams. Returns ``(x', u', site')``,
-    the same bits as the two calls (:func:`mhc.fused_tokens.post_pre_no_grad`).
+    the same bits as the two calls (:func:`mhc.fused.tokens.post_pre_no_grad`).
     """
     step = _tokens.post_pre_no_grad(site[0], y, site[1], phi, alpha, b_pre, b_post, b_res, norm_eps, tol, norm)
     return step[0], step[1], (step[0], step[2], step[3], _TOKENS_NO_GRAD)

@@ -7,7 +7,7 @@ pre-step node through a Python object. Under ``torch.compile``
 come here instead: four opaque custom ops (``mhc::fused_site_pre``,
 ``mhc::fused_site_pre_backward``, ``mhc::fused_post_mix``,
 ``mhc::fused_post_mix_backward``) with fake impls, running the same kernel
-sequences (:mod:`mhc.fused_steps`) at run time, and two autograd nodes that
+sequences (:mod:`mhc.fused.steps`) at run time, and two autograd nodes that
 dynamo traces. The ``dx'`` hand-off goes through the graph: the pre-step node
 returns its streams as a view (``link``) that the post-mix node reads, and
 the post-mix backward returns ``dx'`` as ``link``'s gradient, which the
@@ -21,10 +21,10 @@ import contextlib
 import torch
 from torch import Tensor
 
-from . import fused_plan as _plans
-from . import fused_steps as _steps
-from . import fused_tokens as _tokens
-from .projection_common import NEWTON_MAX_ITER
+from . import plan as _plans
+from . import steps as _steps
+from . import tokens as _tokens
+from ..projection.common import NEWTON_MAX_ITER
 
 __all__ = ["site_pre", "post_mix"]
 
@@ -42,7 +42,7 @@ def _coefficient_dtype(x: Tensor) -> torch.dtype:
 def _site_pre_op(
     x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, eps: float, tol: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(u, zr, h, H_res)`` of :func:`mhc.fused_steps.pre_forward`."""
+    """``(u, zr, h, H_res)`` of :func:`mhc.fused.steps.pre_forward`."""
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
@@ -70,7 +70,7 @@ def _site_pre_backward_op(
     d_out: Tensor, du: Tensor, d_h: Tensor, d_res: Tensor,
     x: Tensor, phi: Tensor, alpha: Tensor, zr: Tensor, h: Tensor, H_res: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dφ, dα, db_pre, db_post, db_res)`` of :func:`mhc.fused_steps.pre_backward`."""
+    """``(dx, dφ, dα, db_pre, db_post, db_res)`` of :func:`mhc.fused.steps.pre_backward`."""
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
@@ -95,7 +95,7 @@ def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
 
 @torch.library.custom_op("mhc::fused_post_mix", mutates_args=())
 def _post_mix_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
-    """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused_steps.post_forward`)."""
+    """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused.steps.post_forward`)."""
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     y, h, H_res = _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res)
@@ -112,7 +112,7 @@ def _post_mix_fake(x, y, h, H_res):
 
 @torch.library.custom_op("mhc::fused_post_mix_backward", mutates_args=())
 def _post_mix_backward_op(dout: Tensor, x: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dy, dh, dH_res)`` of :func:`mhc.fused_steps.post_backward`."""
+    """``(dy, dh, dH_res)`` of :func:`mhc.fused.steps.post_backward`."""
     x = _steps.dense(x)
     with _on_device(x):
         return _steps.post_backward(_plans.plan_for(x), _steps.dense(dout), x, _steps.dense(y, x.dtype), _steps.dense(h))

@@ -1,9 +1,9 @@
 """The fused site's kernel sequences, forward and backward of each step (internal to :mod:`mhc.fused`).
 
-Plain functions over one :class:`mhc.fused_plan.Plan`: what each autograd node
-of :mod:`mhc.fused` (eager) and each custom op of :mod:`mhc.fused_ops`
+Plain functions over one :class:`mhc.fused.plan.Plan`: what each autograd node
+of :mod:`mhc.fused` (eager) and each custom op of :mod:`mhc.fused.ops`
 (``torch.compile``) runs, written once. Imported only once
-:mod:`mhc.fused_kernels` has imported. Every tensor a kernel sees is
+:mod:`mhc.fused.kernels` has imported. Every tensor a kernel sees is
 contiguous and 16-byte aligned (:func:`dense`) or a fresh allocation.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fused_plan as _plans
-from . import projection_cuda as _projection_cuda
-from .projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
+from . import plan as _plans
+from ..projection import cuda as _projection_cuda
+from ..projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 
 __all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
 
@@ -24,7 +24,7 @@ _coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad
 def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``t`` as a contiguous, 16-byte aligned tensor of ``dtype``; no dispatcher call when it is one.
 
-    This is what lets :class:`mhc.fused_plan.Launcher` reuse compiled variants.
+    This is what lets :class:`mhc.fused.plan.Launcher` reuse compiled variants.
     A site runs a few dozen such calls per step, and on the H200's host each
     no-op ``.to()`` / ``.contiguous()`` still costs microseconds of dispatch.
     """

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import site
-from .options import MHCOptions
-from .projection import marginal_error
+from .. import site
+from ..options import MHCOptions
+from ..projection import marginal_error
 
 __all__ = [
     "DeepseekV4Site", "PARAMETER_NAMES", "read_hyper_connection", "deepseek_v4_settings", "truncation_gap", "gap_table",
