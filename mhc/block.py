@@ -7,12 +7,13 @@ The block owns the site's flow, written once in :meth:`MHCBlock.forward`:
    tuple result mixes its first element; the output shape is checked here);
 3. the post-mix: ``x' = H_res·x + H_postᵀ ⊗ y``.
 
-Steps 1 and 3 run on one of two backends, chosen per call by
-:meth:`MHCBlock.uses_fused`: the PyTorch reference in :mod:`mhc.site` (pure
-functions; every mode, CPU streams, double backward) or, for CUDA streams
-with ``mode="mhc"`` and the Newton projection, the fused Triton nodes of
-:mod:`mhc.fused` (:func:`~mhc.fused.site_pre_unchecked`,
-:func:`~mhc.fused.post_mix_unchecked`). Neither backend calls the sublayer.
+Steps 1 and 3 run on one backend (:class:`mhc.fused.Backend`), chosen per
+call in one place, ``MHCBlock._backend``: the PyTorch reference in
+:mod:`mhc.site` (pure functions; every mode, CPU streams, double backward)
+or, for CUDA streams with ``mode="mhc"`` and the Newton projection
+(:meth:`MHCBlock.uses_fused`), the fused kernels of :mod:`mhc.fused`: eager
+autograd nodes, custom ops under ``torch.compile``, or the CUDA extension's
+token kernels when decoding. Neither backend calls the sublayer.
 The block's settings are one :class:`mhc.MHCOptions`, checked in
 :mod:`mhc.options`.
 """
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
+from .fused.record import Backend, SiteLink
 from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
@@ -127,10 +129,8 @@ class MHCBlock(nn.Module):
         if not callable(branch):
             raise TypeError(f"branch must be an nn.Module or a callable, got {type(branch).__name__}")
         self.branch = branch
-        # The block that runs next on this one's output (next_site), and what a previous block left
-        # for this one: its first step (generation) or how to recompute its input (_take_prefetched).
-        self._next_site: weakref.ref | None = None
-        self._prefetched: list = [None]
+        # The block that runs next on this one's output (next_site), and what the previous one left here.
+        self._site_link = SiteLink()
         self.hidden_size = sizes["hidden_size"]
         self.n_streams = sizes["n_streams"]
         self.layer_index = sizes["layer_index"]
@@ -292,38 +292,19 @@ class MHCBlock(nn.Module):
             if x.device != device:
                 raise ValueError(f"streams are on {x.device} but the block's parameters are on {device}")
 
-    def _take_prefetched(self, x: Tensor) -> tuple | None:
-        # What the previous block left for this call, if x is that block's output, unmodified;
-        # dropped either way. Without grad (generation): (u, site), this block's first step, which
-        # the previous post-mix launch computed. With grad: (recipe,), how to recompute x in
-        # backward (keep_streams_every).
-        slot = self._prefetched
-        stash = slot[0]
-        if stash is None:
-            return None
-        slot[0] = None
-        # (x is the stash's own tensor, made outside inference_mode, so it has a version counter.)
-        if stash[0] is not x or (len(stash) == 3) != torch.is_grad_enabled() or x._version != stash[1]:
-            return None
-        return stash[2:]
+    def fused_first_step_inputs(self, x: Tensor) -> tuple | None:
+        """What the previous linked site needs to run this block's first step on streams like ``x`` (decoding).
 
-    def _fusable_next(self, x: Tensor, site: tuple) -> tuple[MHCBlock, tuple] | None:
-        # (next_site, its coefficients) if this site ran on the no-grad token path and the next
-        # block's first step can ride on its post-mix: same streams shape, fused path, parameters
-        # on the streams' device. Not under inference_mode: its tensors keep no version counter,
-        # so an in-place change of x' before the next block (a steering hook) would go unseen.
-        ref = self._next_site
-        if ref is None or not fused.is_token_site(site) or torch.is_grad_enabled():
+        ``((φ, α, b_pre, b_post, b_res), norm_eps, tol, branch_norm)`` when this
+        block runs the fused path and ``x`` has its streams shape and its
+        parameters' device, else ``None`` (:mod:`mhc.fused.chain`).
+        """
+        if not self._fusable or x.shape[-2:] != (self.n_streams, self.hidden_size):
             return None
-        if torch.is_inference_mode_enabled():
+        params = self._coefficient_parameters()
+        if params[0].get_device() != x.get_device():
             return None
-        after = ref()
-        if after is None or not after._fusable:
-            return None
-        if after.n_streams != self.n_streams or after.hidden_size != self.hidden_size:
-            return None
-        params = after._coefficient_parameters()
-        return (after, params, after._branch_norm()) if params[0].get_device() == x.get_device() else None
+        return params, self._options.norm_eps, self._options.tol, self._branch_norm()
 
     def _branch_norm(self) -> tuple[Tensor, float] | None:
         # (weight, eps) of the branch's input RMSNorm, which the no-grad token kernels then apply
@@ -396,18 +377,22 @@ class MHCBlock(nn.Module):
         recomputes it there (:class:`mhc.MHCOptions`). Held weakly, and not kept by pickling or
         ``copy.deepcopy`` (the copy runs unlinked, which is only slower).
         """
-        ref = self._next_site
-        return ref() if ref is not None else None
+        return self._site_link.next_block()
+
+    @property
+    def site_link(self) -> SiteLink:
+        """This block's place in a chain of linked sites (:class:`mhc.fused.record.SiteLink`, :mod:`mhc.fused.chain`)."""
+        return self._site_link
 
     def set_next_site(self, block: MHCBlock | None) -> None:
         """Link :attr:`next_site` to ``block`` (an :class:`MHCBlock`, held weakly), or unlink it (``None``)."""
         if block is not None and not isinstance(block, MHCBlock):
             raise TypeError(f"next_site must be an MHCBlock or None, got {type(block).__name__}")
         # Not a property setter: nn.Module.__setattr__ would register a block value as a submodule.
-        self.__dict__["_next_site"] = weakref.ref(block) if block is not None else None
+        self._site_link.next_site = weakref.ref(block) if block is not None else None
 
     def __getstate__(self):
-        return {**self.__dict__, "_next_site": None, "_prefetched": [None]}
+        return {**self.__dict__, "_site_link": SiteLink()}
 
     def forward(self, x: Tensor, *args, **kwargs):
         self._check_streams(x)
@@ -415,46 +400,70 @@ class MHCBlock(nn.Module):
             return checkpoint(self._site, x, *args, use_reentrant=False, **kwargs)
         return self._site(x, *args, **kwargs)
 
+    def _backend(self, x: Tensor) -> Backend:
+        """The one place the backend of a call is chosen (docs/design.md, "Backends")."""
+        if not self.uses_fused(x):
+            return Backend.REFERENCE
+        return fused.fused_backend(x)
+
     def _site(self, x: Tensor, *args, **kwargs):
         # forward() checked the streams, uses_fused() what else the fused nodes need.
-        prefetched = self._take_prefetched(x)
-        fast = self.uses_fused(x)
-        if fast and prefetched is not None and len(prefetched) == 2:  # the previous post-mix launch computed it
-            u, mix = prefetched
-        elif fast:  # coefficients, H_res and the pre-mix: one fused node
-            opts = self._options
-            recipe = prefetched[0] if prefetched is not None else None  # x recomputed in backward
-            norm = None if torch.is_grad_enabled() or torch.compiler.is_compiling() else self._branch_norm()
-            u, mix = fused.site_pre_unchecked(x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm)
+        backend = self._backend(x)
+        if backend is Backend.REFERENCE:
+            return self._reference_site(x, args, kwargs)
+
+        # 1. coefficients, H_res and the pre-mix: one fused step, unless the previous linked site ran it
+        waiting = self._site_link.take(x)
+        if waiting is not None and len(waiting) == 2:
+            u, fused_site = waiting
         else:
-            H_pre, H_post, H_res = self.coefficients(x)
-            u, anchor, dev = site.pre_mix(x, H_pre)
+            recipe = waiting[0] if waiting is not None else None  # x recomputed in backward
+            norm = self._branch_norm() if backend is Backend.TOKENS else None
+            opts = self._options
+            u, fused_site = fused.pre(
+                backend, x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm
+            )
 
-        normed = fused.token_site_normed(mix) if fast else None  # the branch's norm, applied by the first step
-        out = self.branch(u, *args, **kwargs) if normed is None else self.branch.call_normed(u, normed, *args, **kwargs)
-        y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-        if y.shape != u.shape:
-            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+        # 2. the sublayer, whose input norm the token kernels may have applied already
+        y, rest = self._call_branch(u, fused_site.normed, args, kwargs)
 
-        if fast:
-            after = self._fusable_next(x, mix)
-            if after is not None:  # generation: this post-mix and the next block's first step in one launch
-                block, params, norm = after
-                opts = block._options
-                x_new, u_next, mix_next = fused.post_then_pre_unchecked(y, mix, *params, opts.norm_eps, opts.tol, norm)
-                block._prefetched[0] = (x_new, x_new._version, u_next, mix_next)
-            elif self._options.keep_streams_every > 1 and self._next_site is not None:
-                x_new, recipe = fused.post_mix_recording(y, mix, self._options.keep_streams_every)
-                block = self._next_site() if recipe is not None else None  # (None under torch.compile)
-                if block is not None:
-                    block._prefetched[0] = (x_new, x_new._version, recipe)
-            else:
-                x_new = fused.post_mix_unchecked(y, mix)
-        elif self._options.mode == "residual":
+        # 3. the post-mix, which may serve the next linked site too
+        x_new = fused.post_linked(self._site_link, y, fused_site, self._options.keep_streams_every)
+        return x_new if rest is None else (x_new, *rest)
+
+    def _reference_site(self, x: Tensor, args: tuple, kwargs: dict):
+        """The site on PyTorch ops (:mod:`mhc.site`)."""
+        H_pre, H_post, H_res = self.coefficients(x)
+        u, anchor, dev = site.pre_mix(x, H_pre)
+        y, rest = self._call_branch(u, None, args, kwargs)
+        if self._options.mode == "residual":
             x_new = x + y.unsqueeze(-2)
         else:
             x_new = site.post_mix(y, anchor, dev, H_post, H_res, exact_rows=self._exact_rows, dtype=x.dtype)
         return x_new if rest is None else (x_new, *rest)
+
+    def _call_branch(self, u: Tensor, normed: Tensor | None, args: tuple, kwargs: dict):
+        """``F(u)`` (or, with ``normed``, the branch's call that skips its input norm): ``(y, rest or None)``."""
+        if normed is None:
+            out = self.branch(u, *args, **kwargs)
+        else:
+            out = self.branch.call_normed(u, normed, *args, **kwargs)
+        if isinstance(out, tuple):
+            if not out:
+                raise TypeError("MHCBlock's branch returned an empty tuple; it must return a tensor [..., C] "
+                                "or a tuple whose first element is one")
+            y, rest = out[0], out[1:]
+        else:
+            y, rest = out, None
+        if not isinstance(y, Tensor):
+            where = "the first element of the tuple the branch returned" if rest is not None else "the branch's output"
+            raise TypeError(
+                f"MHCBlock's branch must return a tensor [..., C] (or a tuple whose first element is one); "
+                f"{where} is {type(y).__name__}"
+            )
+        if y.shape != u.shape:
+            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+        return y, rest
 
     def extra_repr(self) -> str:
         opts = self._options

@@ -105,8 +105,8 @@ def _count_calls(monkeypatch, owner, name) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
     ref, fast = _blocks(n, C, dtype, fresh_seed)
-    pre = _count_calls(monkeypatch, fused, "site_pre_unchecked")  # what MHCBlock calls for the fused backend
-    post = _count_calls(monkeypatch, fused, "post_mix_unchecked")
+    pre = _count_calls(monkeypatch, fused, "pre")  # what MHCBlock calls for the fused backend
+    post = _count_calls(monkeypatch, fused, "post_linked")
     x = torch.randn(2, 9, n, C, device=DEVICE).to(dtype)
     if dtype == torch.float32:
         _compare(ref, fast, x, 1e-5, 1e-4)
@@ -237,8 +237,8 @@ def test_identity_init_on_identical_streams_is_exact(dtype):
 
 def _coefficient_h(x, phi, alpha, b_pre, b_post, b_res):
     """``h = [σ of H_pre's columns | σ of H_post's]`` as fused.site_pre computes it."""
-    _, (_, h, _, _) = fused.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-6)
-    return h
+    _, site = fused.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-6)
+    return site.h
 
 
 def test_in_kernel_sigmoid_matches_torch():
@@ -353,12 +353,12 @@ def test_bad_inputs_are_rejected():
         fused.site_pre(x, block.phi, [1.0, 1.0, 1.0], *params[2:], norm_eps=1e-6, tol=1e-6)
     with pytest.raises(ValueError, match="tol"):
         fused.site_pre(x, *params, norm_eps=1e-6, tol=0.0)
-    u, mix = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6)
+    u, site = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6)
     with pytest.raises(ValueError, match="u's shape"):
-        fused.post_mix(u[..., :-1], mix)
+        fused.post_mix(u[..., :-1], site)
     with pytest.raises(TypeError, match="site_pre returned"):
-        fused.post_mix(u, mix[:3])
-    assert fused.post_mix(u, mix).shape == x.shape
+        fused.post_mix(u, (site.streams, site.h, site.h_res))
+    assert fused.post_mix(u, site).shape == x.shape
     # Through the block, on both backends: the branch's output shape is checked once, in MHCBlock.
     for bad in (fused_block(lambda u: u[..., :-1], C, n), mhc.MHCBlock(lambda u: u[..., :-1], C, n, fused=False)):
         with pytest.raises(ValueError, match="branch returned shape"):

@@ -114,8 +114,10 @@ def test_backward_recomputes_each_dropped_stream_once(keep_every, monkeypatch):
     for block in blocks:
         out = block(out)
     launches = []
-    post_forward = fused._post_forward
-    monkeypatch.setattr(fused, "_post_forward", lambda *args: launches.append(1) or post_forward(*args))
+    from mhc.fused import nodes
+
+    post_forward = nodes.post_forward
+    monkeypatch.setattr(nodes, "post_forward", lambda *args: launches.append(1) or post_forward(*args))
     out.sum().backward()
     assert len(launches) == SITES - len(range(0, SITES, keep_every))
 
@@ -153,7 +155,7 @@ def test_no_grad_and_unlinked_sites_are_unaffected(fresh_seed):
         out = x
         for block in blocks:
             out = block(out)
-    assert all(block._prefetched[0] is None for block in blocks)  # nothing left behind
+    assert all(block.site_link.inbox is None for block in blocks)  # nothing left behind
     plain = with_keep_every(blocks, 1)
     with torch.no_grad():
         ref = x

@@ -1,9 +1,9 @@
 """The fused site under ``torch.compile``: its steps as ``torch.library`` custom ops (internal to :mod:`mhc.fused`).
 
-Dynamo cannot trace the eager nodes of :mod:`mhc.fused`: they launch compiled
+Dynamo cannot trace the eager nodes of :mod:`mhc.fused.nodes`: they launch compiled
 Triton kernels directly and hand ``dx'`` from the post-mix node to the
 pre-step node through a Python object. Under ``torch.compile``
-:func:`mhc.fused.site_pre_unchecked` and :func:`mhc.fused.post_mix_unchecked`
+:func:`mhc.fused.site.pre` and :func:`mhc.fused.site.post`
 come here instead: four opaque custom ops (``mhc::fused_site_pre``,
 ``mhc::fused_site_pre_backward``, ``mhc::fused_post_mix``,
 ``mhc::fused_post_mix_backward``) with fake impls, running the same kernel
@@ -12,6 +12,13 @@ dynamo traces. The ``dx'`` hand-off goes through the graph: the pre-step node
 returns its streams as a view (``link``) that the post-mix node reads, and
 the post-mix backward returns ``dx'`` as ``link``'s gradient, which the
 pre-step backward folds into ``dx`` (``H_resᵀ dx'``), as the eager nodes do.
+
+Why the eager backend does not run these ops as well: a ``custom_op`` call
+goes through the dispatcher and its Python wrapper, more host time than
+:mod:`mhc.fused.nodes`' direct launches, and its outputs must be fresh tensors, so ``dx'`` could not
+reach the pre-step's backward without autograd adding it to ``dx`` in a pass
+of its own. Both backends run the same kernel sequences (:mod:`mhc.fused.steps`);
+only the autograd layer differs.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from . import plan as _plans
 from . import steps as _steps
 from . import tokens as _tokens
 from ..projection.common import NEWTON_MAX_ITER
+from .record import Backend, FusedSite
 
-__all__ = ["site_pre", "post_mix"]
+__all__ = ["site_pre", "post_mix", "SitePre", "PostMix"]
 
 
 def _on_device(x: Tensor):
@@ -124,8 +132,8 @@ def _post_mix_backward_fake(dout, x, y, h):
     return torch.empty_like(y, dtype=x.dtype), torch.empty_like(h), h.new_empty((h.shape[0], n, n))
 
 
-class _SitePre(torch.autograd.Function):
-    """Streams and parameters -> ``(u, h, H_res, link)``; ``link`` is ``x`` for :class:`_PostMix`."""
+class SitePre(torch.autograd.Function):
+    """Streams and parameters -> ``(u, h, H_res, link)``; ``link`` is ``x`` for :class:`PostMix`."""
 
     @staticmethod
     def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
@@ -136,7 +144,7 @@ class _SitePre(torch.autograd.Function):
     @staticmethod
     def backward(ctx, du, d_h, d_res, d_link):
         x, phi, alpha, zr, h, H_res = ctx.saved_tensors
-        # d_link is dx' (what _PostMix's backward returns for link), not a gradient of x itself.
+        # d_link is dx' (what PostMix's backward returns for link), not a gradient of x itself.
         zeros = torch.zeros_like
         dx, dphi, d_alpha, db_pre, db_post, db_res = _site_pre_backward_op(
             zeros(x) if d_link is None else d_link, zeros(x[..., 0, :]) if du is None else du,
@@ -146,7 +154,7 @@ class _SitePre(torch.autograd.Function):
         return dx, dphi, d_alpha, db_pre, db_post, db_res, None, None
 
 
-class _PostMix(torch.autograd.Function):
+class PostMix(torch.autograd.Function):
     """``(link, y, h, H_res) -> x'``; ``dx'`` goes back as ``link``'s gradient (see the module docstring)."""
 
     @staticmethod
@@ -161,15 +169,15 @@ class _PostMix(torch.autograd.Function):
         return dout, dy.to(y.dtype), d_h, d_res
 
 
-def site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, tuple]:
-    """:func:`mhc.fused.site_pre_unchecked` under ``torch.compile``: ``(u, (link, h, H_res, None))``."""
+def site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, FusedSite]:
+    """:func:`mhc.fused.site.pre` under ``torch.compile``: ``(u, site)``, ``site.streams`` the link to the post-mix."""
     cdt = _coefficient_dtype(x)
     params = (phi.to(cdt), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt))
-    u, h, H_res, link = _SitePre.apply(x.contiguous(), *params, norm_eps, tol)
-    return u, (link, h, H_res, None)
+    u, h, H_res, link = SitePre.apply(x.contiguous(), *params, norm_eps, tol)
+    return u, FusedSite(Backend.COMPILED, link, h, H_res)
 
 
-def post_mix(y: Tensor, site: tuple) -> Tensor:
-    """:func:`mhc.fused.post_mix_unchecked` under ``torch.compile``."""
-    link, h, H_res, _ = site
-    return _PostMix.apply(link, y.to(link.dtype), h, H_res)
+def post_mix(y: Tensor, site: FusedSite) -> Tensor:
+    """:func:`mhc.fused.site.post` under ``torch.compile``."""
+    link = site.streams
+    return PostMix.apply(link, y.to(link.dtype), site.h, site.h_res)
