@@ -7,7 +7,6 @@
 #   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
 #   projhost benchmarks/bench_projection_host.py (a small-batch projection call, layer by layer; after peers
 #            it has mHC-proj's call beside ours)
-#   fillab   benchmarks/projection_fill_ab/ab.py (the n = 4 forward kernel against bc1ec78's, do_bench)
 #   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
 #   sweep    benchmarks/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
@@ -17,10 +16,10 @@
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), OLD_TREE (ab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b sweep ab)"
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b sweep ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -49,8 +48,6 @@ for stage in "$@"; do
       timeout 120 python3 benchmarks/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
     projhost)
       timeout 120 python3 benchmarks/bench_projection_host.py 2>&1 | tee "$OUT/projhost.log" ;;
-    fillab)
-      timeout 200 python3 benchmarks/projection_fill_ab/ab.py 2>&1 | tee "$OUT/fillab.log" | tail -60 ;;
     compile)
       timeout 400 python3 benchmarks/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)

@@ -188,13 +188,3 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
     assert gbps == pytest.approx(nbytes["postmix_fwd"] / 57.0 / 1e3)
     assert of_copy == pytest.approx(gbps / 4000.0)
 
-
-def test_the_boundary_prototype_matches_the_site_kernels_in_the_interpreter():
-    """benchmarks/boundary_split: the one-pass prototype behind the notes' figures, CL = 1 on the CPU."""
-    script = str(BENCHMARKS / "boundary_split" / "check.py")
-    cpu = dict(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = _run(sys.executable, script, **cpu)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bad cases: 0" in proc.stdout and proc.stdout.count(" x' ") == 4, proc.stdout
-    proc = _run(sys.executable, script, "--bench", "configs", **cpu)  # CUDA hidden: refused, nothing run
-    assert proc.returncode == 2 and "--bench needs CUDA" in proc.stderr, proc.stdout + proc.stderr
