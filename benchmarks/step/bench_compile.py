@@ -1,10 +1,10 @@
 """The model step under ``torch.compile``: mHC against the residual model, eager and compiled (CUDA).
 
-    python benchmarks/bench_compile.py                       # 134M Llama, batch 8 x 2048
-    python benchmarks/bench_compile.py --size 1b --batch 4   # the 1.1B Llama (GQA 32/4)
-    python benchmarks/bench_compile.py --variants "residual compiled,mhc compiled"
-    python benchmarks/bench_compile.py --json out.json
-    python benchmarks/bench_compile.py --variants "residual eager,mhc eager,mhc eager keep" --keep-streams-every 5
+    python benchmarks/step/bench_compile.py                       # 134M Llama, batch 8 x 2048
+    python benchmarks/step/bench_compile.py --size 1b --batch 4   # the 1.1B Llama (GQA 32/4)
+    python benchmarks/step/bench_compile.py --variants "residual compiled,mhc compiled"
+    python benchmarks/step/bench_compile.py --json out.json
+    python benchmarks/step/bench_compile.py --variants "residual eager,mhc eager,mhc eager keep" --keep-streams-every 5
 
 Variants (``--variants``, comma-separated; all by default):
 
@@ -30,9 +30,12 @@ before it), so models sharing the process are compared as if alone.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch._dynamo.utils import counters
 

@@ -20,8 +20,8 @@ median on a fixed input (L2 cleared between calls). Within each N the systems ru
 reason; a failure of ours also prints its traceback. Then the max marginal error
 ||T1-1||_1 + ||T^T 1-1||_1 (float64) over --acc-size matrices of sigma * randn per --acc-sigmas.
 
-Build the peers first (benchmarks/build_peers.sh). The logic checks on a CPU (ours only):
-  python benchmarks/bench_projection_peers.py --device cpu --sizes 512,2048
+Build the peers first (benchmarks/projection/build_peers.sh). The logic checks on a CPU (ours only):
+  python benchmarks/projection/bench_projection_peers.py --device cpu --sizes 512,2048
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch import Tensor
 
 import mhc
 from mhc import projection as P
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SIZES = "512,2048,8192,32768,131072,1048576"
 N_STREAMS = 4
 COLUMNS = ("ours fwd", "ours ag", "ours op", "proj fwd", "proj op", "proj ag",
@@ -79,7 +80,7 @@ def number_list(kind: type, low: float, text: str) -> list:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python benchmarks/bench_projection_peers.py", description=(
+    ap = argparse.ArgumentParser(prog="python benchmarks/projection/bench_projection_peers.py", description=(
         "n=4 Birkhoff projection: ours against mHC-proj and mHC.cu, fwd and f+b, two protocols."))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: only the ours columns, on the PyTorch path (checks the logic)")

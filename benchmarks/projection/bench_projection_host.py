@@ -1,12 +1,12 @@
 """Host and device time of one small-batch projection call, layer by layer (CUDA, n = 4, fp32, no grad).
 
-    python benchmarks/bench_projection_host.py                  # N = 512 and 32K
-    python benchmarks/bench_projection_host.py --sizes 512 --calls 1000
+    python benchmarks/projection/bench_projection_host.py                  # N = 512 and 32K
+    python benchmarks/projection/bench_projection_host.py --sizes 512 --calls 1000
 
 At small N a projection call costs what its host side costs: mHC-proj's
 chained protocol (``bench_projection_peers.py``) is host time there. This
 splits our call into its layers, beside mHC-proj's own call when it is
-installed (``benchmarks/build_peers.sh``). Each row runs one call ``--calls``
+installed (``benchmarks/projection/build_peers.sh``). Each row runs one call ``--calls``
 times on the same input, an easy one (a projection's output, as in the
 chained protocol after its first call): "host" is the time to enqueue them
 (no synchronisation, fewer calls than the launch queue holds), "wall" the
@@ -34,8 +34,11 @@ protocol is device-bound, where it is well under, host-bound.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch import Tensor
 

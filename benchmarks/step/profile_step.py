@@ -1,15 +1,15 @@
 """Host time, wall time and GPU kernel time of the 134M Llama training step (CUDA).
 
-    python benchmarks/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
-    python benchmarks/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
-    python benchmarks/profile_step.py --timeline               # also where in the step the GPU waits
-    python benchmarks/profile_step.py --steps 30               # also 30 steps one by one
-    python benchmarks/profile_step.py --compile                # both models under torch.compile(fullgraph=True)
-    python benchmarks/profile_step.py --keep-streams-every 5   # also the mHC model with keep_streams_every=5
-    python benchmarks/profile_step.py --host-table             # also where the host's time goes, and its syncs
+    python benchmarks/step/profile_step.py                         # batch 8 x seq 2048, as bench_block.py
+    python benchmarks/step/profile_step.py --batch 1 --seq 128      # tiny batch: the step's pure host cost
+    python benchmarks/step/profile_step.py --timeline               # also where in the step the GPU waits
+    python benchmarks/step/profile_step.py --steps 30               # also 30 steps one by one
+    python benchmarks/step/profile_step.py --compile                # both models under torch.compile(fullgraph=True)
+    python benchmarks/step/profile_step.py --keep-streams-every 5   # also the mHC model with keep_streams_every=5
+    python benchmarks/step/profile_step.py --host-table             # also where the host's time goes, and its syncs
 
 For the residual model and ``convert_to_mhc(n_streams=4)`` of it (the model of
-``benchmarks/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
+``benchmarks/site/bench_block.py``, bf16, AdamW fused): the median over 5 steps of the
 host time (until the step's Python code returns, before a sync) and of the
 wall time (after the sync), and the sum of the CUDA kernel times of one more
 step under ``torch.profiler``, then the fused site's kernels with their bandwidth over a device
@@ -51,10 +51,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import time
 import warnings
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile

@@ -1,8 +1,8 @@
 """Launch-configuration sweep of the fused site's six Triton kernels (CUDA).
 
-    python benchmarks/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
-    python benchmarks/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
-    python benchmarks/sweep_site_kernels.py --jobs 12 --json sweep.json
+    python benchmarks/site/sweep_site_kernels.py                          # 134M and 1.1B shapes, every kernel
+    python benchmarks/site/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
+    python benchmarks/site/sweep_site_kernels.py --jobs 12 --json sweep.json
 
 For each shape (``C x T``, n = 4, bf16 streams) it builds one site's real
 inputs (the forward and backward of :mod:`mhc.fused_steps`), then times each
@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import multiprocessing as mp
+import sys
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 import triton
 import triton.testing

@@ -1,6 +1,6 @@
 """Marginal error and gradient error of `mhc.birkhoff_project` per input distribution.
 
-    python benchmarks/projection_accuracy.py [--count 1000000] [--device cpu]
+    python benchmarks/projection/projection_accuracy.py [--count 1000000] [--device cpu]
 
 Prints, for n=4 and n=8 and each distribution: mean / median / max of
 ‖T1-1‖₁ + ‖Tᵀ1-1‖₁ (float64), Newton iterations, unconverged matrices, the time,

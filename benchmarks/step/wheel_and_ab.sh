@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine, from the repository root:
-#   bash benchmarks/wheel_and_ab.sh [BEFORE_COMMIT]   (default f52d310)
+#   bash benchmarks/step/wheel_and_ab.sh [BEFORE_COMMIT]   (default f52d310)
 # 1. builds the wheel, installs it non-editable into a fresh virtualenv and runs a fused MHCBlock from it
 #    with warnings as errors (no fallback), against the PyTorch path;
 # 2. times the 134M model step in alternating processes: this tree (from the wheel) and BEFORE_COMMIT
@@ -56,7 +56,7 @@ cd $REPO
 wait $BG; tail -3 $OUT/before_build.log
 # interleaved A/B: after, before, after, before, after, before (one process each)
 for i in 1 2; do
-  ( cd $REPO/benchmarks && timeout 150 /tmp/venv/bin/python bench_block.py --skip-block --skip-torch --rounds 2 --json $OUT/after_$i.json ) 2>&1 | grep -v Warning | tee -a $OUT/ab.log
+  ( cd $REPO/benchmarks/site && timeout 150 /tmp/venv/bin/python bench_block.py --skip-block --skip-torch --rounds 2 --json $OUT/after_$i.json ) 2>&1 | grep -v Warning | tee -a $OUT/ab.log
   echo "=== before $i" | tee -a $OUT/ab.log
   ( cd $BEFORE/scripts && PYTHONPATH=$BEFORE TORCH_EXTENSIONS_DIR=/tmp/ext_before timeout 150 python3 bench_block.py --skip-block --skip-torch ) 2>&1 | grep -v Warning | tee -a $OUT/ab.log
 done

@@ -1,6 +1,6 @@
 """MHCBlock on CUDA (bf16 streams, fused site) against the same block on the CPU in fp32.
 
-    python benchmarks/gpu_block_smoke.py
+    python benchmarks/site/gpu_block_smoke.py
 
 Prints the relative errors of the output, of dx and of the coefficient
 parameters' gradients, and fails (AssertionError) above 2e-2 / 5e-2 / 5e-2.
@@ -8,8 +8,11 @@ parameters' gradients, and fails (AssertionError) above 2e-2 / 5e-2 / 5e-2.
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch import nn
 

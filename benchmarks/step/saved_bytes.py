@@ -58,7 +58,8 @@ if not torch.cuda.is_available():  # without CUDA the fused kernels run only in 
     os.environ["TRITON_INTERPRET"] = "1"
 
 # benchmarks/common.py; the imports below come after TRITON_INTERPRET, which must be set before mhc imports Triton.
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -74,7 +75,7 @@ SITE, BRANCH, GLUE, OTHER = "mhc site", "branch", "layer glue", "other"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/saved_bytes.py", allow_abbrev=False,
+        prog="python benchmarks/step/saved_bytes.py", allow_abbrev=False,
         description="Bytes autograd keeps for backward per token and per site: residual Llama vs its mHC conversion "
         "(fused site and fused=False). Runs on the CPU (fused kernels in Triton's interpreter) in seconds.",
     )

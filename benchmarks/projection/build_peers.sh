@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and install the peer projection kernels (mHC-proj, which also carries mHC.cu's n=4
-# Sinkhorn) from the source copy in .peers/mHC-proj, for benchmarks/bench_projection_peers.py.
+# Sinkhorn) from the source copy in .peers/mHC-proj, for benchmarks/projection/bench_projection_peers.py.
 # Run on the GPU machine from the repository root; no network is needed (pip --no-deps
 # --no-build-isolation against the torch already installed). Only the CUDA extension is
 # built: the TileLang peers need tilelang, which is not installed there.
@@ -10,7 +10,7 @@
 # TORCH_CUDA_ARCH_LIST (default 9.0, the H200), OUT (the build log goes there, else /tmp).
 # Make the source copy, here, before the device run (then name .peers in the run's carry):
 #   mkdir -p .peers/mHC-proj && git -C /work/.mirror/yixuan+mHC-proj/repo archive HEAD | tar -x -C .peers/mHC-proj
-USAGE="Usage: benchmarks/build_peers.sh [--help]"
+USAGE="Usage: benchmarks/projection/build_peers.sh [--help]"
 case "${1:-}" in
   -h|--help) echo "$USAGE"; sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   "") ;;

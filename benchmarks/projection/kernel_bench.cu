@@ -4,7 +4,7 @@
 // CUDA-event medians of 20 launches after warm-up; marginal errors and
 // per-warp iteration counts checked on the host in float64.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Imhc/csrc benchmarks/kernel_bench.cu -o /tmp/kernel_bench
+//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -Imhc/csrc benchmarks/projection/kernel_bench.cu -o /tmp/kernel_bench
 //   /tmp/kernel_bench          # full table
 //   /tmp/kernel_bench profile  # one launch each of n=4 N(0,10^2) and N(0,1) at 1M (for ncu)
 #include <algorithm>

@@ -1,15 +1,15 @@
 """Greedy decoding tokens/s: the residual 134M Llama against its mHC conversion, eager and static-cache compiled.
 
-    python benchmarks/bench_decode.py                          # batch 1 and 16, modes eager and compiled
-    python benchmarks/bench_decode.py --batches 16 --modes compiled
-    python benchmarks/bench_decode.py --profile                # also the host-time profile of eager mHC decode steps
-    python benchmarks/bench_decode.py --modes '' --profile     # the profile alone
-    python benchmarks/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
-    python benchmarks/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
-    python benchmarks/bench_decode.py --models residual,mhc,mhc-norms --modes eager      # A/B the fused branch norms
-    python benchmarks/bench_decode.py --modes '' --step-times  # raw decode steps per model: host, wall, in the layers
-    python benchmarks/bench_decode.py --json decode.json
-    python benchmarks/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
+    python benchmarks/decode/bench_decode.py                          # batch 1 and 16, modes eager and compiled
+    python benchmarks/decode/bench_decode.py --batches 16 --modes compiled
+    python benchmarks/decode/bench_decode.py --profile                # also the host-time profile of eager mHC decode steps
+    python benchmarks/decode/bench_decode.py --modes '' --profile     # the profile alone
+    python benchmarks/decode/bench_decode.py --models residual,mhc,mhc-torch   # also the fused=False site
+    python benchmarks/decode/bench_decode.py --models residual,mhc,mhc-unlinked --modes eager   # A/B the fused boundaries
+    python benchmarks/decode/bench_decode.py --models residual,mhc,mhc-norms --modes eager      # A/B the fused branch norms
+    python benchmarks/decode/bench_decode.py --modes '' --step-times  # raw decode steps per model: host, wall, in the layers
+    python benchmarks/decode/bench_decode.py --json decode.json
+    python benchmarks/decode/bench_decode.py --device cpu --tiny      # a tiny Llama on the CPU: checks the logic only
 
 Models (``--models``; default ``residual,mhc``): ``residual`` is
 ``LlamaForCausalLM`` with the 134M config of ``common.llama_134m`` (bf16 on
@@ -76,7 +76,8 @@ import time
 import traceback
 from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 import transformers
 from torch._dynamo.utils import counters
@@ -88,7 +89,7 @@ from mhc.hf_branch import is_llama_rms_norm
 
 MODES = ("eager", "static", "compiled")
 MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-norms", "mhc-torch")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The KV cache's keyword in this transformers' forward (transformers 5.x renamed past_key_values).
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 

@@ -1,9 +1,9 @@
 """Benchmark one mHC site against the plain residual block, and a ~125M Llama's training step (CUDA).
 
-    python benchmarks/bench_block.py                  # block table, then the model step
-    python benchmarks/bench_block.py --skip-model     # block table only
-    python benchmarks/bench_block.py --skip-block --skip-torch   # model step, residual and fused only
-    python benchmarks/bench_block.py --json out.json  # also write every printed figure to out.json
+    python benchmarks/site/bench_block.py                  # block table, then the model step
+    python benchmarks/site/bench_block.py --skip-model     # block table only
+    python benchmarks/site/bench_block.py --skip-block --skip-torch   # model step, residual and fused only
+    python benchmarks/site/bench_block.py --json out.json  # also write every printed figure to out.json
 
 Block table: bf16, B=4, S=4096, C in {1024, 2048, 4096}; the branch F is a
 SwiGLU MLP (intermediate 8C/3, rounded to 64) or a cheap one (RMSNorm + one
@@ -31,8 +31,11 @@ is the best of its round medians (``common.interleaved``).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from torch import nn
 from triton.testing import do_bench

@@ -1,7 +1,7 @@
 """Host and device time of one decode-sized mHC site, piece by piece (CUDA, no grad).
 
-    python benchmarks/bench_site_host.py                 # C=768, n=4, bf16, 1 and 16 tokens
-    python benchmarks/bench_site_host.py --hidden 2048 --tokens 1,4
+    python benchmarks/decode/bench_site_host.py                 # C=768, n=4, bf16, 1 and 16 tokens
+    python benchmarks/decode/bench_site_host.py --hidden 2048 --tokens 1,4
 
 A decode step of a small model is bound by its host time, so what a site
 costs there is the host time of its calls. Each row runs one call ``--calls``
@@ -30,8 +30,11 @@ The best of ``--rounds`` interleaved rounds is kept per row.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 
 from transformers.models.llama.modeling_llama import LlamaRMSNorm

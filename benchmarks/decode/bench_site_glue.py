@@ -1,7 +1,7 @@
 """The Python an mHC decoder layer runs around its kernels at a decode step, on any machine (no GPU needed).
 
-    python benchmarks/bench_site_glue.py                 # best of 200 rounds of 50 layer calls
-    python benchmarks/bench_site_glue.py --rounds 50 --profile
+    python benchmarks/decode/bench_site_glue.py                 # best of 200 rounds of 50 layer calls
+    python benchmarks/decode/bench_site_glue.py --rounds 50 --profile
 
 A decode step is host-bound (``notes/decode_and_projection.md``), so every
 microsecond of Python per site counts 24 times a step in the 134M model. This

@@ -15,7 +15,7 @@ Columns (median µs of triton.testing.do_bench after warm-up, all in this run):
 Also: the whole birkhoff_project call (Python wrapper + autograd dispatch) and its CUDA-graph
 replay, at N = 8K.
 
-Usage: python benchmarks/bench_projection.py [--sizes 8192,131072,1048576,4194304] [--ns 4,8]
+Usage: python benchmarks/projection/bench_projection.py [--sizes 8192,131072,1048576,4194304] [--ns 4,8]
 """
 
 from __future__ import annotations
