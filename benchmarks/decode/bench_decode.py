@@ -85,7 +85,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 import mhc
-from mhc.hf_branch import is_llama_rms_norm
+from mhc.hf.branch import is_llama_rms_norm
 
 MODES = ("eager", "static", "compiled")
 MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-norms", "mhc-torch")
@@ -398,7 +398,7 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
 
 def timed_children(layers) -> list:
     """The decoder layers' attention and MLP children: neither mHC sites nor Llama-style norms. A hooked norm
-    is not fused into an mHC site's first step (mhc.hf_branch.is_llama_rms_norm), so the norms stay unhooked."""
+    is not fused into an mHC site's first step (mhc.hf.branch.is_llama_rms_norm), so the norms stay unhooked."""
     return [c for layer in layers for c in layer.children()
             if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
 

@@ -11,9 +11,9 @@ has finished them too. Rows, all on the same streams ``x [T, n, C]``:
 
 * ``site``: a whole ``MHCBlock`` call with a branch that returns its input;
 * ``pre`` / ``post``: the extension's two no-grad token calls alone
-  (``mhc.fused_tokens.pre_no_grad`` / ``post_no_grad``);
+  (``mhc.fused.tokens.pre_no_grad`` / ``post_no_grad``);
 * ``post_pre``: a site boundary in generation, the post-mix and the next
-  site's first step in one call (``mhc.fused_tokens.post_pre_no_grad``);
+  site's first step in one call (``mhc.fused.tokens.post_pre_no_grad``);
   ``post_pre_norm`` the same with the next branch's input RMSNorm applied too,
   against ``rms_norm``, HF's ``LlamaRMSNorm`` on ``[T, C]`` as a branch runs it;
 * ``linked``: two linked blocks (``MHCBlock.set_next_site``) called in turn,
@@ -40,7 +40,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import mhc
-from mhc import fused_tokens
+from mhc.fused import tokens as fused_tokens
 
 
 def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:

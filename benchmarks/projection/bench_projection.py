@@ -41,7 +41,7 @@ def main() -> int:
 
     import mhc
     from mhc import projection as P
-    from mhc import projection_cuda
+    from mhc.projection import cuda as projection_cuda
 
     assert torch.cuda.is_available() and projection_cuda.available()
     dev = torch.device("cuda")

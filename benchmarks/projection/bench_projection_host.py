@@ -14,7 +14,7 @@ time until the device has finished them too; "chained" rows feed each call
 the previous output, as mHC-proj's protocol does. Rows:
 
 * ``public``: ``mhc.birkhoff_project(x)``;
-* ``fast``: ``mhc.projection_cuda.project_fast(x, tol, max_iter)``, the hot path
+* ``fast``: ``mhc.projection.cuda.project_fast(x, tol, max_iter)``, the hot path
   without ``birkhoff_project``'s option checks;
 * ``ext``: the extension's ``project_or_none`` called directly (the C++ side
   alone: the CPython call, checks, allocation, launch);
@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 import mhc
-from mhc import projection_cuda
+from mhc.projection import cuda as projection_cuda
 
 
 def peer_forward():

@@ -199,7 +199,7 @@ def no_grad_step(project: Callable[[Tensor], Tensor]) -> Step:
 def ours_extension_problem() -> str | None:
     """Why our CUDA operators are not loaded (None if they are); builds the extension on first call."""
     try:
-        from mhc import projection_cuda  # imported here: without it only the "ours op" column is lost
+        from mhc.projection import cuda as projection_cuda  # imported here: without it only the "ours op" column is lost
 
         return None if projection_cuda.available() else "mhc CUDA extension unavailable (see the warning above)"
     except Exception as exc:  # noqa: BLE001

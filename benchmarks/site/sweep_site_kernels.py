@@ -5,8 +5,8 @@
     python benchmarks/site/sweep_site_kernels.py --jobs 12 --json sweep.json
 
 For each shape (``C x T``, n = 4, bf16 streams) it builds one site's real
-inputs (the forward and backward of :mod:`mhc.fused_steps`), then times each
-kernel under its :class:`mhc.fused_plan.Plan` launch (``plan``) and under
+inputs (the forward and backward of :mod:`mhc.fused.steps`), then times each
+kernel under its :class:`mhc.fused.plan.Plan` launch (``plan``) and under
 every variant of the grid below: tile sizes, ``num_warps`` and
 ``num_stages`` (the plan leaves Triton's default of 3). Each variant's
 outputs are checked against the plan's (``max rel``: the largest difference
@@ -63,7 +63,8 @@ class Site:
     """One site's inputs and intermediate tensors at streams ``[T, n, C]``, bf16, and each kernel's call."""
 
     def __init__(self, C: int, T: int, seed: int = 0):
-        from mhc import fused_plan, fused_steps
+        from mhc.fused import plan as fused_plan
+        from mhc.fused import steps as fused_steps
 
         g = torch.Generator(device="cuda").manual_seed(seed)
         n, dev = N_STREAMS, "cuda"

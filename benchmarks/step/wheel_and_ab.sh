@@ -31,7 +31,7 @@ import time, warnings
 warnings.simplefilter("error")  # a fallback warning fails this check
 import torch, mhc
 from torch import nn
-from mhc import projection_cuda
+from mhc.projection import cuda as projection_cuda
 print("mhc from", mhc.__file__)
 t = time.time(); ok = projection_cuda.available(); print("CUDA projection available:", ok, f"(build+load {time.time() - t:.1f} s)")
 C, n = 768, 4
