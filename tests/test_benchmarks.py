@@ -8,6 +8,7 @@ marked ``slow``.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,16 @@ def test_benchmarks_are_grouped_by_what_they_measure():
     folders = {p.name for p in BENCHMARKS.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == set(GROUPS), folders
     assert _scripts(".sh") == SHELL_SCRIPTS, _scripts(".sh")
+
+
+def test_every_benchmark_path_named_in_the_docs_exists():
+    """README, notes/ and docs/ name scripts by their path under benchmarks/: each must be there."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "notes").glob("*.md")), *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {(doc.relative_to(ROOT).as_posix(), m) for doc in docs
+             for m in re.findall(r"benchmarks/[\w/]+\.(?:py|sh|cu)\b", doc.read_text())}
+    assert len(named) > 10, named
+    missing = sorted((doc, path) for doc, path in named if not (ROOT / path).is_file())
+    assert not missing, missing
 
 
 @pytest.mark.slow
