@@ -55,9 +55,6 @@ if [ "$STAGE" = all ] || [ "$STAGE" = test ]; then
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   SECONDS=0
-  # bench_projection.py moves from scripts/ to benchmarks/; run it where it is.
-  BENCH_PROJECTION=benchmarks/projection/bench_projection.py
-  [ -f "$BENCH_PROJECTION" ] || BENCH_PROJECTION=scripts/bench_projection.py
-  timeout 200 python3 "$BENCH_PROJECTION" 2>&1 | tee "$OUT/bench.log"
+  timeout 200 python3 benchmarks/projection/bench_projection.py 2>&1 | tee "$OUT/bench.log"
   echo "bench: ${SECONDS}s"
 fi
