@@ -1,9 +1,10 @@
 """What the benchmark scripts share: CUDA-event timing, interleaved variants, device-copy bandwidth,
 the 134M Llama model step, and JSON output.
 
-Scripts in this folder import it as ``import common`` (Python puts a script's
-own folder first on ``sys.path``); they do not import one another. Nothing
-here is mhc-specific except :func:`llama_model`'s ``convert_to_mhc``.
+The scripts live in subfolders by what they measure (``step/``, ``site/``,
+``projection/``, ``decode/``); each puts this folder on ``sys.path`` and
+imports it as ``import common``. Nothing here is mhc-specific except
+:func:`llama_model`'s ``convert_to_mhc``.
 """
 
 from __future__ import annotations

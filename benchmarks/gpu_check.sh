@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check: install, build, then the projection kernels (smoke test,
 # GPU pytest, benchmark) or the fused block (stage "block": its tests,
-# benchmarks/gpu_block_smoke.py and benchmarks/bench_block.py). Logs go to $OUT (or ./gpu_out).
+# benchmarks/site/gpu_block_smoke.py and benchmarks/site/bench_block.py). Logs go to $OUT (or ./gpu_out).
 # Run from the repository root.
 USAGE="Usage: benchmarks/gpu_check.sh [all|smoke|test|bench|block] [pytest -k expression]"
 case "${1:-}" in
@@ -26,9 +26,9 @@ if [ "$STAGE" = block ]; then
   SECONDS=0
   timeout 300 python3 -m pytest -q -rs tests/test_fused_block.py tests/test_block.py ${2:+-k "$2"} 2>&1 | tee "$OUT/pytest_block.log" | tail -15
   echo "pytest: ${SECONDS}s"
-  timeout 120 python3 benchmarks/gpu_block_smoke.py 2>&1 | tee "$OUT/gpu_block_smoke.log"
+  timeout 120 python3 benchmarks/site/gpu_block_smoke.py 2>&1 | tee "$OUT/gpu_block_smoke.log"
   SECONDS=0
-  timeout 400 python3 benchmarks/bench_block.py --json "$OUT/bench_block.json" 2>&1 | tee "$OUT/bench_block.log"
+  timeout 400 python3 benchmarks/site/bench_block.py --json "$OUT/bench_block.json" 2>&1 | tee "$OUT/bench_block.log"
   echo "bench: ${SECONDS}s"
   exit 0
 fi
@@ -55,9 +55,6 @@ if [ "$STAGE" = all ] || [ "$STAGE" = test ]; then
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   SECONDS=0
-  # bench_projection.py moves from scripts/ to benchmarks/; run it where it is.
-  BENCH_PROJECTION=benchmarks/bench_projection.py
-  [ -f "$BENCH_PROJECTION" ] || BENCH_PROJECTION=scripts/bench_projection.py
-  timeout 200 python3 "$BENCH_PROJECTION" 2>&1 | tee "$OUT/bench.log"
+  timeout 200 python3 benchmarks/projection/bench_projection.py 2>&1 | tee "$OUT/bench.log"
   echo "bench: ${SECONDS}s"
 fi

@@ -2,25 +2,24 @@
 # The H200 checks of issues #23 and #27, in stages, logs under $OUT (default ./gpu_out):
 #   setup    install mhc (editable) and build the CUDA projection
 #   tests    the CUDA tests of the projection, the fused site, keep_streams_every, non-finite input and torch.compile
-#   peers    build mHC-proj / mHC.cu (benchmarks/build_peers.sh), then bench_projection_peers.py
-#   decode   benchmarks/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile --step-times)
-#   sitehost benchmarks/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
-#   projhost benchmarks/bench_projection_host.py (a small-batch projection call, layer by layer; after peers
+#   peers    build mHC-proj / mHC.cu (benchmarks/projection/build_peers.sh), then bench_projection_peers.py
+#   decode   benchmarks/decode/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile --step-times)
+#   sitehost benchmarks/decode/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
+#   projhost benchmarks/projection/bench_projection_host.py (a small-batch projection call, layer by layer; after peers
 #            it has mHC-proj's call beside ours)
-#   fillab   benchmarks/projection_fill_ab/ab.py (the n = 4 forward kernel against bc1ec78's, do_bench)
-#   compile  benchmarks/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
+#   compile  benchmarks/step/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
-#   sweep    benchmarks/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
-#   ab       benchmarks/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
+#   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
+#   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), OLD_TREE (ab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost fillab compile compile1b sweep ab)"
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b sweep ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|fillab|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -41,26 +40,24 @@ for stage in "$@"; do
         "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k "cuda or boundaries or other_input" 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
     peers)
-      OUT=$OUT timeout 200 bash benchmarks/build_peers.sh
-      timeout 240 python3 benchmarks/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
+      OUT=$OUT timeout 200 bash benchmarks/projection/build_peers.sh
+      timeout 240 python3 benchmarks/projection/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
     decode)
-      timeout 300 python3 benchmarks/bench_decode.py ${DECODE_ARGS---profile --step-times} 2>&1 | tee "$OUT/decode.log" ;;
+      timeout 300 python3 benchmarks/decode/bench_decode.py ${DECODE_ARGS---profile --step-times} 2>&1 | tee "$OUT/decode.log" ;;
     sitehost)
-      timeout 120 python3 benchmarks/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
+      timeout 120 python3 benchmarks/decode/bench_site_host.py 2>&1 | tee "$OUT/sitehost.log" ;;
     projhost)
-      timeout 120 python3 benchmarks/bench_projection_host.py 2>&1 | tee "$OUT/projhost.log" ;;
-    fillab)
-      timeout 200 python3 benchmarks/projection_fill_ab/ab.py 2>&1 | tee "$OUT/fillab.log" | tail -60 ;;
+      timeout 120 python3 benchmarks/projection/bench_projection_host.py 2>&1 | tee "$OUT/projhost.log" ;;
     compile)
-      timeout 400 python3 benchmarks/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
+      timeout 400 python3 benchmarks/step/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)
-      timeout 500 python3 benchmarks/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
+      timeout 500 python3 benchmarks/step/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
     sweep)
-      timeout 500 python3 benchmarks/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
+      timeout 500 python3 benchmarks/site/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
     ab)
       [ -d "${OLD_TREE-}" ] || { echo "ab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
-      OUT=$OUT bash benchmarks/step_ab.sh "$OLD_TREE" 1b 4 new old new old
-      OUT=$OUT bash benchmarks/step_ab.sh "$OLD_TREE" 134m 8 new old new old ;;
+      OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 1b 4 new old new old
+      OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 134m 8 new old new old ;;
   esac
   echo "=== $stage: ${SECONDS}s"
 done

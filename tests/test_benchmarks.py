@@ -1,7 +1,14 @@
-"""The benchmark scripts import and explain themselves on a machine without a GPU (``--help``)."""
+"""The benchmark scripts import and explain themselves on a machine without a GPU (``--help``), and the
+helpers they share (``benchmarks/common.py``) compute what the notes' tables say.
+
+The scripts sit in ``benchmarks/`` by what they measure: ``step/`` (the training step), ``site/`` (one
+fused site and its kernels), ``projection/`` and ``decode/``. Tests that run a script as a subprocess are
+marked ``slow``.
+"""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-PYTHON_SCRIPTS = ["bench_block.py", "profile_step.py", "gpu_block_smoke.py"]
+GROUPS = ("step", "site", "projection", "decode")
+PYTHON_SCRIPTS = ["site/bench_block.py", "step/profile_step.py", "site/gpu_block_smoke.py"]
+SHELL_SCRIPTS = {"gpu_check.sh", "gpu_session.sh", "step/step_ab.sh", "step/wheel_and_ab.sh", "projection/build_peers.sh"}
 
 
 def _run(*command: str, **env_overrides: str) -> subprocess.CompletedProcess:
@@ -20,6 +29,31 @@ def _run(*command: str, **env_overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _scripts(suffix: str) -> set[str]:
+    """Every script under benchmarks/ with this suffix, as a path relative to benchmarks/."""
+    return {p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*" + suffix) if "__pycache__" not in p.parts}
+
+
+def test_benchmarks_are_grouped_by_what_they_measure():
+    """Only the shared helpers and the device-session drivers sit at the top; every other script is in a group."""
+    top = {p.name for p in BENCHMARKS.iterdir() if p.is_file()}
+    assert top == {"common.py", "gpu_check.sh", "gpu_session.sh"}, top
+    folders = {p.name for p in BENCHMARKS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(GROUPS), folders
+    assert _scripts(".sh") == SHELL_SCRIPTS, _scripts(".sh")
+
+
+def test_every_benchmark_path_named_in_the_docs_exists():
+    """README, notes/ and docs/ name scripts by their path under benchmarks/: each must be there."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "notes").glob("*.md")), *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {(doc.relative_to(ROOT).as_posix(), m) for doc in docs
+             for m in re.findall(r"benchmarks/[\w/]+\.(?:py|sh|cu)\b", doc.read_text())}
+    assert len(named) > 10, named
+    missing = sorted((doc, path) for doc, path in named if not (ROOT / path).is_file())
+    assert not missing, missing
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", PYTHON_SCRIPTS)
 def test_script_imports_and_prints_its_help(script):
     proc = _run(sys.executable, str(BENCHMARKS / script), "--help")
@@ -27,22 +61,24 @@ def test_script_imports_and_prints_its_help(script):
     assert "usage:" in proc.stdout and "python benchmarks/" + script in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_block_documents_the_model_step_options():
-    proc = _run(sys.executable, str(BENCHMARKS / "bench_block.py"), "--help")
+    proc = _run(sys.executable, str(BENCHMARKS / "site" / "bench_block.py"), "--help")
     for option in ("--skip-block", "--skip-torch", "--json", "--rounds", "--batch", "--seq"):
         assert option in proc.stdout, option
 
 
+@pytest.mark.slow
 def test_every_benchmark_script_is_covered():
-    """A script added to benchmarks/ gets its --help checked here too."""
-    scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh") and p.name != "common.py"}
-    assert scripts >= {*PYTHON_SCRIPTS, "gpu_check.sh"}
-    missing = {s for s in scripts - {*PYTHON_SCRIPTS, "gpu_check.sh"} if s.endswith(".py")}
-    for script in sorted(missing):  # scripts other helpers move here later
+    """A script added to benchmarks/ gets its --help checked here too (common.py is imported, not run)."""
+    scripts = _scripts(".py") - {"common.py"}
+    assert scripts >= set(PYTHON_SCRIPTS)
+    for script in sorted(scripts - set(PYTHON_SCRIPTS)):
         proc = _run(sys.executable, str(BENCHMARKS / script), "--help")
         assert proc.returncode == 0, f"{script}: {proc.stdout}{proc.stderr}"
 
 
+@pytest.mark.slow
 def test_gpu_check_prints_its_usage_and_refuses_unknown_stages():
     proc = _run("bash", str(BENCHMARKS / "gpu_check.sh"), "--help")
     assert proc.returncode == 0 and "Usage: benchmarks/gpu_check.sh" in proc.stdout, proc.stdout + proc.stderr
@@ -50,10 +86,18 @@ def test_gpu_check_prints_its_usage_and_refuses_unknown_stages():
     assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_gpu_session_refuses_unknown_stages_before_running():
+    proc = _run("bash", str(BENCHMARKS / "gpu_session.sh"), "setup", "fillab")
+    assert proc.returncode == 2 and "unknown stage 'fillab'" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # nothing ran
+
+
+@pytest.mark.slow
 def test_step_ab_prints_its_usage_and_refuses_unknown_runs_before_running(tmp_path):
-    proc = _run("bash", str(BENCHMARKS / "step_ab.sh"))
-    assert proc.returncode == 2 and "usage: benchmarks/step_ab.sh" in proc.stderr, proc.stdout + proc.stderr
-    proc = _run("bash", str(BENCHMARKS / "step_ab.sh"), str(tmp_path), "1b", "4", "new", "newer")
+    proc = _run("bash", str(BENCHMARKS / "step" / "step_ab.sh"))
+    assert proc.returncode == 2 and "usage: benchmarks/step/step_ab.sh" in proc.stderr, proc.stdout + proc.stderr
+    proc = _run("bash", str(BENCHMARKS / "step" / "step_ab.sh"), str(tmp_path), "1b", "4", "new", "newer")
     assert proc.returncode == 2 and "unknown run 'newer'" in proc.stderr, proc.stdout + proc.stderr
     assert proc.stdout == ""  # nothing ran
 
@@ -101,11 +145,12 @@ def test_common_step_peak_memory_adds_the_model_resident_bytes_to_the_step_peak(
     assert figures["resident_gb"] == resident / 1e9 and figures["peak_gb"] == (resident + 700) / 1e9
 
 
+@pytest.mark.slow
 def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_path):
     """The peer benchmark on the CPU: our columns measured through the PyTorch path, every peer cell
     "n/a (reason)", our accuracy checked; bad options and a missing peer source are reported, not crashed."""
     out = tmp_path / "peers.json"
-    proc = _run(sys.executable, str(BENCHMARKS / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,2048",
+    proc = _run(sys.executable, str(BENCHMARKS / "projection" / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,2048",
                 "--sigma", "1", "--calls", "1", "--warmup", "0", "--repeats", "1", "--bench-warmup-ms", "0",
                 "--bench-rep-ms", "1", "--acc-size", "256", "--acc-sigmas", "1,30", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -124,20 +169,21 @@ def test_bench_projection_peers_runs_ours_on_cpu_and_reports_missing_peers(tmp_p
         assert 0 < row["ours"]["max_err"] <= 1e-5 and row["ours"]["nonfinite"] == 0, (sigma, row)
         assert row["mHC-proj"] == {"error": "n/a (cpu run)"}, (sigma, row)
     assert data["ours_accurate"] is True
-    proc = _run(sys.executable, str(BENCHMARKS / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,0")
+    proc = _run(sys.executable, str(BENCHMARKS / "projection" / "bench_projection_peers.py"), "--device", "cpu", "--sizes", "512,0")
     assert proc.returncode == 2 and "--sizes" in proc.stderr, proc.stdout + proc.stderr
-    proc = subprocess.run(["bash", str(BENCHMARKS / "build_peers.sh")], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(BENCHMARKS / "projection" / "build_peers.sh")], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PEERS_DIR": str(tmp_path / "none"), "OUT": str(tmp_path)})
     assert proc.returncode == 0 and "peer build: SKIPPED, no source" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_saved_bytes_counts_the_streams_an_mhc_site_keeps_for_backward(tmp_path):
     """benchmarks/saved_bytes.py on the CPU (fused site in Triton's interpreter): every variant saves something,
     the branches save what the residual model's sublayers save, and an mHC site keeps at least its input streams
     (n*C elements per token) beyond the residual model on both paths; the fused site exactly the streams, y and its
     fp32 coefficients (zr [T, n*n+2n+1], h [T, 2n], H_res [T, n, n])."""
     out, n, C = tmp_path / "saved.json", 4, 128
-    proc = _run(sys.executable, str(BENCHMARKS / "saved_bytes.py"), "--hidden", str(C), "--heads", "2",
+    proc = _run(sys.executable, str(BENCHMARKS / "step" / "saved_bytes.py"), "--hidden", str(C), "--heads", "2",
                 "--intermediate", "256", "--vocab", "64", "--layers", "1", "--batch", "2", "--seq", "8",
                 "--dtype", "bf16", "--n-streams", str(n), "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -156,7 +202,7 @@ def test_saved_bytes_counts_the_streams_an_mhc_site_keeps_for_backward(tmp_path)
     coefficients = (n * n + 2 * n + 1 + 2 * n + n * n) * 4 / c_bytes
     assert fused_row["extra_C_per_token_per_site"] == pytest.approx(n + 1 + coefficients, abs=1e-9), fused_row
     assert rows["mhc fused=False"]["extra_C_per_token_per_site"] > fused_row["extra_C_per_token_per_site"], rows
-    proc = _run(sys.executable, str(BENCHMARKS / "saved_bytes.py"), "--dtyp", "fp32")
+    proc = _run(sys.executable, str(BENCHMARKS / "step" / "saved_bytes.py"), "--dtyp", "fp32")
     assert proc.returncode == 2 and "unrecognized arguments: --dtyp" in proc.stderr, proc.stderr
 
 
@@ -188,13 +234,3 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
     assert gbps == pytest.approx(nbytes["postmix_fwd"] / 57.0 / 1e3)
     assert of_copy == pytest.approx(gbps / 4000.0)
 
-
-def test_the_boundary_prototype_matches_the_site_kernels_in_the_interpreter():
-    """benchmarks/boundary_split: the one-pass prototype behind the notes' figures, CL = 1 on the CPU."""
-    script = str(BENCHMARKS / "boundary_split" / "check.py")
-    cpu = dict(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = _run(sys.executable, script, **cpu)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bad cases: 0" in proc.stdout and proc.stdout.count(" x' ") == 4, proc.stdout
-    proc = _run(sys.executable, script, "--bench", "configs", **cpu)  # CUDA hidden: refused, nothing run
-    assert proc.returncode == 2 and "--bench needs CUDA" in proc.stderr, proc.stdout + proc.stderr

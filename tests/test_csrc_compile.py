@@ -1,7 +1,7 @@
 """CPU-runnable checks of the CUDA sources and of the CUDA-availability logic.
 
 * Every ``mhc/csrc/*.cu`` compiles with nvcc for sm_90 against torch's headers,
-  and so does ``benchmarks/kernel_bench.cu`` without them (skipped only when
+  and so does ``benchmarks/projection/kernel_bench.cu`` without them (skipped only when
   nvcc is missing), so a syntax error cannot land.
 * The per-matrix solver core compiles with g++ and meets its contract on the host,
   a non-finite grad_T included.
@@ -78,7 +78,7 @@ def test_cu_compiles_for_sm90(src, tmp_path):
 def test_kernel_bench_compiles_for_sm90(tmp_path):
     # The standalone kernel benchmark builds the shipped kernels without torch.
     cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-           f"-I{CSRC}", "-c", str(ROOT / "benchmarks" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
+           f"-I{CSRC}", "-c", str(ROOT / "benchmarks" / "projection" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on kernel_bench.cu:\n{proc.stderr[-6000:]}"
 

@@ -4,7 +4,7 @@ The static cache must give the dynamic cache's tokens; compiled, the decode
 steps must run as one graph with no breaks and no recompiles, with the same
 tokens. On CUDA ``generate(cache_implementation="static")`` compiles by
 itself; on the CPU transformers is told to (``CompileConfig._compile_all_devices``).
-``benchmarks/bench_decode.py`` runs end to end on the CPU as well (``--device cpu --tiny``).
+``benchmarks/decode/bench_decode.py`` runs end to end on the CPU as well (``--device cpu --tiny``).
 """
 
 from __future__ import annotations
@@ -156,12 +156,12 @@ def test_compiled_forward_generates_the_eager_tokens(fresh_seed):
 
 @pytest.fixture(scope="module")
 def bench_decode():
-    """benchmarks/bench_decode.py as a module (run in this process: it skips a second import of torch)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """benchmarks/decode/bench_decode.py as a module (run in this process: it skips a second import of torch)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "decode"))
     try:
         return importlib.import_module("bench_decode")
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "decode"))
 
 
 def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys):

@@ -304,19 +304,25 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     ax_gain.set_ylabel("gain of H_res^d ... H_res^0")
     ax_dev.set_yscale("log")
     ax_dev.set_ylabel("|gain - 1|")
-    for label, values, color in (
-        ("stream spread (0 = collapsed)", report.spread_mean, "#2ca02c"),
-        ("H_res entries saturated", report.h_res_saturated_entries, "#d62728"),
-        ("H_res rows one-hot", report.h_res_saturated_rows, "#9467bd"),
-        ("H_pre saturated", report.pre_saturated, "#8c564b"),
-        ("H_post saturated", report.post_saturated, "#e377c2"),
-    ):
+    # The saturation fractions are often all 0 together: each line gets its own line style and a hollow
+    # marker of its own shape and size, the larger drawn first, so lines lying on one another all show.
+    for i, (label, values, color, ls, marker, size) in enumerate((
+        ("stream spread (0 = collapsed)", report.spread_mean, "#2ca02c", "-", "o", 4),
+        ("H_res entries saturated", report.h_res_saturated_entries, "#d62728", "-", "o", 11),
+        ("H_res rows one-hot", report.h_res_saturated_rows, "#9467bd", "--", "s", 8),
+        ("H_pre saturated", report.pre_saturated, "#8c564b", "-.", "D", 5.5),
+        ("H_post saturated", report.post_saturated, "#e377c2", ":", "^", 3.5),
+    )):
         points = [(d, v) for d, v in zip(depth, values) if v is not None]
         if points:
-            ax_state.plot(*zip(*points), color=color, marker=".", label=label)
-    # symlog: a spread of 1e-5 (streams nearly collapsed) stays visible beside fractions near 1.
+            if i and all(v == 0 for _, v in points):
+                label += " (0 at every depth)"
+            ax_state.plot(*zip(*points), color=color, ls=ls, marker=marker, markersize=size, fillstyle="none",
+                          markeredgewidth=1.3, zorder=2 + i, clip_on=False, label=label)  # fmt: skip
+    # symlog: a spread of 1e-5 (streams nearly collapsed) stays visible beside fractions near 1. The
+    # axis starts a little below 0, so lines at 0 sit above its edge rather than on it.
     ax_state.set_yscale("symlog", linthresh=1e-6)
-    ax_state.set_ylim(0, 1.05)
+    ax_state.set_ylim(-3e-7, 1.05)
     ax_state.set_ylabel(f"stream spread; fraction saturated (within {report.eps:g} of 0/1)")
     points = [(d, v) for d, v in zip(depth, report.grad_ratio) if v is not None]
     if points:
