@@ -7,8 +7,8 @@ A decode step is host-bound (``notes/decode_and_projection.md``), so every
 microsecond of Python per site counts 24 times a step in the 134M model. This
 times one converted Llama decoder layer on a one-token ``[1, 1, n, C]`` input
 with its norms, attention and MLP replaced by pass-throughs and the fused
-site's extension calls (``mhc.fused.site_pre_unchecked``,
-``post_then_pre_unchecked``, ``post_mix_unchecked``) replaced by functions
+site's kernel calls (``mhc.fused.site.pre``, ``post_then_pre`` and ``post``,
+on the decode backend ``Backend.TOKENS``) replaced by functions
 returning fixed tensors, so that what is left is the layer's and the sites'
 own Python (the HF glue, ``MHCBlock``'s checks, the branch call, the boundary
 link). The residual ``LlamaDecoderLayer`` with the same pass-throughs runs in
@@ -31,6 +31,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import mhc
 from mhc import fused
+from mhc.fused import site as fused_site  # needs Triton (the test extra has it)
+from mhc.fused.record import Backend, FusedSite
 
 N_STREAMS, HIDDEN = 4, 64
 
@@ -65,18 +67,18 @@ def mock_extension_calls() -> None:
             held[shape] = torch.zeros(shape)
         return held[shape]
 
-    def pre(x, *args):
-        return fixed(x.shape[:-2] + x.shape[-1:]), (x, mix, None, None)
+    def pre(backend, x, *args):
+        return fixed(x.shape[:-2] + x.shape[-1:]), FusedSite(Backend.TOKENS, x, mix, None)
 
     def post_pre(y, site, *args):
-        x_new = fixed(site[0].shape)
-        return x_new, fixed(x_new.shape[:-2] + x_new.shape[-1:]), (x_new, mix, None, None)
+        x_new = fixed(site.streams.shape)
+        return x_new, fixed(x_new.shape[:-2] + x_new.shape[-1:]), FusedSite(Backend.TOKENS, x_new, mix, None)
 
     mhc.MHCBlock.uses_fused = lambda self, x: True
-    fused.is_token_site = lambda site: True
-    fused.site_pre_unchecked = pre
-    fused.post_then_pre_unchecked = post_pre
-    fused.post_mix_unchecked = lambda y, site: fixed(site[0].shape)
+    fused.fused_backend = lambda x: Backend.TOKENS
+    fused_site.pre = pre
+    fused_site.post_then_pre = post_pre
+    fused_site.post = lambda y, site: fixed(site.streams.shape)
 
 
 def layer_call(layer: nn.Module, hidden: torch.Tensor, calls: int) -> float:

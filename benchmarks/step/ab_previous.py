@@ -1,8 +1,8 @@
 """This tree's mHC against an earlier commit's, in one process: bits first, then the model step.
 
-    python benchmarks/ab_previous.py --make-base dc9a7a4 ab_base      # here (needs git): a renamed copy
-    python benchmarks/ab_previous.py --base ab_base                   # CUDA: site bits, model bits, step
-    TRITON_INTERPRET=1 python benchmarks/ab_previous.py --base ab_base --cpu   # CPU: site bits only
+    python benchmarks/step/ab_previous.py --make-base dc9a7a4 ab_base      # here (needs git): a renamed copy
+    python benchmarks/step/ab_previous.py --base ab_base                   # CUDA: site bits, model bits, step
+    TRITON_INTERPRET=1 python benchmarks/step/ab_previous.py --base ab_base --cpu   # CPU: site bits only
 
 ``--make-base COMMIT DIR`` writes COMMIT's package as ``DIR/mhc_base``: the
 same code under another name, with its ``torch.library`` custom ops in the
@@ -34,7 +34,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_base(commit: str, out: Path) -> None:
@@ -163,10 +163,13 @@ def main() -> None:
     if device == "cpu":
         raise SystemExit(0 if ok else 1)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import common
 
-    cfg = common.llama_134m(args.seq) if args.size == "134m" else common.llama_1b(args.seq)
+    sys.path.insert(0, str(ROOT / "benchmarks" / "step"))
+    from bench_compile import llama_1b
+
+    cfg = common.llama_134m(args.seq) if args.size == "134m" else llama_1b(args.seq)
     from transformers import LlamaForCausalLM
 
     def build(pkg):
