@@ -409,11 +409,12 @@ class MHCBlock(nn.Module):
     def _site(self, x: Tensor, *args, **kwargs):
         # forward() checked the streams, uses_fused() what else the fused nodes need.
         backend = self._backend(x)
+        # What the previous linked site left is for this call only: taken (and dropped) on every call.
+        waiting = self._site_link.take(x)
         if backend is Backend.REFERENCE:
             return self._reference_site(x, args, kwargs)
 
         # 1. coefficients, H_res and the pre-mix: one fused step, unless the previous linked site ran it
-        waiting = self._site_link.take(x)
         if waiting is not None and len(waiting) == 2:
             u, fused_site = waiting
         else:

@@ -30,19 +30,21 @@ __all__ = ["post"]
 
 def post(link: SiteLink, y: Tensor, site: FusedSite, keep_every: int) -> Tensor:
     """The post-mix of a site that may be linked: it serves the next block where it can (see the module docstring)."""
-    after = link.next_block()
-    if after is None:
-        return _site.post(y, site)
-    if site.backend is Backend.TOKENS and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-        inputs = after.fused_first_step_inputs(site.streams)
-        if inputs is not None:  # decoding: this post-mix and the next block's first step in one launch
-            params, norm_eps, tol, norm = inputs
-            x_new, u_next, site_next = _site.post_then_pre(y, site, *params, norm_eps, tol, norm)
-            after.site_link.inbox = (x_new, x_new._version, u_next, site_next)
+    if site.backend is Backend.TOKENS:
+        if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            after = link.next_block()
+            inputs = after.fused_first_step_inputs(site.streams) if after is not None else None
+            if inputs is not None:  # decoding: this post-mix and the next block's first step in one launch
+                params, norm_eps, tol, norm = inputs
+                x_new, u_next, site_next = _site.post_then_pre(y, site, *params, norm_eps, tol, norm)
+                after.site_link.inbox = (x_new, x_new._version, u_next, site_next)
+                return x_new
+    elif keep_every > 1 and site.backend is Backend.EAGER:
+        # (Never under torch.compile: the link is a weak reference, which dynamo would not trace.)
+        after = link.next_block()
+        if after is not None:
+            x_new, recipe = _site.post_recording(y, site, keep_every)
+            if recipe is not None:
+                after.site_link.inbox = (x_new, x_new._version, recipe)
             return x_new
-    if keep_every > 1:
-        x_new, recipe = _site.post_recording(y, site, keep_every)
-        if recipe is not None:
-            after.site_link.inbox = (x_new, x_new._version, recipe)
-        return x_new
     return _site.post(y, site)
