@@ -55,7 +55,14 @@ from .resume import load_resume_point
 from .rng import rng_state, seed_all, set_rng_state
 from .run_dir import RunDirLock, claim_run_dir, replace_model_dir
 
-__all__ = ["train", "Counters"]
+__all__ = ["train", "Counters", "TrainingStoppedError"]
+
+
+class TrainingStoppedError(RuntimeError):
+    """Training stopped because no step could succeed; the message says why and what to change.
+
+    ``mhc-train`` reports it in one line and exits with status 1.
+    """
 
 
 @dataclass
