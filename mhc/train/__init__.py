@@ -54,7 +54,7 @@ from .config import (
 )
 from .data import Corpus, PackedData, load_corpus, prepare_data, split_corpus, unigram_entropy
 from .distributed import resolve_device
-from .loop import train
+from .loop import TrainingStoppedError, train
 from .model import build_model, lr_lambda
 from .reporting import plot_run, read_metrics
 from .resume import RESUME_FIXED, RESUME_OVERRIDABLE, RESUME_SESSION, check_resume_changes, config_changes, resume_config
@@ -98,6 +98,7 @@ __all__ = [
     "lr_lambda",
     # training
     "train",
+    "TrainingStoppedError",
     "rng_state",
     "set_rng_state",
     # checkpoints and the run directory

@@ -111,6 +111,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     max_time_s: float = 0.0  # stop early by wall clock (0: never); the summary says so
+    max_skipped_in_a_row: int = 20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
@@ -195,6 +196,7 @@ _ZERO_MEANS = {
     "weight_decay": "none",
     "grad_clip": "no clipping",
     "max_time_s": "no time limit",
+    "max_skipped_in_a_row": "never stop for skipped steps",
     "threads": "torch's default",
     "eval_interval": "only the final evaluation",
     "ckpt_interval": "only the final checkpoint",
