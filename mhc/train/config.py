@@ -86,7 +86,9 @@ class TrainConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities while training
     mhc_options: dict = field(default_factory=dict)  # extra MHCConfig kwargs (projection, init, ...)
     # data
-    data: str = "stdlib"  # "stdlib", "python" (stdlib + site-packages .py), or comma-separated files/folders
+    # "synthetic" (generated, the same everywhere), "stdlib" (this Python's sources), "python" (stdlib +
+    # site-packages .py), or comma-separated files/folders; summary.json records which text it was
+    data: str = "synthetic"
     data_extensions: str = ""  # for folders: comma-separated suffixes, "" = every UTF-8 text file
     max_corpus_mb: float = 0.0  # 0: the whole corpus
     val_fraction: float = 0.05

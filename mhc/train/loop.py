@@ -136,6 +136,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         data, tok, corpus = prepare_data(cfg, log=log)
         if info.is_main:
             barrier(info)
+        if state is not None and state.get("corpus_sha256") not in (None, corpus.sha256()):
+            raise CheckpointError(
+                f"cannot resume from {point.path}: the data changed since the run began. data={cfg.data!r} now reads "
+                f"{corpus.describe()}, but the run trained on a corpus with sha256 {state['corpus_sha256'][:16]}... "
+                f"({state.get('corpus', {}).get('source', '?')}, {state.get('corpus', {}).get('documents', '?')} "
+                f"documents, Python {state.get('corpus', {}).get('python', '?')}). The data position would point into "
+                f"other text; train on the run's own corpus (the same files or Python), or start a new run."
+            )
         h_unigram = unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
         tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
         max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
@@ -186,7 +194,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
         diag_ids = val_windows[:2].to(device)  # gains and stability are measured on these (model, not DDP)
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
-                       max_steps=max_steps, overrides=overrides)  # what every checkpoint holds  # fmt: skip
+                       max_steps=max_steps, overrides=overrides, corpus=corpus.record())  # what every checkpoint holds  # fmt: skip
 
         # ---- the step loop: one optimizer step per iteration; then log, evaluate, checkpoint, stop ----
         interrupted = stopped_early = False
@@ -300,6 +308,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "data": corpus.source,
+            "corpus": corpus.record(),  # source, documents, chars, sha256, python: which text the run read
         }
         if info.is_main:
             metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k not in ("composite_gains", "stability")}})
@@ -415,12 +424,14 @@ def evaluate(model: nn.Module, windows: Tensor, batch_size: int, info: DistInfo,
 
 
 def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, device, *, model, optimizer, scheduler,
-                        spikes: SpikeTracker, counters: Counters, tok, max_steps: int, overrides: list[dict]) -> None:  # fmt: skip
+                        spikes: SpikeTracker, counters: Counters, tok, max_steps: int, overrides: list[dict],
+                        corpus: dict | None = None) -> None:  # fmt: skip
     """Save checkpoint ``counters.step`` of the run (a collective: every rank calls it; rank 0 writes).
 
     The trainer state holds what resuming needs to continue exactly: the optimizer (gathered into
     full tensors under FSDP2), scheduler, spike tracker, every rank's RNG states, counters, the
-    data position, the run's config and its ``--resume-override`` records.
+    data position, the run's config and its ``--resume-override`` records, and the corpus's
+    record (:meth:`mhc.train.Corpus.record`; a resume refuses a corpus whose SHA-256 differs).
     """
     tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
     rngs = gather_objects(rng_state(device), info)
@@ -441,6 +452,8 @@ def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, devic
         "skipped_in_a_row": counters.skipped_in_a_row,
         "config": cfg.to_dict(),
         "overrides": overrides,
+        "corpus": corpus,
+        "corpus_sha256": corpus["sha256"] if corpus else None,
     }
     model_sd = full_state(model.state_dict())
     if info.is_main:
