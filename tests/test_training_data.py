@@ -83,3 +83,40 @@ def test_resume_refuses_a_corpus_that_changed(tmp_path):
         T.train(T.resume_config(tmp_path / "run"), resume=True)
     (data / "doc3.txt").write_text("document 3 " * 2000)  # the same text again: the run goes on
     assert T.train(T.resume_config(tmp_path / "run"), resume=True)["steps"] == 4
+
+
+def test_readme_sample_script_finds_and_rewrites_only_its_block(tmp_path):
+    """scripts/readme_sample.py: README holds one sample paragraph; a rewrite replaces it and nothing else."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "readme_sample.py"
+    spec = importlib.util.spec_from_file_location("readme_sample", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = script.README.read_text(encoding="utf-8")
+    (match,) = script.SAMPLE.findall(readme)
+    assert "runs/tiny_cpu_mhc/model" in match and match.endswith("```\n")
+    diagnostics = "\n".join([
+        "runs/tiny_cpu_mhc/model: MHCForCausalLM, 8 sites, mode=mhc, projection=newton, n_streams=4; 128 tokens",
+        "8 sites, 128 tokens (batch shape (1, 128)); at full depth: forward gain 1+4.1e-07",
+        "depth  site                               mode     fwd mean",
+        "    0  model.model.layers.0.attn_mhc       mhc    1+3.0e-08",
+        "    1  model.model.layers.0.mlp_mhc        mhc    1+7.5e-08",
+        "key: fwd mean is the mean forward gain",
+        "key: spread is the streams' spread",
+        "figure: runs/tiny_cpu_mhc/model/stability.png",
+    ]) + "\n"  # fmt: skip
+    block = script.sample_block(diagnostics)
+    assert "key:" not in block and block.splitlines()[-1] == "figure: runs/tiny_cpu_mhc/model/stability.png"
+    assert len(block.splitlines()) == 6
+    corpus = {"source": "synthetic:v1", "documents": 800, "chars": 2023505, "sha256": "0866904147086f06" + "0" * 48,
+              "python": "3.11.7"}  # fmt: skip
+    label = script.corpus_label({"corpus": corpus})
+    assert "`synthetic:v1`, 800 documents" in label and "0866904147086f06" in label and "Python 3.11.7" in label
+    new = script.SAMPLE.sub(lambda _: script.paragraph(label, block), readme, count=1)
+    before, after = readme.split(match)
+    assert new.startswith(before) and new.endswith(after)  # only the paragraph changed
+    (again,) = script.SAMPLE.findall(new)  # and the script finds its own output again
+    assert block in again and label in again
+    with pytest.raises(ValueError, match="no corpus record"):
+        script.corpus_label({})
