@@ -269,3 +269,21 @@ def test_an_unknown_preset_or_missing_file_lists_the_presets(tmp_path, cli, caps
     assert not (tmp_path / "run").exists()
     assert cli.main(["--list-presets"]) == 0
     assert capsys.readouterr().out.split() == T.list_presets()
+
+
+def test_compare_trains_each_variant_in_its_own_process_with_this_mhc(tmp_path):
+    """mhc-compare starts `python -m mhc.train` per variant (importing the same mhc), then writes the table."""
+    import json
+
+    from mhc.train import cli as train_cli
+
+    out = tmp_path / "cmp"
+    sets = {**TINY, "max_steps": 2, "cache_dir": tmp_path / "c", "data": "synthetic", "max_corpus_mb": 0.2}
+    code = train_cli.compare_main(["--variants", "residual,mhc", "--out", str(out),
+                                   *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])])  # fmt: skip
+    assert code == 0, [(p.name, p.read_text()[-2000:]) for p in out.glob("*.log")]
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["label"] for r in rows] == ["residual", "mhc"] and all(r["steps"] == 2 for r in rows)
+    assert len({r["corpus"]["sha256"] for r in rows}) == 1  # the same text for both
+    assert "-m mhc.train --config tiny_cpu_mhc" in (out / "mhc.log").read_text().splitlines()[0]
+    assert "Corpus: synthetic:v1 (" in (out / "compare.md").read_text() and (out / "compare.png").is_file()

@@ -120,3 +120,14 @@ def test_readme_sample_script_finds_and_rewrites_only_its_block(tmp_path):
     assert block in again and label in again
     with pytest.raises(ValueError, match="no corpus record"):
         script.corpus_label({})
+
+
+def test_a_comparison_says_when_its_runs_read_different_corpora():
+    from mhc.train.compare import _corpus_line
+
+    a = {"source": "stdlib:/usr/lib/python3.11", "documents": 900, "chars": 1, "sha256": "a" * 64, "python": "3.11.7"}
+    b = {**a, "source": "stdlib:/usr/lib/python3.12", "sha256": "b" * 64, "python": "3.12.1"}
+    assert _corpus_line([{"label": "hc", "corpus": a}, {"label": "mhc", "corpus": a}]).startswith("Corpus: stdlib:")
+    line = _corpus_line([{"label": "hc", "corpus": a}, {"label": "mhc", "corpus": b}, {"label": "old"}])
+    assert line.startswith("**The runs read different corpora**") and "mhc: stdlib:/usr/lib/python3.12" in line
+    assert "Python 3.11.7" in line and "old: not recorded" in line

@@ -4,30 +4,11 @@ Both are console scripts of the installed package (``[project.scripts]`` in ``py
 in a checkout ``scripts/train_lm.py`` and ``scripts/compare.py`` call the same functions, and
 ``python -m mhc.train`` is ``mhc-train``.
 
-``mhc-train`` (:func:`train_main`) trains a small decoder LM with residual, HC or mHC connections,
-offline. With no arguments it trains a tiny mHC model on the CPU in a few minutes (the preset
-``tiny_cpu_mhc``) and writes ``runs/tiny_cpu_mhc/`` (metrics.jsonl, summary.json, loss.png,
-gains.png, checkpoints/, model/ loadable with from_pretrained)::
+``mhc-train`` (:func:`train_main`; its help is :data:`TRAIN_HELP`) trains one run; ``mhc-compare``
+(:func:`compare_main`) trains several variants as separate ``mhc-train`` processes and writes one
+table and one figure.
 
-    mhc-train
-    mhc-train --config tiny_cpu_hc --max-steps 200
-    mhc-train --config small_gpu_mhc --set lr=1e-3 --set n_streams=8
-    mhc-train --config my_run.yaml            # a YAML file; its `base:` may name a preset
-    mhc-train --list-presets
-    mhc-train --resume                        # continue runs/tiny_cpu_mhc exactly as it was
-    mhc-train --resume --run-dir runs/mine    # continue another run, with its own settings
-    mhc-train --resume --max-steps 600 --resume-override   # extend a run (recorded in config.yaml)
-    torchrun --nproc_per_node=2 -m mhc.train --config small_gpu_mhc [--dist fsdp]
-
-Every config key is also a flag (--max-steps, --variant, --data, --tokenizer, ...).
-
---resume continues from the run's latest checkpoint with the settings saved in it; the config
-only names the run dir (runs/<config name>) when --run-dir is not given. A flag that contradicts
-the run is refused, with the list of keys, unless --resume-override is given. Never changeable:
-model shape, seed, data, tokenizer and batch keys. Free to change on resume: run_dir, cache_dir,
-threads, progress, plots, stop_at_step.
-
-Exit status: 0 when the run finished (or stopped at ``stop_at_step``); 2 for settings, a checkpoint
+Exit status of ``mhc-train``: 0 when the run finished (or stopped at ``stop_at_step``); 2 for settings, a checkpoint
 or a run directory that is refused before training; 1 when training stopped because no step could
 succeed (:class:`~mhc.train.loop.TrainingStoppedError`).
 """
@@ -55,9 +36,36 @@ from .loop import TrainingStoppedError, train
 from .resume import RESUME_FIXED, resume_config
 from .run_dir import RunDirLockedError, RunDirSetupError
 
-__all__ = ["train_main", "compare_main", "build_config", "parse_train_args"]
+__all__ = ["train_main", "compare_main", "build_config", "parse_train_args", "TRAIN_HELP"]
 
-_TRAIN_DOC = __doc__.split("``mhc-train`` (:func:`train_main`) ", 1)[1].split("\n\nExit status", 1)[0]
+TRAIN_HELP = """Train a small decoder LM with residual, HC or mHC connections, offline.
+
+With no arguments it trains a tiny mHC model on the CPU in a few minutes (the preset tiny_cpu_mhc,
+on the built-in generated corpus) and writes runs/tiny_cpu_mhc/ (metrics.jsonl, summary.json,
+loss.png, gains.png, checkpoints/, model/ loadable with from_pretrained).
+
+    mhc-train
+    mhc-train --config tiny_cpu_hc --max-steps 200
+    mhc-train --config small_gpu_mhc --set lr=1e-3 --set n_streams=8
+    mhc-train --config my_run.yaml            # a YAML file; its `base:` may name a preset
+    mhc-train --list-presets
+    mhc-train --resume                        # continue runs/tiny_cpu_mhc exactly as it was
+    mhc-train --resume --run-dir runs/mine    # continue another run, with its own settings
+    mhc-train --resume --max-steps 600 --resume-override   # extend a run (recorded in config.yaml)
+    torchrun --nproc_per_node=2 -m mhc.train --config small_gpu_mhc [--dist fsdp]
+
+Every config key is also a flag (--max-steps, --variant, --data, --tokenizer, ...).
+
+--resume continues from the run's latest checkpoint with the settings saved in it; the config
+only names the run dir (runs/<config name>) when --run-dir is not given. A flag that contradicts
+the run is refused, with the list of keys, unless --resume-override is given. Never changeable:
+model shape, seed, data, tokenizer and batch keys. Free to change on resume: run_dir, cache_dir,
+threads, progress, plots, stop_at_step.
+
+Exit status: 0 when the run finished (or stopped at stop_at_step); 2 when settings, a checkpoint
+or the run directory are refused before training; 1 when training stopped because no step was
+succeeding (max_skipped_in_a_row skipped steps in a row).
+"""
 
 
 # ----------------------------------------------------------------------------- mhc-train
@@ -65,7 +73,7 @@ _TRAIN_DOC = __doc__.split("``mhc-train`` (:func:`train_main`) ", 1)[1].split("\
 
 def parse_train_args(argv=None, prog: str = "mhc-train") -> argparse.Namespace:
     """The arguments of ``mhc-train``: ``--config``, ``--set``, the run flags, and one flag per config key."""
-    p = argparse.ArgumentParser(prog=prog, description=_TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_PRESET,
                    help="a YAML config file, or a preset's name (default: %(default)s; see --list-presets)")  # fmt: skip
     p.add_argument("--list-presets", action="store_true", help="print the presets shipped with mhc and exit")
