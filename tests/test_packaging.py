@@ -108,10 +108,19 @@ def _check_wheel(path: Path) -> None:
             member = f"mhc/csrc/{name}"
             assert member in names, f"{path.name} lacks {member}"
             assert zf.read(member) == data, f"{path.name}: {member} differs from the repository's"
+        presets = sorted((ROOT / "mhc" / "train" / "presets").glob("*.yaml"))
+        assert presets, "no training presets in mhc/train/presets/"
+        for preset in presets:  # `mhc-train --config <name>` reads them from the installed package
+            member = f"mhc/train/presets/{preset.name}"
+            assert member in names and zf.read(member) == preset.read_bytes(), f"{path.name} lacks {member}"
         dist_info = f"{ARCHIVE_STEM}.dist-info"
+        entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
+        for script in ("mhc-train = mhc.train.cli:train_main", "mhc-compare = mhc.train.cli:compare_main",
+                       "mhc-diagnostics = mhc.diagnostics.__main__:main"):  # fmt: skip
+            assert script in entry_points, entry_points
         assert zf.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
         meta = email.parser.Parser().parsestr(zf.read(f"{dist_info}/METADATA").decode())
-        # Only the package goes into site-packages: no tests/, scripts/ or configs/.
+        # Only the package goes into site-packages (the presets inside it): no tests/ or scripts/.
         assert {n.split("/")[0] for n in names} == {"mhc", dist_info}, sorted(names)
     assert meta["Name"] == DIST_NAME
     assert meta["Version"] == mhc.__version__
