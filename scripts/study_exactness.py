@@ -8,7 +8,7 @@
     python scripts/study_exactness.py --report-only --merge b1 b2         # batches (same --tokens!) into OUT
     python scripts/study_exactness.py --deepseek-gap   # DeepSeek-V4's 20-round vs exact H_res on one site (CPU)
 
-Each run is scripts/train_lm.py in its own process with configs/study_exactness.yaml and --set
+Each run is scripts/train_lm.py in its own process with the preset study_exactness and --set
 variant/seed (n_streams=1 for residual); up to --jobs run at once on one device. Run folders go to
 --runs; OUT gets results.json (a record per run), curves.json (the plots' series), study.json (the
 command, budget, wall time), each run's metrics/summary/config/log under OUT/runs/, README.md, PNGs.
@@ -50,13 +50,13 @@ from mhc.train.config import VARIANTS  # noqa: E402
 from mhc.train.plots import variant_colors  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
-CONFIG = REPO / "configs" / "study_exactness.yaml"
+CONFIG = "study_exactness"  # a preset (mhc/train/presets/)
 # Slowest first (most kernels per site on the PyTorch path), so the longest runs start at once.
 LAUNCH_ORDER = ("mhc-sk20", "mhc-lite", "hc", "mhc", "residual")
 RECORD_KEYS = ("variant", "seed", "params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain",
                "bwd_gain", "hres_marginal_err_max")  # fmt: skip
 TABLE_KEYS = ("final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain", "bwd_gain", "hres_marginal_err_max")
-SMOKE_CONFIG = REPO / "configs" / "study_exactness_smoke.yaml"
+SMOKE_CONFIG = "study_exactness_smoke"
 
 
 def _jobs(variants: list[str], seeds: list[int], runs: Path) -> list[tuple[str, int, Path]]:
@@ -68,7 +68,7 @@ def _run_sets(variant: str, seed: int, common: list[str]) -> list[str]:
     return [f"variant={variant}", f"seed={seed}", *(["n_streams=1"] if variant == "residual" else []), *common]
 
 
-def run_parallel(jobs: list[tuple[str, int, Path]], config: Path, common: list[str], parallel: int) -> dict[str, int]:
+def run_parallel(jobs: list[tuple[str, int, Path]], config: str | Path, common: list[str], parallel: int) -> dict[str, int]:
     """Run every (variant, seed, run_dir) as scripts/train_lm.py, ``parallel`` processes at a time; exit codes by run."""
     pending, running, codes = list(jobs), {}, {}
     while pending or running:
@@ -384,7 +384,7 @@ def write_report(out: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(CONFIG), help="base config (default: %(default)s)")
+    p.add_argument("--config", default=CONFIG, help="base config: a YAML file or a preset's name (default: %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
     p.add_argument("--out", default=str(REPO / "docs" / "studies" / "exactness"), help="results folder (default: %(default)s)")
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib-steps", type=int, default=30)
     p.add_argument("--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_CONFIG.name} on the CPU: tests the pipeline in seconds")
+    p.add_argument("--smoke", action="store_true", help=f"the preset {SMOKE_CONFIG} on the CPU: tests the pipeline in seconds")
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
     p.add_argument("--deepseek-gap", action="store_true", help="print mhc.hf.deepseek_v4.gap_table() (CPU) and exit")
     p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    config, runs = Path(SMOKE_CONFIG if args.smoke else args.config), Path(args.runs)
+    config, runs = SMOKE_CONFIG if args.smoke else args.config, Path(args.runs)
     common = [*args.set, "progress=false", "plots=false"]
     if args.max_time_s:
         common.append(f"max_time_s={args.max_time_s}")
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n")
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    meta = {"command": command, "config": os.path.relpath(config, REPO) if config.is_absolute() else str(config),
+    meta = {"command": command, "config": os.path.relpath(config, REPO) if Path(config).is_absolute() else str(config),
             "tokens": tokens, "parallel": parallel, "wall_s": wall, "total_s": time.time() - t0,
             "failed": failed, "calibration_tokens_per_s": rates, "target_s": args.target_s}  # fmt: skip
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")

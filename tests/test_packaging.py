@@ -8,7 +8,9 @@ environment, without build isolation (so no network): the wheel with
 * each holds every kernel source of ``mhc/csrc/`` byte for byte, and LICENSE;
 * a wheel built from the unpacked sdist (what ``pip install <sdist>`` does) does too;
 * the wheel installed into a fresh directory, imported from there, builds from
-  its own ``mhc/csrc/`` (``mhc.cuda_build.source_dir()``), not from the repository.
+  its own ``mhc/csrc/`` (``mhc.cuda_build.source_dir()``), not from the repository;
+* (slow) the wheel installed into a fresh venv trains a preset with its ``mhc-train`` console
+  script from a folder outside the checkout, and ``mhc-diagnostics`` reads the model it wrote.
 """
 
 from __future__ import annotations
@@ -106,10 +108,19 @@ def _check_wheel(path: Path) -> None:
             member = f"mhc/csrc/{name}"
             assert member in names, f"{path.name} lacks {member}"
             assert zf.read(member) == data, f"{path.name}: {member} differs from the repository's"
+        presets = sorted((ROOT / "mhc" / "train" / "presets").glob("*.yaml"))
+        assert presets, "no training presets in mhc/train/presets/"
+        for preset in presets:  # `mhc-train --config <name>` reads them from the installed package
+            member = f"mhc/train/presets/{preset.name}"
+            assert member in names and zf.read(member) == preset.read_bytes(), f"{path.name} lacks {member}"
         dist_info = f"{ARCHIVE_STEM}.dist-info"
+        entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
+        for script in ("mhc-train = mhc.train.cli:train_main", "mhc-compare = mhc.train.cli:compare_main",
+                       "mhc-diagnostics = mhc.diagnostics.__main__:main"):  # fmt: skip
+            assert script in entry_points, entry_points
         assert zf.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
         meta = email.parser.Parser().parsestr(zf.read(f"{dist_info}/METADATA").decode())
-        # Only the package goes into site-packages: no tests/, scripts/ or configs/.
+        # Only the package goes into site-packages (the presets inside it): no tests/ or scripts/.
         assert {n.split("/")[0] for n in names} == {"mhc", dist_info}, sorted(names)
     assert meta["Name"] == DIST_NAME
     assert meta["Version"] == mhc.__version__
@@ -172,3 +183,54 @@ def test_installed_wheel_builds_from_its_own_kernel_sources(wheel, build_env, tm
     # `python -m mhc.cuda_build --sources` names the same directory and files (exit 0 checked by _run).
     assert listing[0] == f"kernel source directory: {found['dir']}", listing
     assert [line.strip() for line in listing[1:-1]] == found["files"], listing
+
+
+def _fresh_venv(root: Path, build_env: dict) -> tuple[Path, Path]:
+    """A new virtual environment that sees this environment's packages (torch, transformers, ...) but not mhc.
+
+    ``venv --system-site-packages`` would expose the *base* interpreter's packages when this one is itself a
+    venv, so a ``.pth`` file lists this environment's site-packages folders instead. A plain path line in a
+    ``.pth`` file adds the folder without running the ``.pth`` files inside it, so an editable install of
+    mhc there (its import hook) stays out. Returns ``(python, bin folder)``.
+    """
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(root)
+    bin_dir = root / ("Scripts" if os.name == "nt" else "bin")
+    python = bin_dir / ("python.exe" if os.name == "nt" else "python")
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=build_env).stdout.strip()
+    ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    (Path(purelib) / "outer_environment.pth").write_text("".join(p + "\n" for p in ours))
+    return python, bin_dir
+
+
+@pytest.mark.slow
+def test_installed_wheel_trains_from_its_presets_with_its_console_scripts(wheel, build_env, tmp_path):
+    """`pip install` the wheel into a fresh venv; from a folder outside the checkout, `mhc-train` trains a preset."""
+    python, bin_dir = _fresh_venv(tmp_path / "venv", build_env)
+    env = {k: v for k, v in build_env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
+    # This environment's pip installs into the new one (--python); no index, no dependencies (they are visible).
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], env=env)
+    work = tmp_path / "work"  # not the checkout: nothing of it is importable from here
+    work.mkdir()
+    probe = "import mhc, mhc.train as T; print(mhc.__file__); print(T.preset_path('tiny_cpu_mhc'))"
+    mhc_file, preset = _run([str(python), "-c", probe], cwd=work, env=env).stdout.split()
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip())
+    assert Path(mhc_file).resolve() == (site / "mhc" / "__init__.py").resolve(), mhc_file  # the installed copy
+    assert Path(preset).resolve().parent == (site / "mhc" / "train" / "presets").resolve(), preset
+    for name in ("mhc-train", "mhc-compare", "mhc-diagnostics"):
+        assert (bin_dir / name).is_file() or (bin_dir / f"{name}.exe").is_file(), f"no console script {name}"
+    tiny = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--intermediate-size", "64", "--seq-len", "32",
+            "--batch-size", "4", "--max-corpus-mb", "0.2", "--max-steps", "3", "--eval-interval", "0",
+            "--eval-batches", "1", "--ckpt-interval", "0", "--progress", "false", "--plots", "false"]  # fmt: skip
+    proc = _run([str(bin_dir / "mhc-train"), "--config", "tiny_cpu_mhc", "--run-dir", "run", "--cache-dir", str(tmp_path / "cache"), *tiny],
+                cwd=work, env=env)  # fmt: skip
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["variant"] == "mhc", summary
+    assert (work / "run" / "model" / "config.json").is_file(), proc.stdout[-2000:]
+    # The stability report of the model it wrote, through the third console script.
+    report = _run([str(bin_dir / "mhc-diagnostics"), "run", "--no-backward", "--out", str(tmp_path / "stability.png")], cwd=work, env=env)
+    assert "run/model: MHCForCausalLM, 4 sites" in report.stdout, report.stdout[-2000:]
+    assert "usage: mhc-compare" in _run([str(bin_dir / "mhc-compare"), "--help"], cwd=work, env=env).stdout

@@ -70,7 +70,7 @@ def test_config_yaml_inheritance_and_overrides(tmp_path):
     with pytest.raises(KeyError):
         T.load_config(tmp_path / "child.yaml", ["no_such_key=1"])
     for name in ("tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "small_gpu_hc", "small_gpu_residual"):
-        cfg = T.load_config(REPO / "configs" / f"{name}.yaml")
+        cfg = T.load_config(name)
         assert cfg.variant == name.rsplit("_", 1)[1]
 
 
@@ -324,7 +324,7 @@ def test_corrupt_or_partial_checkpoint_gives_clear_error(tmp_path, full_run):
         T.find_latest_checkpoint(rd)
     # the script turns it into a one-line error and exit code 2
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--config", str(REPO / "configs" / "tiny_cpu_mhc.yaml"),
+        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--config", "tiny_cpu_mhc",
          "--run-dir", str(tmp_path / "corrupt"), "--resume", *sum((["--set", f"{k}={v}"] for k, v in TINY.items()), []),
          "--set", f"cache_dir={tmp_path / 'cache'}"],
         capture_output=True, text=True, env=_env(), timeout=300,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,13 +171,12 @@ def test_variant_settings_cannot_be_contradicted_or_misspelt(tmp_path, cli, caps
 def test_variant_presets_load():
     from pathlib import Path
 
-    configs = Path(__file__).resolve().parent.parent / "configs"
     for preset in ("tiny_cpu", "small_gpu"):
         for variant in ("mhc-sk20", "mhc-lite"):
-            cfg = T.load_config(configs / f"{preset}_{variant}.yaml")
-            base = T.load_config(configs / f"{preset}_mhc.yaml")
+            cfg = T.load_config(f"{preset}_{variant}")
+            base = T.load_config(f"{preset}_mhc")
             assert cfg.variant == variant and cfg.num_layers == base.num_layers and cfg.lr == base.lr
-    study = T.load_config(configs / "study_exactness.yaml")
+    study = T.load_config("study_exactness")
     assert study.num_layers >= 24 and study.tokenizer == "byte"
 
 
@@ -227,3 +227,63 @@ def test_study_runner_smoke(tmp_path):
     assert json.loads((merged / "results.json").read_text()) == [record]  # one run, however often merged
     with pytest.raises(SystemExit):
         study.main(["--variants", "mhc-sk2", "--out", str(out)])
+
+
+def test_presets_load_by_name_and_ship_inside_the_package(tmp_path, monkeypatch):
+    """A preset's name works wherever a YAML file does; the YAML files live in mhc/train/presets/ (package data)."""
+    import mhc.train.config as config_module
+
+    presets = T.list_presets()
+    assert {"tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "study_exactness"} <= set(presets)
+    assert T.preset_path("tiny_cpu_mhc").parent == config_module.PRESETS_DIR
+    assert config_module.PRESETS_DIR.parent == Path(config_module.__file__).resolve().parent  # inside the package
+    by_name = T.load_config("tiny_cpu_hc")
+    assert by_name == T.load_config(T.preset_path("tiny_cpu_hc")) == T.load_config("tiny_cpu_hc.yaml")
+    assert (by_name.variant, by_name.run_dir) == ("hc", str(Path("runs") / "tiny_cpu_hc"))
+    # a file of one's own builds on a preset by name; a file in the working directory wins over a preset
+    (tmp_path / "mine.yaml").write_text("base: tiny_cpu_mhc\nnum_layers: 2\n")
+    mine = T.load_config(tmp_path / "mine.yaml")
+    assert (mine.num_layers, mine.hidden_size, mine.run_dir) == (2, by_name.hidden_size, str(Path("runs") / "mine"))
+    (tmp_path / "tiny_cpu_hc").write_text("variant: residual\nn_streams: 1\nmax_steps: 1\n")
+    monkeypatch.chdir(tmp_path)
+    assert T.load_config("tiny_cpu_hc").variant == "residual"
+
+
+def test_an_unknown_preset_or_missing_file_lists_the_presets(tmp_path, cli, capsys):
+    with pytest.raises(T.ConfigNotFoundError, match=r"unknown preset 'tiny_cpu_mhx' \(did you mean 'tiny_cpu_mhc'") as e:
+        T.load_config("tiny_cpu_mhx")
+    assert all(name in str(e.value) for name in T.list_presets())
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+    # the checkout's old configs/ paths say where the presets went
+    with pytest.raises(FileNotFoundError, match=r"configs/tiny_cpu_mhc\.yaml does not exist; .*--config tiny_cpu_mhc"):
+        T.load_config("configs/tiny_cpu_mhc.yaml")
+    with pytest.raises(FileNotFoundError, match=r"nowhere/x\.yaml does not exist .*tiny_cpu_mhc"):
+        T.load_config(str(tmp_path / "nowhere" / "x.yaml"))
+    (tmp_path / "bad_base.yaml").write_text("base: no_such_preset\n")
+    with pytest.raises(T.ConfigNotFoundError, match=r"base 'no_such_preset' is neither a file beside it nor a preset"):
+        T.load_config(tmp_path / "bad_base.yaml")
+    # the command line: one line, exit 2, nothing created; --list-presets prints them
+    code = cli.main(["--config", "tiny_cpu_mhx", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: unknown preset 'tiny_cpu_mhx'") and "small_gpu_mhc" in err, err
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["--list-presets"]) == 0
+    assert capsys.readouterr().out.split() == T.list_presets()
+
+
+def test_compare_trains_each_variant_in_its_own_process_with_this_mhc(tmp_path):
+    """mhc-compare starts `python -m mhc.train` per variant (importing the same mhc), then writes the table."""
+    import json
+
+    from mhc.train import cli as train_cli
+
+    out = tmp_path / "cmp"
+    sets = {**TINY, "max_steps": 2, "cache_dir": tmp_path / "c", "data": "synthetic", "max_corpus_mb": 0.2}
+    code = train_cli.compare_main(["--variants", "residual,mhc", "--out", str(out),
+                                   *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])])  # fmt: skip
+    assert code == 0, [(p.name, p.read_text()[-2000:]) for p in out.glob("*.log")]
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["label"] for r in rows] == ["residual", "mhc"] and all(r["steps"] == 2 for r in rows)
+    assert len({r["corpus"]["sha256"] for r in rows}) == 1  # the same text for both
+    assert "-m mhc.train --config tiny_cpu_mhc" in (out / "mhc.log").read_text().splitlines()[0]
+    assert "Corpus: synthetic:v1 (" in (out / "compare.md").read_text() and (out / "compare.png").is_file()

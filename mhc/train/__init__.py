@@ -1,14 +1,16 @@
 """Train small decoder LMs with residual, HC or mHC connections, offline.
 
-``scripts/train_lm.py`` and ``scripts/compare.py`` are thin command lines over this package::
+The command lines ``mhc-train`` and ``mhc-compare`` (:mod:`~mhc.train.cli`; in a checkout also
+``scripts/train_lm.py`` and ``scripts/compare.py``) are thin layers over this package::
 
     from mhc.train import load_config, train
-    summary = train(load_config("configs/tiny_cpu_mhc.yaml", ["max_steps=200"]))
+    summary = train(load_config("tiny_cpu_mhc", ["max_steps=200"]))   # a preset's name, or a YAML file
 
 Modules, one concern each:
 
-* :mod:`~mhc.train.config`: :class:`TrainConfig`, YAML loading (``base:`` inheritance), ``key=value``
-  overrides, validation (the mHC options through :func:`mhc.options.check_options`);
+* :mod:`~mhc.train.config`: :class:`TrainConfig`, the presets (``mhc/train/presets/*.yaml``,
+  :func:`list_presets`), YAML loading (``base:`` inheritance), ``key=value`` overrides, validation
+  (the mHC options through :func:`mhc.options.check_options`);
 * :mod:`~mhc.train.data`: the corpus (this Python's standard-library sources by default), the
   deterministic train/validation split, packed token windows;
 * :mod:`~mhc.train.tokenizer`: byte-level, corpus BPE (cached) or GPT-2 files;
@@ -23,7 +25,8 @@ Modules, one concern each:
 * :mod:`~mhc.train.loop`: :func:`train`;
 * :mod:`~mhc.train.reporting`: ``metrics.jsonl``, loss spikes, gains, ``loss.png`` / ``gains.png``;
 * :mod:`~mhc.train.compare`: :func:`write_comparison` (``compare.md/json/png``);
-* :mod:`~mhc.train.plots`: the matplotlib figures (imported only when a figure is drawn).
+* :mod:`~mhc.train.plots`: the matplotlib figures (imported only when a figure is drawn);
+* :mod:`~mhc.train.cli`: the command lines (``mhc-train``, ``mhc-compare``; ``python -m mhc.train``).
 
 A run directory holds ``config.yaml``, ``metrics.jsonl``, ``summary.json``, ``loss.png``,
 ``gains.png``, ``checkpoints/step_XXXXXXXX/`` (+ ``checkpoints/latest``) and ``model/`` (a
@@ -39,10 +42,19 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .compare import write_comparison
-from .config import ConfigKeyError, TrainConfig, apply_overrides, load_config, parse_device
+from .config import (
+    ConfigKeyError,
+    ConfigNotFoundError,
+    TrainConfig,
+    apply_overrides,
+    list_presets,
+    load_config,
+    parse_device,
+    preset_path,
+)
 from .data import Corpus, PackedData, load_corpus, prepare_data, split_corpus, unigram_entropy
 from .distributed import resolve_device
-from .loop import train
+from .loop import TrainingStoppedError, train
 from .model import build_model, lr_lambda
 from .reporting import plot_run, read_metrics
 from .resume import RESUME_FIXED, RESUME_OVERRIDABLE, RESUME_SESSION, check_resume_changes, config_changes, resume_config
@@ -55,6 +67,9 @@ __all__ = [
     "TrainConfig",
     "ConfigKeyError",
     "load_config",
+    "list_presets",
+    "preset_path",
+    "ConfigNotFoundError",
     "apply_overrides",
     "parse_device",
     "resolve_device",
@@ -83,6 +98,7 @@ __all__ = [
     "lr_lambda",
     # training
     "train",
+    "TrainingStoppedError",
     "rng_state",
     "set_rng_state",
     # checkpoints and the run directory

@@ -58,6 +58,7 @@ __all__ = [
     "atomic_write_bytes",
     "fsync_dir",
     "sha256_file",
+    "nonfinite_tensors",
     "TOKENIZER_FILES",
 ]
 
@@ -143,6 +144,37 @@ def decode_tree(tree: Any, tensors: dict[str, Tensor]) -> Any:
         return x
 
     return dec(tree)
+
+
+def nonfinite_tensors(tree: Any, prefix: str = "") -> list[tuple[str, int, int]]:
+    """The floating-point tensors of a state tree (nested dicts/lists/tuples) that hold NaN or Inf.
+
+    Returns ``(name, non-finite values, values)`` per such tensor, in the tree's order; a tensor's name is
+    its path of keys joined by ``.`` (a model state dict's own keys, ``prefix`` in front).
+    """
+    out: list[tuple[str, int, int]] = []
+
+    def walk(x, name):
+        if isinstance(x, Tensor):
+            if x.is_floating_point() or x.is_complex():
+                bad = int((~x.detach().isfinite()).sum())
+                if bad:
+                    out.append((name, bad, x.numel()))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{name}[{k}]" if isinstance(k, int) else f"{name}.{k}" if name else str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{name}[{i}]")
+
+    walk(tree, prefix)
+    return out
+
+
+def describe_nonfinite(found: list[tuple[str, int, int]], limit: int = 8) -> str:
+    """``name (k of n values NaN/Inf), ...`` for :func:`nonfinite_tensors`' list, at most ``limit`` named."""
+    shown = ", ".join(f"{name} ({bad} of {n} values)" for name, bad, n in found[:limit])
+    return shown + (f", and {len(found) - limit} more tensors" if len(found) > limit else "")
 
 
 # --------------------------------------------------------------------------------------

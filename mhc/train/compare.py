@@ -50,6 +50,24 @@ def _table_row(r: dict) -> str:
     )
 
 
+def _corpus_line(rows: list[dict]) -> str:
+    """Which corpus the runs read (``summary.json``'s ``corpus``), and a warning when they differ."""
+    corpora = {}
+    for r in rows:
+        c = r.get("corpus")
+        key = c["sha256"] if c else None
+        corpora.setdefault(key, (c, []))[1].append(r["label"])
+    described = [
+        f"{c['source']} ({c['documents']} documents, SHA-256 {c['sha256'][:16]}..., Python {c['python']})" if c
+        else "not recorded (summary.json of an older mhc)"
+        for c, _ in corpora.values()
+    ]  # fmt: skip
+    if len(corpora) == 1:
+        return f"Corpus: {described[0]}."
+    parts = "; ".join(f"{', '.join(labels)}: {d}" for (_, labels), d in zip(corpora.values(), described))
+    return f"**The runs read different corpora**, so their losses are not comparable: {parts}."
+
+
 def _figure_data(records: list[dict], summary: dict) -> dict:
     """One run as :func:`mhc.train.plots.plot_comparison` takes it."""
     return {
@@ -98,6 +116,7 @@ def write_comparison(runs: dict[str, str | os.PathLike], out_dir: str | os.PathL
             f"Unigram entropy of the data: {ok[0]['unigram_entropy']:.4f} nats/token ({ok[0]['tokenizer']} tokenizer, "
             f"vocab {ok[0]['vocab_size']}); device: {ok[0]['device']}, {ok[0]['precision']}."
         )
+        caption.append(_corpus_line(ok))
     caption.append(_CAPTION)
     if note:
         caption.append(note)

@@ -1,5 +1,9 @@
 """A run's settings: :class:`TrainConfig`, YAML files with ``base:`` inheritance, ``key=value`` overrides.
 
+Presets ship inside the package (``mhc/train/presets/*.yaml``, :func:`list_presets`): ``load_config`` and
+``--config`` take a preset's name (``"tiny_cpu_mhc"``) as well as a YAML file's path, and a file's ``base:``
+may name a preset too.
+
 Every setting is checked before anything is set up (:meth:`TrainConfig.validate`): a bad value raises
 ``ValueError``/``TypeError`` naming the key, a misspelled key :class:`ConfigKeyError` with the closest
 known keys. The mHC settings go through the same check as :class:`mhc.MHCBlock` and
@@ -27,6 +31,12 @@ from ..options import OPTION_NAMES, check_options
 __all__ = [
     "VARIANTS",
     "VARIANT_SETTINGS",
+    "PRESETS_DIR",
+    "DEFAULT_PRESET",
+    "ConfigNotFoundError",
+    "list_presets",
+    "preset_path",
+    "resolve_config_path",
     "TOKENIZERS",
     "TrainConfig",
     "ConfigKeyError",
@@ -50,6 +60,10 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "mhc-lite": {"mode": "mhc", "projection": "lite"},  # convex combination of the n! permutations
 }
 TOKENIZERS = ("byte", "bpe", "gpt2")
+#: The presets shipped with the package (package data: in the wheel, and in a checkout).
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+#: What ``mhc-train`` (``scripts/train_lm.py``) trains without ``--config``: the README's main job.
+DEFAULT_PRESET = "tiny_cpu_mhc"
 
 
 @dataclass
@@ -72,7 +86,9 @@ class TrainConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities while training
     mhc_options: dict = field(default_factory=dict)  # extra MHCConfig kwargs (projection, init, ...)
     # data
-    data: str = "stdlib"  # "stdlib", "python" (stdlib + site-packages .py), or comma-separated files/folders
+    # "synthetic" (generated, the same everywhere), "stdlib" (this Python's sources), "python" (stdlib +
+    # site-packages .py), or comma-separated files/folders; summary.json records which text it was
+    data: str = "synthetic"
     data_extensions: str = ""  # for folders: comma-separated suffixes, "" = every UTF-8 text file
     max_corpus_mb: float = 0.0  # 0: the whole corpus
     val_fraction: float = 0.05
@@ -97,6 +113,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     max_time_s: float = 0.0  # stop early by wall clock (0: never); the summary says so
+    max_skipped_in_a_row: int = 20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
@@ -181,6 +198,7 @@ _ZERO_MEANS = {
     "weight_decay": "none",
     "grad_clip": "no clipping",
     "max_time_s": "no time limit",
+    "max_skipped_in_a_row": "never stop for skipped steps",
     "threads": "torch's default",
     "eval_interval": "only the final evaluation",
     "ckpt_interval": "only the final checkpoint",
@@ -310,9 +328,65 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any] | Sequence[str])
     return TrainConfig(**values)
 
 
-def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The keys of a YAML config, with those of its ``base:`` file (relative to it) underneath.
+class ConfigNotFoundError(FileNotFoundError, ValueError):
+    """A config that is neither an existing YAML file nor a preset's name; the message lists the presets.
 
+    A ``FileNotFoundError`` (what opening a missing file raised before presets existed) and a
+    ``ValueError`` (what the command line reports as a bad setting, in one line).
+    """
+
+
+def list_presets() -> list[str]:
+    """The names of the presets shipped with the package (``mhc/train/presets/<name>.yaml``), sorted."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The YAML file of preset ``name`` (``"tiny_cpu_mhc"``; a trailing ``.yaml`` is allowed).
+
+    Raises:
+        ConfigNotFoundError: no such preset; the message suggests close names and lists every preset.
+    """
+    stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    path = PRESETS_DIR / f"{stem}.yaml"
+    if stem and "/" not in stem and "\\" not in stem and path.is_file():
+        return path
+    presets = list_presets()
+    close = difflib.get_close_matches(stem, presets, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ConfigNotFoundError(f"unknown preset {name!r}{hint}; the presets are: {', '.join(presets)}")
+
+
+def resolve_config_path(config: str | os.PathLike) -> Path:
+    """The YAML file ``config`` names: an existing file, else a preset's name (:func:`preset_path`).
+
+    A bare name (no folder, no suffix other than ``.yaml``) that is not a file is looked up among the
+    presets. A path that does not exist raises, and says so when its file name is a preset's
+    (``configs/tiny_cpu_mhc.yaml`` from before the presets moved into the package).
+
+    Raises:
+        ConfigNotFoundError: neither a file nor a preset; the message lists the presets.
+    """
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    text = str(config)
+    if path.name == text and path.suffix in ("", ".yaml"):  # a bare name: a preset
+        return preset_path(text)
+    if path.suffix == ".yaml" and path.stem in list_presets():
+        raise ConfigNotFoundError(
+            f"config file {text} does not exist; the presets ship inside the package now: use the preset's name "
+            f"({path.stem!r}, e.g. --config {path.stem})"
+        )
+    raise ConfigNotFoundError(
+        f"config file {text} does not exist (give a YAML file or a preset's name; presets: {', '.join(list_presets())})"
+    )
+
+
+def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The keys of a YAML config, with those of its ``base:`` file underneath.
+
+    ``base:`` is a file relative to the YAML file, or else a preset's name (``base: tiny_cpu_mhc``).
     ``mhc_options`` mappings merge key by key; every other key of the file replaces its base's.
     """
     path = path.resolve()
@@ -325,7 +399,13 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = raw.pop("base", None)
     merged: dict[str, Any] = {}
     if base:
-        merged.update(read_yaml(path.parent / base, seen + (path,)))
+        base_path = path.parent / str(base)
+        if not base_path.is_file():
+            try:
+                base_path = preset_path(str(base))
+            except ConfigNotFoundError as e:
+                raise ConfigNotFoundError(f"{path}: base {base!r} is neither a file beside it nor a preset ({e})") from None
+        merged.update(read_yaml(base_path, seen + (path,)))
     for k, v in raw.items():
         if k == "mhc_options" and isinstance(v, dict):
             merged[k] = {**merged.get(k, {}), **v}
@@ -334,17 +414,26 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig:
+def load_config(config: str | os.PathLike | None = None, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig:
     """Load a YAML config (following ``base:`` links), then apply overrides, then validate.
 
-    The run directory defaults to ``runs/<config file stem>`` (``runs/default`` without a file).
+    Args:
+        config: a YAML file's path, or a preset's name (``"tiny_cpu_mhc"``: :func:`list_presets`);
+            None: the defaults of :class:`TrainConfig` alone.
+        overrides: a mapping, or ``["key=value", ...]`` strings (:func:`apply_overrides`).
+
+    The run directory defaults to ``runs/<config file stem>`` (``runs/default`` without a config).
+
+    Raises:
+        ConfigNotFoundError: ``config`` is neither a file nor a preset (the message lists the presets).
     """
     cfg = TrainConfig()
-    if path is not None:
-        values = read_yaml(Path(path))
+    if config is not None:
+        path = resolve_config_path(config)
+        values = read_yaml(path)
         cfg = apply_overrides(cfg, values)
         if not cfg.run_dir:
-            cfg.run_dir = str(Path("runs") / Path(path).stem)
+            cfg.run_dir = str(Path("runs") / path.stem)
     cfg = apply_overrides(cfg, overrides)
     if not cfg.run_dir:
         cfg.run_dir = "runs/default"

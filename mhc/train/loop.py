@@ -22,7 +22,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..projection import cuda as projection_cuda
-from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, atomic_write_bytes, save_checkpoint
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    atomic_write_bytes,
+    describe_nonfinite,
+    find_latest_checkpoint,
+    nonfinite_tensors,
+    save_checkpoint,
+)
 from .config import TrainConfig, config_yaml
 from .data import PackedData, prepare_data, unigram_entropy
 from .distributed import (
@@ -46,6 +54,7 @@ from .reporting import (
     SpikeTracker,
     Throughput,
     eval_record,
+    final_train_loss,
     measure_stability,
     plot_run,
     stability_scalars,
@@ -55,7 +64,14 @@ from .resume import load_resume_point
 from .rng import rng_state, seed_all, set_rng_state
 from .run_dir import RunDirLock, claim_run_dir, replace_model_dir
 
-__all__ = ["train", "Counters"]
+__all__ = ["train", "Counters", "TrainingStoppedError"]
+
+
+class TrainingStoppedError(RuntimeError):
+    """Training stopped because no step could succeed; the message says why and what to change.
+
+    ``mhc-train`` reports it in one line and exits with status 1.
+    """
 
 
 @dataclass
@@ -66,6 +82,7 @@ class Counters:
     elapsed_s: float = 0.0  # training wall time, over all sessions of the run
     max_grad_norm: float = 0.0  # the largest finite gradient norm (before clipping) of a step taken
     skipped_steps: int = 0  # steps whose loss or gradient was not finite: no update
+    skipped_in_a_row: int = 0  # the skipped steps since the last step taken (cfg.max_skipped_in_a_row stops the run)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, resume_override: bool = False) -> dict:
@@ -87,6 +104,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
     ``config.yaml``), but :data:`RESUME_FIXED` keys can never change.
 
     A run stopped by ``cfg.stop_at_step`` returns ``{"interrupted": True, "step": step}``.
+
+    Raises:
+        TrainingStoppedError: ``cfg.max_skipped_in_a_row`` steps in a row were skipped (non-finite loss
+            or gradient): no step is succeeding. ``metrics.jsonl`` ends with a ``"stopped"`` record; no
+            final checkpoint, ``model/`` or ``summary.json`` is written.
+        CheckpointError: with ``resume``, a bad checkpoint, settings it may not change, or weights or
+            optimizer state that are not finite (named in the message), before any step.
     """
     # ---- setup: processes and device (a bad device stops here), the locked run dir ----
     cfg.validate()
@@ -112,6 +136,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         data, tok, corpus = prepare_data(cfg, log=log)
         if info.is_main:
             barrier(info)
+        if state is not None and state.get("corpus_sha256") not in (None, corpus.sha256()):
+            raise CheckpointError(
+                f"cannot resume from {point.path}: the data changed since the run began. data={cfg.data!r} now reads "
+                f"{corpus.describe()}, but the run trained on a corpus with sha256 {state['corpus_sha256'][:16]}... "
+                f"({state.get('corpus', {}).get('source', '?')}, {state.get('corpus', {}).get('documents', '?')} "
+                f"documents, Python {state.get('corpus', {}).get('python', '?')}). The data position would point into "
+                f"other text; train on the run's own corpus (the same files or Python), or start a new run."
+            )
         h_unigram = unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
         tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
         max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
@@ -141,7 +173,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
             spikes.load_state_dict(state["spikes"])
             counters = Counters(state["step"], state.get("elapsed_s", 0.0), state.get("max_grad_norm", 0.0),
-                                state.get("skipped_steps", 0))  # fmt: skip
+                                state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0))  # fmt: skip
             set_rng_state(state["rng"][info.rank], device)
             log(f"resumed from {point.path} at step {counters.step}")
         start_step = counters.step
@@ -162,7 +194,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
         diag_ids = val_windows[:2].to(device)  # gains and stability are measured on these (model, not DDP)
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
-                       max_steps=max_steps, overrides=overrides)  # what every checkpoint holds  # fmt: skip
+                       max_steps=max_steps, overrides=overrides, corpus=corpus.record())  # what every checkpoint holds  # fmt: skip
 
         # ---- the step loop: one optimizer step per iteration; then log, evaluate, checkpoint, stop ----
         interrupted = stopped_early = False
@@ -179,8 +211,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                 if finite:
                     optimizer.step()
                     counters.max_grad_norm = max(counters.max_grad_norm, gnorm)
+                    counters.skipped_in_a_row = 0
                 else:  # a NaN/Inf loss or gradient on some rank: no update from this batch, on any rank
                     counters.skipped_steps += 1
+                    counters.skipped_in_a_row += 1
                     if counters.skipped_steps == 1:
                         what = "loss" if not math.isfinite(loss) else "gradient"
                         bar.write(f"step {counters.step + 1}: non-finite {what}; the update is skipped (every skipped "
@@ -199,6 +233,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                     metrics.write(train_record(step, tokens, loss, lr, gnorm, spike=is_spike, skipped=not finite,
                                                time_s=counters.elapsed_s))  # fmt: skip
                     bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}" if last_val else "-", refresh=False)
+                # stop: no step is succeeding (every rank has the same counts, so all stop here together)
+                if cfg.max_skipped_in_a_row and counters.skipped_in_a_row >= cfg.max_skipped_in_a_row:
+                    reason = _stop_message(cfg, step, counters.skipped_in_a_row, full_state(model.state_dict()), run_dir)
+                    metrics.write({"kind": "stopped", "step": step, "tokens": tokens, "reason": reason})
+                    metrics.close()
+                    raise TrainingStoppedError(reason)
                 if step >= max_steps:
                     break  # the end below evaluates and checkpoints the last step
                 # evaluate
@@ -232,6 +272,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         if state is None or step > start_step:  # a finished run resumed again keeps its final checkpoint as it is
             save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
         model_sd = full_state(model.state_dict())
+        train_loss, train_loss_note = final_train_loss(spikes, step)
         summary = {
             "variant": cfg.variant,
             "n_streams": cfg.streams,
@@ -244,7 +285,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": "bf16-autocast" if use_bf16 else "fp32",
             "final_val_loss": val_loss,
-            "final_train_loss": spikes.ema,
+            # the EMA (beta 0.95) of the training losses, when the final step's loss is in it; else None and why
+            "final_train_loss": train_loss,
+            "final_train_loss_note": train_loss_note,
+            "last_finite_train_loss_step": spikes.ema_step,
             "unigram_entropy": h_unigram,
             "beats_unigram": bool(val_loss < h_unigram),
             "loss_spikes": spikes.spikes,
@@ -264,6 +308,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "data": corpus.source,
+            "corpus": corpus.record(),  # source, documents, chars, sha256, python: which text the run read
         }
         if info.is_main:
             metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k not in ("composite_gains", "stability")}})
@@ -294,6 +339,27 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         if lock is not None:
             lock.release()
         shutdown_distributed(info)
+
+
+def _stop_message(cfg: TrainConfig, step: int, skipped: int, model_sd: dict, run_dir: Path) -> str:
+    """Why a run stops after ``skipped`` skipped steps in a row, whether its weights are finite, and what to do."""
+    bad = nonfinite_tensors(model_sd)
+    if bad:
+        state = (f"The weights are not finite: {describe_nonfinite(bad, limit=4)}; the update of step {step - skipped} "
+                 f"broke them, and no later step can succeed.")  # fmt: skip
+    else:
+        state = "The weights are finite, but the loss or gradient of every batch is not (diverged weights, or bad data)."
+    try:
+        latest = find_latest_checkpoint(run_dir)
+    except CheckpointError:
+        latest = None
+    where = f"the latest checkpoint is {latest}" if latest else "the run has no checkpoint"
+    return (
+        f"stopped at step {step}: the last {skipped} steps were all skipped (non-finite loss or gradient). {state} "
+        f"Every skipped step is in {run_dir / 'metrics.jsonl'}; {where}; no model/ or summary.json was written. "
+        f"Try a lower lr (now {cfg.lr:g}) or check the data; max_skipped_in_a_row={cfg.max_skipped_in_a_row} sets "
+        f"this limit (0: never stop)."
+    )
 
 
 def _or_na(value: float | None, spec: str) -> str:
@@ -358,12 +424,14 @@ def evaluate(model: nn.Module, windows: Tensor, batch_size: int, info: DistInfo,
 
 
 def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, device, *, model, optimizer, scheduler,
-                        spikes: SpikeTracker, counters: Counters, tok, max_steps: int, overrides: list[dict]) -> None:  # fmt: skip
+                        spikes: SpikeTracker, counters: Counters, tok, max_steps: int, overrides: list[dict],
+                        corpus: dict | None = None) -> None:  # fmt: skip
     """Save checkpoint ``counters.step`` of the run (a collective: every rank calls it; rank 0 writes).
 
     The trainer state holds what resuming needs to continue exactly: the optimizer (gathered into
     full tensors under FSDP2), scheduler, spike tracker, every rank's RNG states, counters, the
-    data position, the run's config and its ``--resume-override`` records.
+    data position, the run's config and its ``--resume-override`` records, and the corpus's
+    record (:meth:`mhc.train.Corpus.record`; a resume refuses a corpus whose SHA-256 differs).
     """
     tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
     rngs = gather_objects(rng_state(device), info)
@@ -381,8 +449,11 @@ def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, devic
         "elapsed_s": counters.elapsed_s,
         "max_grad_norm": counters.max_grad_norm,
         "skipped_steps": counters.skipped_steps,
+        "skipped_in_a_row": counters.skipped_in_a_row,
         "config": cfg.to_dict(),
         "overrides": overrides,
+        "corpus": corpus,
+        "corpus_sha256": corpus["sha256"] if corpus else None,
     }
     model_sd = full_state(model.state_dict())
     if info.is_main:

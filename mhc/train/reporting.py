@@ -8,7 +8,9 @@
   gains, None without mHC sites), the stability scalars of :data:`STABILITY_SCALARS` (None without
   mHC sites), ``marginal_error`` (``{"mean": [...], "max": [...]}``, per site over the tokens; None
   without mHC sites), ``time_s``;
-* ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains`` and ``stability``.
+* ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains`` and ``stability``;
+* ``"stopped"``: ``step``, ``tokens``, ``reason``: the run stopped with an error because no step was
+  succeeding (``max_skipped_in_a_row`` skipped steps in a row); no ``"final"`` record follows.
 
 Stability is measured on 2 validation sequences (:func:`measure_stability`, :mod:`mhc.diagnostics`).
 """
@@ -36,6 +38,7 @@ __all__ = [
     "train_record",
     "eval_record",
     "SpikeTracker",
+    "final_train_loss",
     "Throughput",
     "ConvergenceWarningCounter",
     "MainProcessLog",
@@ -145,12 +148,16 @@ def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, tim
 class SpikeTracker:
     """Counts steps whose loss exceeds ``(1 + threshold)`` x the EMA of the earlier losses, after warmup.
 
-    A non-finite loss after warmup is a spike too, and leaves the EMA as it was.
+    A non-finite loss after warmup is a spike too, and leaves the EMA as it was. ``ema_step`` is the
+    step of the last finite loss in the EMA (None before any, or when restored from a checkpoint of an
+    older mhc that did not record it): the summary reports the EMA as the final training loss only
+    when it is the final step's (:func:`final_train_loss`).
     """
 
     def __init__(self, threshold: float, warmup: int, beta: float = 0.95):
         self.threshold, self.warmup, self.beta = threshold, warmup, beta
         self.ema: float | None = None
+        self.ema_step: int | None = None
         self.spikes = 0
 
     def update(self, step: int, loss: float) -> bool:
@@ -164,15 +171,36 @@ class SpikeTracker:
             self.spikes += 1
         if math.isfinite(loss):
             self.ema = loss if self.ema is None else self.beta * self.ema + (1 - self.beta) * loss
+            self.ema_step = step
         return spike
 
     def state_dict(self) -> dict:
-        """The EMA and the count (saved in checkpoints)."""
-        return {"ema": self.ema, "spikes": self.spikes}
+        """The EMA, the step of its last loss, and the count (saved in checkpoints)."""
+        return {"ema": self.ema, "ema_step": self.ema_step, "spikes": self.spikes}
 
     def load_state_dict(self, s: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.ema, self.spikes = s["ema"], s["spikes"]
+        """Restore what :meth:`state_dict` returned (``ema_step`` None from a checkpoint without it)."""
+        self.ema, self.ema_step, self.spikes = s["ema"], s.get("ema_step"), s["spikes"]
+
+
+def final_train_loss(spikes: SpikeTracker, step: int) -> tuple[float | None, str | None]:
+    """The summary's ``final_train_loss`` at final step ``step``, and why it is None when it is.
+
+    The EMA of the training losses counts only when its last loss is the final step's: after a run
+    of non-finite losses at the end, the EMA would be that of earlier steps (of an earlier session,
+    after a resume), so the summary gives None and the reason instead.
+    """
+    if spikes.ema is None:
+        return None, "no step of the run had a finite training loss"
+    if spikes.ema_step is None:
+        return None, (
+            "the checkpoint this run resumed from does not record which step its training-loss average comes from "
+            "(written by an older mhc), and no step since had a finite training loss"
+        )
+    if spikes.ema_step == step:
+        return spikes.ema, None
+    span = f"step {step}" if spikes.ema_step + 1 == step else f"steps {spikes.ema_step + 1}-{step}"
+    return None, f"{span} had non-finite training losses; the last finite one was at step {spikes.ema_step}"
 
 
 class Throughput:

@@ -20,7 +20,16 @@ from typing import Any
 
 from torch import Tensor
 
-from .checkpoint import CHECKPOINT_FORMAT, CheckpointError, find_latest_checkpoint, load_checkpoint_state, read_checkpoint_config
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    describe_nonfinite,
+    find_latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint_state,
+    nonfinite_tensors,
+    read_checkpoint_config,
+)
 from .config import FIELDS, TrainConfig, apply_overrides, read_yaml
 
 __all__ = [
@@ -32,6 +41,7 @@ __all__ = [
     "resume_config",
     "ResumePoint",
     "load_resume_point",
+    "check_finite_state",
 ]
 
 RESUME_FIXED = tuple(
@@ -103,6 +113,39 @@ def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequen
     return cfg
 
 
+def check_finite_state(path: Path, model_state: dict[str, Tensor], trainer_state: dict) -> None:
+    """Refuse a checkpoint whose weights or optimizer state hold NaN/Inf: no step from it can succeed.
+
+    Every step would compute a non-finite loss or update and be skipped, so a resumed run would run to
+    its end without learning anything. The manifest's hashes cannot catch this (the files are what was
+    written, or were re-signed), so the values themselves are checked.
+
+    Raises:
+        CheckpointError: naming the tensors (and how many of their values are not finite).
+    """
+    weights = nonfinite_tensors(model_state)
+    moments = nonfinite_tensors(trainer_state.get("optimizer", {}).get("state", {}), "optimizer state")
+    if not weights and not moments:
+        return
+    parts = []
+    if weights:
+        parts.append(f"weights {describe_nonfinite(weights)}")
+    if moments:
+        parts.append(f"{describe_nonfinite(moments)} (optimizer state[i] is the i-th parameter AdamW updates)")
+    others = [p.name for _, p in list_checkpoints(path.parent) if p.name != path.name]
+    hint = (
+        f" Earlier checkpoints of the run: {', '.join(others)}; to go back to one, write its name into "
+        f"{path.parent / 'latest'} (and check that it is finite)."
+        if others
+        else ""
+    )
+    raise CheckpointError(
+        f"cannot resume from {path}: its values are not finite (NaN/Inf) in {'; '.join(parts)}. Every step from "
+        f"this checkpoint would be skipped, so the run would learn nothing.{hint} Or start over with --overwrite "
+        f"(and a lower lr, if the run diverged)."
+    )
+
+
 @dataclass
 class ResumePoint:
     """The checkpoint a resumed run continues from, loaded and checked against the run's settings."""
@@ -118,7 +161,8 @@ def load_resume_point(cfg: TrainConfig, world: int, *, resume_override: bool, lo
 
     Raises:
         CheckpointError: the checkpoint is bad, of another trainer-state format, was written by
-            another number of processes, or ``cfg`` changes settings it may not (:func:`check_resume_changes`).
+            another number of processes, holds weights or optimizer state that are not finite
+            (:func:`check_finite_state`), or ``cfg`` changes settings it may not (:func:`check_resume_changes`).
     """
     path = find_latest_checkpoint(cfg.run_dir)
     if path is None:
@@ -127,6 +171,7 @@ def load_resume_point(cfg: TrainConfig, world: int, *, resume_override: bool, lo
     model_state, state = load_checkpoint_state(path)
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: trainer state of format {state.get('format')!r}")
+    check_finite_state(path, model_state, state)
     changes = config_changes(state["config"], cfg)
     check_resume_changes(changes, f"from {path}", resume_override)
     if state.get("world") != world:
