@@ -60,8 +60,8 @@ except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .adapters import Adapter
-from .generic import adapter_for_model
+from .adapters import ADAPTERS, Adapter, registered_adapter
+from .generic import UnsupportedLayoutError, _find_layers, adapter_for_model
 from ..block import MHCBlock
 from .config import MHC_FIELDS, MHCConfig, added_parameter_count
 from .branch import SiteBranch
@@ -230,6 +230,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             config._attn_implementation_internal = base_model.config._attn_implementation
         else:
             adapter = config.get_adapter()
+        check_adapter_fits(base_model, adapter)
         self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
@@ -405,6 +406,85 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         return self
 
 
+def _adapter_owners(adapter: Adapter) -> list[str]:
+    """The model types whose registered adapter is ``adapter`` (those registered as a fixed :class:`Adapter`)."""
+    return sorted(t for t, spec in ADAPTERS.items() if isinstance(spec, Adapter) and spec == adapter)
+
+
+def check_adapter_fits(model: nn.Module, adapter: Adapter) -> None:
+    """Raise ``ValueError`` if ``adapter`` names modules that ``model`` (a base ``*ForCausalLM``) does not have.
+
+    Checked: the decoder-layer list (``adapter.layers``), the final norm and, in the first
+    layer, every submodule a site names. The message says which base ``model_type`` and which
+    adapter disagree (the model types that registered it), where the model keeps its decoder
+    layers, and how to fix it: an :class:`MHCConfig` whose ``base_config`` and ``adapter`` come
+    from different models (a GPT-2 config with Llama's adapter) builds with ``adapter=None``,
+    which takes the adapter registered for its base ``model_type``.
+    """
+    problem = None
+    try:
+        layers = model.get_submodule(adapter.layers)
+    except AttributeError:
+        problem = f"has no {adapter.layers!r} (where the adapter looks for the decoder layers)"
+    else:
+        if not isinstance(layers, nn.ModuleList):
+            problem = f"has a {type(layers).__name__} at {adapter.layers!r}, not the nn.ModuleList of decoder layers"
+        else:
+            try:
+                model.get_submodule(adapter.final_norm)
+            except AttributeError:
+                problem = f"has no {adapter.final_norm!r} (the adapter's final norm)"
+            if problem is None and len(layers):
+                names = [n for site in adapter.sites for b in site.branches for n in b.module_names()]
+                missing = [n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)]
+                if missing:
+                    problem = (f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
+                               f"{', '.join(map(repr, missing))} (which the adapter's sites use)")
+    if problem is None:
+        return
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    what = f"{type(model).__name__} (base model_type {model_type!r})"
+    where = ""
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(num_layers, int) and num_layers > 0:
+        try:
+            found, _ = _find_layers(model, num_layers)
+            where = f"; its {num_layers} decoder layers are at {found!r}"
+        except UnsupportedLayoutError:
+            pass
+    owners = _adapter_owners(adapter)
+    whose = f"the adapter registered for {', '.join(map(repr, owners))}" if owners else "a custom adapter"
+    own = registered_adapter(config) if config is not None else None
+    fix = (
+        f"use the adapter registered for {model_type!r} instead (MHCConfig(..., adapter=None), or "
+        "convert_to_mhc without adapter=)"
+        if own is not None
+        else "pass an adapter that describes this model (convert_to_mhc(model) infers one for architectures "
+        "without a registered adapter)"
+    )
+    raise ValueError(
+        f"the mHC adapter does not fit {what}: the model {problem}{where}. The adapter (layers at "
+        f"{adapter.layers!r}) is {whose}: it was made for another architecture than the base model's. "
+        f"To fix it, {fix}, or build the model from the base config the adapter was recorded with."
+    )
+
+
+def _check_causal_lm(model: PreTrainedModel) -> None:
+    """``ValueError`` naming the class if ``model`` is a headless base model (no LM head, no logits)."""
+    if getattr(model, "base_model", model) is not model or model.get_output_embeddings() is not None:
+        return
+    try:
+        suggestion = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)].__name__
+    except Exception:  # an architecture without a registered causal-LM class
+        suggestion = "LlamaForCausalLM"
+    raise ValueError(
+        f"convert_to_mhc needs a causal LM with its LM head (e.g. {suggestion}), got {type(model).__name__}, "
+        "a base model without one (what AutoModel loads; it returns hidden states, not logits). Load the "
+        "checkpoint with AutoModelForCausalLM.from_pretrained(...) and convert that."
+    )
+
+
 def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn.Module]) -> None:
     """Put the original decoder layers back (after a failed conversion: ``model`` is as before)."""
     layers = model.get_submodule(adapter.layers)
@@ -453,10 +533,12 @@ def convert_to_mhc(
         raise ValueError("model is already an MHCForCausalLM")
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
+    _check_causal_lm(model)
     if adapter is None:
         adapter = adapter_for_model(model)
     elif not isinstance(adapter, Adapter):
         raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
+    check_adapter_fits(model, adapter)
     config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
     quant = config.base_config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
