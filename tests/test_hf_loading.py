@@ -1,17 +1,77 @@
-"""Loading mHC models: errors that name their cause (CPU).
+"""Loading mHC models (CPU).
 
+* ``MHCForCausalLM.from_pretrained`` refuses weights holding NaN or Inf, naming the tensors;
 * :func:`mhc.convert_to_mhc` refuses a model without an LM head, naming it;
 * an :class:`mhc.MHCConfig` whose recorded adapter does not fit its base model says which disagree.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import struct
+from pathlib import Path
+
 import pytest
-from transformers import GPT2Model, LlamaModel
+import torch
+from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 
 from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
-from test_hf import tiny_base, tiny_config
+from mhc.hf.verify import NonFiniteWeightsError
+from test_hf import ids, perturb_mhc, tiny_base, tiny_config
+
+
+def corrupt_safetensors(path: Path, tensor: str, pattern: bytes, nbytes: int = 64, offset: int = 0) -> None:
+    """Overwrite ``nbytes`` bytes of ``tensor``'s data in a safetensors file (its payload, not the header)."""
+    raw = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8 : 8 + header_len])[tensor]["data_offsets"]
+    assert offset + nbytes <= end - start
+    at = 8 + header_len + start + offset
+    raw[at : at + nbytes] = (pattern * nbytes)[:nbytes]
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def saved_llama(tmp_path) -> Path:
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+NAN_F32 = struct.pack("<I", 0x7FC00000)
+POS_INF_F32 = struct.pack("<f", float("inf"))
+NEG_INF_F32 = struct.pack("<f", float("-inf"))
+
+
+def test_loading_weights_with_nan_or_inf_raises_naming_the_tensors(saved_llama):
+    """64 damaged bytes in the payload: before, the model loaded silently and computed NaN logits."""
+    weights = saved_llama / "model.safetensors"
+    corrupt_safetensors(weights, "model.model.layers.1.self_attn.q_proj.weight", NAN_F32, offset=256)
+    corrupt_safetensors(weights, "model.model.layers.0.mlp_mhc.phi", POS_INF_F32, nbytes=8)
+    corrupt_safetensors(weights, "model.model.norm.weight", NEG_INF_F32, nbytes=4, offset=12)
+    for load in (MHCForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(NonFiniteWeightsError) as info:
+            load(saved_llama)
+        msg = str(info.value)
+        assert isinstance(info.value, ValueError)
+        assert "3 of " in msg and str(saved_llama) in msg, msg
+        assert "model.model.layers.1.self_attn.q_proj.weight (16 NaN of 1024)" in msg, msg
+        assert "model.model.layers.0.mlp_mhc.phi (2 +Inf of 512)" in msg, msg
+        assert "model.model.norm.weight (1 -Inf of 32)" in msg, msg
+        assert "self_attn.k_proj" not in msg and "check_finite=False" in msg, msg
+    # The opt-out loads it as it is (and it computes NaN).
+    model = MHCForCausalLM.from_pretrained(saved_llama, check_finite=False)
+    with torch.no_grad():
+        assert model(ids()).logits.isnan().any()
+    assert not hasattr(model.config, "check_finite")
+
+
+def test_loading_finite_weights_passes_and_returns_loading_info(saved_llama):
+    model, info = MHCForCausalLM.from_pretrained(saved_llama, output_loading_info=True)
+    assert isinstance(model, MHCForCausalLM) and not info["missing_keys"]
 
 
 @pytest.mark.parametrize("verify", [None, False])
@@ -53,3 +113,25 @@ def test_convert_with_an_adapter_that_does_not_fit_names_it():
         convert_to_mhc(base, n_streams=2, adapter=ADAPTERS["llama"])
     assert "GPT2LMHeadModel" in str(info.value)
     assert not any(type(m).__name__ == "MHCDecoderLayer" for m in base.modules())
+
+
+def test_nonfinite_tensors_covers_every_dtype_once_and_skips_computed_buffers():
+    """Every floating dtype (float8 through its float32 fallback) and complex; integer tensors, meta tensors
+    and non-persistent buffers (computed by the model's code, not loaded) are not checked; a shared
+    parameter is named once."""
+    from mhc.hf.verify import nonfinite_tensors
+
+    m = torch.nn.Module()
+    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2)):
+        good, bad = torch.zeros(5, 3, dtype=dtype), torch.zeros(5, 3).index_fill_(0, torch.tensor([2]), math.inf)
+        m.register_parameter(f"good{i}", torch.nn.Parameter(good, requires_grad=False))
+        m.register_parameter(f"bad{i}", torch.nn.Parameter(bad.to(dtype), requires_grad=False))
+    m.register_buffer("cbad", torch.tensor([1 + 1j, complex(0, math.nan)]))
+    m.register_buffer("ints", torch.arange(4))
+    m.register_buffer("mask", torch.full((3,), -math.inf), persistent=False)
+    m.register_parameter("offloaded", torch.nn.Parameter(torch.empty(4, device="meta")))
+    m.child = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        m.child.bias[1] = math.nan
+    m.alias = m.child  # the same parameters under a second name
+    assert nonfinite_tensors(m) == ["bad0", "bad1", "bad2", "bad3", "bad4", "cbad", "child.bias"]

@@ -65,11 +65,17 @@ from .generic import UnsupportedLayoutError, _find_layers, adapter_for_model
 from ..block import MHCBlock
 from .config import MHC_FIELDS, MHCConfig, added_parameter_count
 from .branch import SiteBranch
-from .verify import check_logits, identity_coefficients, reference_logits, verify_by_default
+from .verify import (
+    NonFiniteWeightsError, check_finite_weights, check_logits, identity_coefficients, reference_logits,
+    verify_by_default,
+)
 from ..options import reject_unknown_options
 from ..streams import StreamReduce, expand_streams
 
-__all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
+__all__ = [
+    "MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count",
+    "NonFiniteWeightsError",
+]
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 _SAVE_HAS_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
@@ -260,6 +266,22 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     def decoder_layers(self) -> list[MHCDecoderLayer]:
         """The wrapped decoder layers, in order."""
         return list(self.model.get_submodule(self.adapter.layers))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, check_finite: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``, then a check that every loaded weight is finite.
+
+        Args:
+            check_finite: (default ``True``) raise :class:`mhc.hf.verify.NonFiniteWeightsError`
+                (a ``ValueError``) naming every parameter or persistent buffer that holds NaN or
+                Inf: a damaged weights file otherwise loads without a word and computes NaN.
+                ``False`` skips the check (one reduction per tensor, one host sync per device).
+            *model_args, **kwargs: as for ``PreTrainedModel.from_pretrained``.
+        """
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if check_finite:
+            check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded, pretrained_model_name_or_path)
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained``, with ``save_original_format=False`` by default (transformers 5).
