@@ -1,5 +1,9 @@
 """Loading mHC models (CPU).
 
+* a saved model loads through ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a
+  fresh process that never imports mhc (the saved ``modeling_mhc.py`` + ``auto_map``), as mhc's own classes,
+  with the saving process's logits; after ``import mhc`` the plain call loads it; without mhc-torch
+  installed the error says ``pip install mhc-torch``;
 * ``MHCForCausalLM.from_pretrained`` refuses weights holding NaN or Inf, naming the tensors;
 * :func:`mhc.convert_to_mhc` refuses a model without an LM head, naming it;
 * an :class:`mhc.MHCConfig` whose recorded adapter does not fit its base model says which disagree.
@@ -9,17 +13,175 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 
+import mhc
 from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
+from mhc.hf.custom_code import AUTO_MAP, CODE_FILE
 from mhc.hf.verify import NonFiniteWeightsError
 from test_hf import ids, perturb_mhc, tiny_base, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Put first in a child's script: `mhc` cannot be imported, whatever provides it (this checkout on
+# PYTHONPATH, an editable install's finder on sys.meta_path, or site-packages), as if not installed.
+HIDE_MHC = """
+import importlib.abc, sys
+
+class _NoMhc(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mhc" or name.startswith("mhc."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoMhc())
+"""
+
+
+def run_python(script: str, cwd: Path, *, hide_mhc: bool = False) -> str:
+    """Run ``script`` in a fresh Python; returns its stdout, fails the test if it exits non-zero.
+
+    The child imports this checkout's mhc (first on PYTHONPATH, ahead of any installed copy), or none
+    with ``hide_mhc``; the rest of this process's PYTHONPATH (another transformers, say) is kept;
+    transformers' custom-code cache goes under ``cwd``; no network.
+    """
+    env = dict(os.environ, HF_MODULES_CACHE=str(cwd / "hf_modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    script = textwrap.dedent(script)
+    if hide_mhc:
+        script = HIDE_MHC + script
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture
+def saved_with_logits(tmp_path) -> tuple[Path, Path]:
+    """A converted tiny Llama (coefficients moved off the identity) saved in ``model/``, and ``reference.safetensors``
+    with the input ids and the logits this process computes for them."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path / "model")
+    x = ids()
+    with torch.no_grad():
+        logits = model(x).logits
+    save_file({"input_ids": x, "logits": logits}, str(tmp_path / "reference.safetensors"))
+    return tmp_path / "model", tmp_path / "reference.safetensors"
+
+
+def test_save_pretrained_writes_the_loader_and_leaves_the_config_alone(saved_with_logits):
+    folder, _ = saved_with_logits
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["model_type"] == "mhc"
+    source = (folder / CODE_FILE).read_text()
+    assert "from mhc.hf import MHCConfig, MHCForCausalLM" in source and "pip install mhc-torch" in source
+    compile(source, CODE_FILE, "exec")
+    model = MHCForCausalLM(MHCConfig(base_config=tiny_config("llama"), n_streams=2))
+    model.config.auto_map = {"AutoTokenizer": ["tok.Tok", None]}
+    model.save_pretrained(folder.parent / "again")
+    assert model.config.auto_map == {"AutoTokenizer": ["tok.Tok", None]}  # the in-memory config as it was
+    saved = json.loads((folder.parent / "again" / "config.json").read_text())["auto_map"]
+    assert saved == {"AutoTokenizer": ["tok.Tok", None], **AUTO_MAP}
+    del model.config.auto_map
+    model.save_pretrained(folder.parent / "again")
+    assert "auto_map" not in model.config.__dict__
+    # save_pretrained(push_to_hub=True) uploads what changed after this listing: the loader always counts as new
+    assert set(model._get_files_timestamps(folder)) == {"config.json", "generation_config.json", "model.safetensors"}
+
+
+@pytest.mark.slow
+def test_loads_with_trust_remote_code_in_a_process_without_import_mhc(saved_with_logits, tmp_path):
+    """The folder loads in a fresh process that never imports mhc: trust_remote_code=True runs the saved
+    modeling_mhc.py, which imports mhc's classes; the logits are this process's, bit for bit. Without
+    trust_remote_code transformers refuses and runs nothing. Saved again, it carries the loader, not mhc's
+    source files."""
+    folder, reference = saved_with_logits
+    out = run_python(f"""
+        import os, sys
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r})
+        except ValueError as err:
+            assert "trust_remote_code=True" in str(err), err
+        else:
+            raise AssertionError("loaded without trust_remote_code")
+        assert "mhc" not in sys.modules  # nothing ran
+
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        import mhc
+        assert mhc.__file__ == {mhc.__file__!r}, mhc.__file__
+        assert type(model) is mhc.MHCForCausalLM and type(model.config) is mhc.MHCConfig, type(model)
+        ref = load_file({str(reference)!r})
+        with torch.no_grad():
+            logits = model(ref["input_ids"]).logits
+        assert torch.equal(logits, ref["logits"]), (logits - ref["logits"]).abs().max()
+        model.save_pretrained({str(tmp_path / "again")!r})
+        print("files:", ",".join(sorted(os.listdir({str(tmp_path / "again")!r}))))
+    """, tmp_path)
+    files = out.split("files:")[1].strip().split(",")
+    assert CODE_FILE in files and not {"config.py", "modeling.py", "adapters.py"} & set(files), files
+    assert (tmp_path / "again" / CODE_FILE).read_text() == (folder / CODE_FILE).read_text()
+
+
+@pytest.mark.slow
+def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
+    """After `import mhc` (before transformers, in a fresh process) the plain call loads the folder, and so
+    does trust_remote_code=True: mhc's classes either way, the same logits."""
+    folder, reference = saved_with_logits
+    run_python(f"""
+        import mhc
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        ref = load_file({str(reference)!r})
+        for kwargs in ({{}}, {{"trust_remote_code": True}}):
+            model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, **kwargs)
+            assert type(model) is mhc.MHCForCausalLM and type(model.config) is mhc.MHCConfig, type(model)
+            with torch.no_grad():
+                assert torch.equal(model(ref["input_ids"]).logits, ref["logits"])
+    """, tmp_path)
+    # and in this process, which imported mhc long ago
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(model) is MHCForCausalLM
+
+
+def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_logits, tmp_path):
+    folder, _ = saved_with_logits
+    out = run_python(f"""
+        import importlib.util
+        try:
+            importlib.util.find_spec("mhc")
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise AssertionError("mhc is not hidden")
+        from transformers import AutoModelForCausalLM
+
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        except ImportError as err:
+            print("ERROR:", err)
+        else:
+            raise AssertionError("loaded without mhc")
+    """, tmp_path, hide_mhc=True)
+    assert "pip install mhc-torch" in out and "No module named 'mhc'" in out, out
 
 
 def corrupt_safetensors(path: Path, tensor: str, pattern: bytes, nbytes: int = 64, offset: int = 0) -> None:

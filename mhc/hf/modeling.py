@@ -31,6 +31,11 @@ branches (norm, sublayer, post-norm, dropout, scale). :func:`convert_to_mhc`
 checks the result against the original model (:mod:`mhc.hf.verify`) and
 records the adapter in the config.
 
+Saved folders carry their loader: ``save_pretrained`` writes ``modeling_mhc.py`` and an
+``auto_map`` (:mod:`mhc.hf.custom_code`), so ``AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True)`` loads them without ``import mhc``; ``from_pretrained`` refuses
+weights holding NaN or Inf (:class:`~mhc.hf.verify.NonFiniteWeightsError`).
+
 Alternatives rejected: our own loop over the layers would fork every architecture's
 model forward (mask, rotary and cache preparation change between releases: 5.24
 renamed ``past_key_values`` to ``cache``); folding the ``n`` streams into the batch
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 
 import torch
 import transformers
@@ -64,6 +70,7 @@ from .adapters import ADAPTERS, Adapter, registered_adapter
 from .generic import UnsupportedLayoutError, _find_layers, adapter_for_model
 from ..block import MHCBlock
 from .config import MHC_FIELDS, MHCConfig, added_parameter_count
+from .custom_code import AUTO_MAP, CODE_FILE, write_code_file
 from .branch import SiteBranch
 from .verify import (
     NonFiniteWeightsError, check_finite_weights, check_logits, identity_coefficients, reference_logits,
@@ -77,6 +84,7 @@ __all__ = [
     "NonFiniteWeightsError",
 ]
 
+_MISSING = object()
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 _SAVE_HAS_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
 
@@ -284,15 +292,50 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """``PreTrainedModel.save_pretrained``, with ``save_original_format=False`` by default (transformers 5).
+        """``PreTrainedModel.save_pretrained``, plus the loader that lets the folder load without ``import mhc``.
 
-        The base model's key conversions are regexes for its own keys (Mixtral's
-        ``.mlp.`` matches ``mlp_mhc``): reverting them on save would rename the mHC
-        blocks' keys and the model would not reload. This class reads its own layout.
+        * Beside the weights it writes ``modeling_mhc.py``, and ``config.json`` gets an
+          ``auto_map`` pointing at it (:mod:`mhc.hf.custom_code`), so that
+          ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads the
+          model in any process where mhc-torch is installed; the module only imports
+          ``mhc``'s classes. The in-memory config is left as it was.
+        * ``save_original_format=False`` by default (transformers 5): the base model's key
+          conversions are regexes for its own keys (Mixtral's ``.mlp.`` matches
+          ``mlp_mhc``): reverting them on save would rename the mHC blocks' keys and the
+          model would not reload. This class reads its own layout.
         """
         if _SAVE_HAS_ORIGINAL_FORMAT:
             kwargs.setdefault("save_original_format", False)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        main = args[0] if args else kwargs.get("is_main_process", True)
+        if os.path.isfile(save_directory):  # transformers' own error for this case
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        if main and not getattr(self, "_hf_peft_config_loaded", False):  # (adapter-only saves write no config)
+            write_code_file(save_directory)
+        config = self.config
+        before = config.__dict__.get("auto_map", _MISSING)
+        config.auto_map = {**(before if isinstance(before, dict) else {}), **AUTO_MAP}
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if before is _MISSING:
+                config.__dict__.pop("auto_map", None)
+            else:
+                config.auto_map = before
+
+    def _get_files_timestamps(self, working_dir):
+        # save_pretrained(push_to_hub=True) uploads the files changed since this listing, taken
+        # after modeling_mhc.py is written: leaving it out has it uploaded with the rest.
+        stamps = super()._get_files_timestamps(working_dir)
+        stamps.pop(CODE_FILE, None)
+        return stamps
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM") -> None:
+        """A no-op: every :meth:`save_pretrained` writes mHC's own loader (:mod:`mhc.hf.custom_code`).
+
+        transformers calls this on a class it loads through ``auto_map``; registering would
+        make it copy ``mhc/hf/modeling.py`` into every folder the model is saved to.
+        """
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
         return (self.stream_reduce(args[0]), *args[1:])
@@ -498,7 +541,7 @@ def _check_causal_lm(model: PreTrainedModel) -> None:
         return
     try:
         suggestion = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)].__name__
-    except Exception:  # an architecture without a registered causal-LM class
+    except (KeyError, ImportError, AttributeError):  # an architecture without a registered causal-LM class
         suggestion = "LlamaForCausalLM"
     raise ValueError(
         f"convert_to_mhc needs a causal LM with its LM head (e.g. {suggestion}), got {type(model).__name__}, "
