@@ -60,7 +60,7 @@ imports mhc's classes. After `import mhc` the folder also loads without trust_re
 try:
     from mhc.hf import MHCConfig, MHCForCausalLM
 except ModuleNotFoundError as err:
-    if not (err.name or "").startswith("mhc"):
+    if err.name != "mhc" and not (err.name or "").startswith("mhc."):
         raise  # mhc is there, something it needs is not: that error says what
     raise ImportError(
         "This model is an mHC model (config.json model_type 'mhc'); loading it needs the mhc-torch package, "
