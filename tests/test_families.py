@@ -389,8 +389,8 @@ def test_adapter_that_names_a_missing_submodule_leaves_the_model_unconverted():
     with pytest.raises(ValueError, match="no submodule 'feed_forward'"):
         convert_to_mhc(base, adapter=wrong)
     assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
-    # a wrong final-norm path is found after the layers were wrapped: they are put back
-    with pytest.raises(AttributeError, match="final_norm"):
+    # a wrong final-norm path is found before any layer is wrapped
+    with pytest.raises(ValueError, match="no 'model.final_norm'"):
         convert_to_mhc(base, adapter=Adapter.pre_norm(final_norm="model.final_norm"))
     assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
     assert max_logit_diff("llama")[0] == 0.0

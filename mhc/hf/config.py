@@ -172,6 +172,14 @@ class MHCConfig(_BaseConfig):
         self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
+        """A no-op: :meth:`mhc.MHCForCausalLM.save_pretrained` writes mHC's own loader (:mod:`mhc.hf.custom_code`).
+
+        transformers calls this on a config class it loads through ``auto_map``; registering
+        would make every ``save_pretrained`` copy ``mhc/hf/config.py`` into the folder.
+        """
+
     def get_adapter(self) -> Adapter:
         """The :class:`~mhc.hf.adapters.Adapter` the model is built with: the recorded one, else the registered one.
 

@@ -31,6 +31,11 @@ branches (norm, sublayer, post-norm, dropout, scale). :func:`convert_to_mhc`
 checks the result against the original model (:mod:`mhc.hf.verify`) and
 records the adapter in the config.
 
+Saved folders carry their loader: ``save_pretrained`` writes ``modeling_mhc.py`` and an
+``auto_map`` (:mod:`mhc.hf.custom_code`), so ``AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True)`` loads them without ``import mhc``; ``from_pretrained`` refuses
+weights holding NaN or Inf (:class:`~mhc.hf.verify.NonFiniteWeightsError`).
+
 Alternatives rejected: our own loop over the layers would fork every architecture's
 model forward (mask, rotary and cache preparation change between releases: 5.24
 renamed ``past_key_values`` to ``cache``); folding the ``n`` streams into the batch
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 
 import torch
 import transformers
@@ -60,17 +66,25 @@ except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .adapters import Adapter
-from .generic import adapter_for_model
+from .adapters import ADAPTERS, Adapter, registered_adapter
+from .generic import UnsupportedLayoutError, _find_layers, adapter_for_model
 from ..block import MHCBlock
 from .config import MHC_FIELDS, MHCConfig, added_parameter_count
+from .custom_code import AUTO_MAP, CODE_FILE, write_code_file
 from .branch import SiteBranch
-from .verify import check_logits, identity_coefficients, reference_logits, verify_by_default
+from .verify import (
+    NonFiniteWeightsError, check_finite_weights, check_logits, identity_coefficients, reference_logits,
+    verify_by_default,
+)
 from ..options import reject_unknown_options
 from ..streams import StreamReduce, expand_streams
 
-__all__ = ["MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count"]
+__all__ = [
+    "MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count",
+    "NonFiniteWeightsError",
+]
 
+_MISSING = object()
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 _SAVE_HAS_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
 
@@ -230,6 +244,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             config._attn_implementation_internal = base_model.config._attn_implementation
         else:
             adapter = config.get_adapter()
+        check_adapter_fits(base_model, adapter)
         self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
@@ -260,16 +275,67 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         """The wrapped decoder layers, in order."""
         return list(self.model.get_submodule(self.adapter.layers))
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """``PreTrainedModel.save_pretrained``, with ``save_original_format=False`` by default (transformers 5).
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, check_finite: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``, then a check that every loaded weight is finite.
 
-        The base model's key conversions are regexes for its own keys (Mixtral's
-        ``.mlp.`` matches ``mlp_mhc``): reverting them on save would rename the mHC
-        blocks' keys and the model would not reload. This class reads its own layout.
+        Args:
+            check_finite: (default ``True``) raise :class:`mhc.hf.verify.NonFiniteWeightsError`
+                (a ``ValueError``) naming every parameter or persistent buffer that holds NaN or
+                Inf: a damaged weights file otherwise loads without a word and computes NaN.
+                ``False`` skips the check (one reduction per tensor, one host sync per device).
+            *model_args, **kwargs: as for ``PreTrainedModel.from_pretrained``.
+        """
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if check_finite:
+            check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded, pretrained_model_name_or_path)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus the loader that lets the folder load without ``import mhc``.
+
+        * Beside the weights it writes ``modeling_mhc.py``, and ``config.json`` gets an
+          ``auto_map`` pointing at it (:mod:`mhc.hf.custom_code`), so that
+          ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads the
+          model in any process where mhc-torch is installed; the module only imports
+          ``mhc``'s classes. The in-memory config is left as it was.
+        * ``save_original_format=False`` by default (transformers 5): the base model's key
+          conversions are regexes for its own keys (Mixtral's ``.mlp.`` matches
+          ``mlp_mhc``): reverting them on save would rename the mHC blocks' keys and the
+          model would not reload. This class reads its own layout.
         """
         if _SAVE_HAS_ORIGINAL_FORMAT:
             kwargs.setdefault("save_original_format", False)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        main = args[0] if args else kwargs.get("is_main_process", True)
+        if os.path.isfile(save_directory):  # transformers' own error for this case
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        if main and not getattr(self, "_hf_peft_config_loaded", False):  # (adapter-only saves write no config)
+            write_code_file(save_directory)
+        config = self.config
+        before = config.__dict__.get("auto_map", _MISSING)
+        config.auto_map = {**(before if isinstance(before, dict) else {}), **AUTO_MAP}
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if before is _MISSING:
+                config.__dict__.pop("auto_map", None)
+            else:
+                config.auto_map = before
+
+    def _get_files_timestamps(self, working_dir):
+        # save_pretrained(push_to_hub=True) uploads the files changed since this listing, taken
+        # after modeling_mhc.py is written: leaving it out has it uploaded with the rest.
+        stamps = super()._get_files_timestamps(working_dir)
+        stamps.pop(CODE_FILE, None)
+        return stamps
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM") -> None:
+        """A no-op: every :meth:`save_pretrained` writes mHC's own loader (:mod:`mhc.hf.custom_code`).
+
+        transformers calls this on a class it loads through ``auto_map``; registering would
+        make it copy ``mhc/hf/modeling.py`` into every folder the model is saved to.
+        """
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
         return (self.stream_reduce(args[0]), *args[1:])
@@ -405,6 +471,85 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         return self
 
 
+def _adapter_owners(adapter: Adapter) -> list[str]:
+    """The model types whose registered adapter is ``adapter`` (those registered as a fixed :class:`Adapter`)."""
+    return sorted(t for t, spec in ADAPTERS.items() if isinstance(spec, Adapter) and spec == adapter)
+
+
+def check_adapter_fits(model: nn.Module, adapter: Adapter) -> None:
+    """Raise ``ValueError`` if ``adapter`` names modules that ``model`` (a base ``*ForCausalLM``) does not have.
+
+    Checked: the decoder-layer list (``adapter.layers``), the final norm and, in the first
+    layer, every submodule a site names. The message says which base ``model_type`` and which
+    adapter disagree (the model types that registered it), where the model keeps its decoder
+    layers, and how to fix it: an :class:`MHCConfig` whose ``base_config`` and ``adapter`` come
+    from different models (a GPT-2 config with Llama's adapter) builds with ``adapter=None``,
+    which takes the adapter registered for its base ``model_type``.
+    """
+    problem = None
+    try:
+        layers = model.get_submodule(adapter.layers)
+    except AttributeError:
+        problem = f"has no {adapter.layers!r} (where the adapter looks for the decoder layers)"
+    else:
+        if not isinstance(layers, nn.ModuleList):
+            problem = f"has a {type(layers).__name__} at {adapter.layers!r}, not the nn.ModuleList of decoder layers"
+        else:
+            try:
+                model.get_submodule(adapter.final_norm)
+            except AttributeError:
+                problem = f"has no {adapter.final_norm!r} (the adapter's final norm)"
+            if problem is None and len(layers):
+                names = [n for site in adapter.sites for b in site.branches for n in b.module_names()]
+                missing = [n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)]
+                if missing:
+                    problem = (f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
+                               f"{', '.join(map(repr, missing))} (which the adapter's sites use)")
+    if problem is None:
+        return
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    what = f"{type(model).__name__} (base model_type {model_type!r})"
+    where = ""
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(num_layers, int) and num_layers > 0:
+        try:
+            found, _ = _find_layers(model, num_layers)
+            where = f"; its {num_layers} decoder layers are at {found!r}"
+        except UnsupportedLayoutError:
+            pass
+    owners = _adapter_owners(adapter)
+    whose = f"the adapter registered for {', '.join(map(repr, owners))}" if owners else "a custom adapter"
+    own = registered_adapter(config) if config is not None else None
+    fix = (
+        f"use the adapter registered for {model_type!r} instead (MHCConfig(..., adapter=None), or "
+        "convert_to_mhc without adapter=)"
+        if own is not None
+        else "pass an adapter that describes this model (convert_to_mhc(model) infers one for architectures "
+        "without a registered adapter)"
+    )
+    raise ValueError(
+        f"the mHC adapter does not fit {what}: the model {problem}{where}. The adapter (layers at "
+        f"{adapter.layers!r}) is {whose}: it was made for another architecture than the base model's. "
+        f"To fix it, {fix}, or build the model from the base config the adapter was recorded with."
+    )
+
+
+def _check_causal_lm(model: PreTrainedModel) -> None:
+    """``ValueError`` naming the class if ``model`` is a headless base model (no LM head, no logits)."""
+    if getattr(model, "base_model", model) is not model or model.get_output_embeddings() is not None:
+        return
+    try:
+        suggestion = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)].__name__
+    except (KeyError, ImportError, AttributeError):  # an architecture without a registered causal-LM class
+        suggestion = "LlamaForCausalLM"
+    raise ValueError(
+        f"convert_to_mhc needs a causal LM with its LM head (e.g. {suggestion}), got {type(model).__name__}, "
+        "a base model without one (what AutoModel loads; it returns hidden states, not logits). Load the "
+        "checkpoint with AutoModelForCausalLM.from_pretrained(...) and convert that."
+    )
+
+
 def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn.Module]) -> None:
     """Put the original decoder layers back (after a failed conversion: ``model`` is as before)."""
     layers = model.get_submodule(adapter.layers)
@@ -453,10 +598,12 @@ def convert_to_mhc(
         raise ValueError("model is already an MHCForCausalLM")
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
+    _check_causal_lm(model)
     if adapter is None:
         adapter = adapter_for_model(model)
     elif not isinstance(adapter, Adapter):
         raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
+    check_adapter_fits(model, adapter)
     config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
     quant = config.base_config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "gguf":

@@ -1,4 +1,6 @@
-"""The conversion self-check: the converted model must compute the original's logits.
+"""The conversion self-check, and the load-time check that weights are finite.
+
+**Conversion.**
 
 :func:`mhc.convert_to_mhc` runs the original model on a short random input
 before the surgery and the converted one after it, and raises
@@ -9,12 +11,17 @@ float rounding (the order of the residual additions), so the tolerance only
 has to absorb rounding, while a wrong adapter (a missing norm, a missing
 residual scale, a parallel layer run sequentially) changes logits by about
 their own size.
+
+**Loading.** :meth:`mhc.MHCForCausalLM.from_pretrained` runs :func:`check_finite_weights`
+on the loaded model and raises :class:`NonFiniteWeightsError`, naming the tensors, if
+any weight holds NaN or Inf (a damaged file gives NaN logits, silently, otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +37,9 @@ __all__ = [
     "reference_logits",
     "check_logits",
     "identity_coefficients",
+    "NonFiniteWeightsError",
+    "nonfinite_tensors",
+    "check_finite_weights",
 ]
 
 # verify=None (the default) checks a model of at most this many parameters (two forward passes
@@ -109,3 +119,109 @@ def identity_coefficients(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, value in zip(blocks, saved):
                 b.phi.copy_(value)
+
+
+class NonFiniteWeightsError(ValueError):
+    """Loaded weights hold NaN or Inf; the message names the tensors (``tensors``: their names)."""
+
+    def __init__(self, message: str, tensors: list[str]):
+        super().__init__(message)
+        self.tensors = tensors
+
+
+def _checked_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(state-dict name, tensor)`` of every parameter and persistent buffer, each tensor once.
+
+    What a checkpoint can hold. Non-persistent buffers (rotary frequencies, masks) are
+    computed by the model's code, not read from the file, so they are left out.
+    """
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        persistent = ((n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set)
+        for name, t in (*module._parameters.items(), *persistent):
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield (f"{prefix}.{name}" if prefix else name), t
+
+
+def _local_data(t: Tensor) -> Tensor:
+    t = t.detach()
+    to_local = getattr(t, "to_local", None)  # a DTensor (tensor parallel): this rank's shard
+    return to_local() if callable(to_local) else t
+
+
+def _finite_flag(t: Tensor) -> Tensor:
+    """A 0-dim bool tensor on ``t``'s device, ``False`` if ``t`` holds NaN or ±Inf (no host sync).
+
+    One reduction: ``aminmax`` propagates NaN, and ±Inf shows as the min or max. Dtypes it does
+    not support (float8) are read in float32 chunks.
+    """
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    try:
+        lo, hi = torch.aminmax(t)
+    except (RuntimeError, NotImplementedError):
+        parts = [torch.stack(torch.aminmax(c.float())) for c in t.reshape(-1).split(1 << 24)]
+        lo, hi = torch.cat(parts).aminmax()
+    return lo.isfinite() & hi.isfinite()
+
+
+def nonfinite_tensors(model: nn.Module) -> list[str]:
+    """Names of the parameters and persistent buffers of ``model`` that hold NaN or ±Inf.
+
+    Floating-point (and complex) tensors only; tensors on the meta device (offloaded) are
+    skipped. Cost: one reduction per tensor and one host sync per device, not per tensor.
+    """
+    names: dict[torch.device, list[str]] = {}
+    flags: dict[torch.device, list[Tensor]] = {}
+    with torch.no_grad():
+        for name, t in _checked_tensors(model):
+            data = _local_data(t)
+            if data.is_meta or data.numel() == 0 or not (data.is_floating_point() or data.is_complex()):
+                continue
+            names.setdefault(data.device, []).append(name)
+            flags.setdefault(data.device, []).append(_finite_flag(data))
+        bad = []
+        for device, device_flags in flags.items():
+            finite = torch.stack(device_flags).tolist()  # the device's one sync
+            bad += [name for name, ok in zip(names[device], finite) if not ok]
+    order = {name: i for i, (name, _) in enumerate(_checked_tensors(model))}
+    return sorted(bad, key=order.__getitem__)
+
+
+def _describe(t: Tensor) -> str:
+    """``"3 NaN, 1 +Inf of 1024"`` (counts, on the error path only)."""
+    data = _local_data(t)
+    if data.is_complex():
+        data = torch.view_as_real(data)
+    try:
+        counts = [int(data.isnan().sum()), int(data.isposinf().sum()), int(data.isneginf().sum())]
+    except (RuntimeError, NotImplementedError):
+        data = data.float()
+        counts = [int(data.isnan().sum()), int(data.isposinf().sum()), int(data.isneginf().sum())]
+    parts = [f"{c} {kind}" for c, kind in zip(counts, ("NaN", "+Inf", "-Inf")) if c]
+    return f"{', '.join(parts)} of {data.numel()}"
+
+
+def check_finite_weights(model: nn.Module, source: Any = None, max_listed: int = 20) -> None:
+    """Raise :class:`NonFiniteWeightsError` if a parameter or persistent buffer of ``model`` holds NaN or Inf.
+
+    The message names each such tensor with its counts (the first ``max_listed``), and
+    ``source`` (the folder or repo loaded) if given.
+    """
+    bad = nonfinite_tensors(model)
+    if not bad:
+        return
+    tensors = dict(_checked_tensors(model))
+    listed = "; ".join(f"{name} ({_describe(tensors[name])})" for name in bad[:max_listed])
+    if len(bad) > max_listed:
+        listed += f"; and {len(bad) - max_listed} more"
+    where = f"{type(model).__name__}.from_pretrained({str(source)!r})" if source is not None else type(model).__name__
+    raise NonFiniteWeightsError(
+        f"{where}: {len(bad)} of {len(tensors)} loaded tensors hold NaN or Inf, so the model would compute "
+        f"NaN: {listed}. The weights file is damaged (an interrupted download or copy, a failing disk) or "
+        "was saved from a run that had diverged; download or save it again. "
+        "Pass check_finite=False to load it anyway.",
+        bad,
+    )

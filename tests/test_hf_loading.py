@@ -1,0 +1,299 @@
+"""Loading mHC models (CPU).
+
+* a saved model loads through ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a
+  fresh process that never imports mhc (the saved ``modeling_mhc.py`` + ``auto_map``), as mhc's own classes,
+  with the saving process's logits; after ``import mhc`` the plain call loads it; without mhc-torch
+  installed the error says ``pip install mhc-torch``;
+* ``MHCForCausalLM.from_pretrained`` refuses weights holding NaN or Inf, naming the tensors;
+* :func:`mhc.convert_to_mhc` refuses a model without an LM head, naming it;
+* an :class:`mhc.MHCConfig` whose recorded adapter does not fit its base model says which disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
+
+import mhc
+from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc.hf.adapters import ADAPTERS
+from mhc.hf.custom_code import AUTO_MAP, CODE_FILE
+from mhc.hf.verify import NonFiniteWeightsError
+from test_hf import ids, perturb_mhc, tiny_base, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Put first in a child's script: `mhc` cannot be imported, whatever provides it (this checkout on
+# PYTHONPATH, an editable install's finder on sys.meta_path, or site-packages), as if not installed.
+HIDE_MHC = """
+import importlib.abc, sys
+
+class _NoMhc(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mhc" or name.startswith("mhc."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoMhc())
+"""
+
+
+def run_python(script: str, cwd: Path, *, hide_mhc: bool = False) -> str:
+    """Run ``script`` in a fresh Python; returns its stdout, fails the test if it exits non-zero.
+
+    The child imports this checkout's mhc (first on PYTHONPATH, ahead of any installed copy), or none
+    with ``hide_mhc``; the rest of this process's PYTHONPATH (another transformers, say) is kept;
+    transformers' custom-code cache goes under ``cwd``; no network.
+    """
+    env = dict(os.environ, HF_MODULES_CACHE=str(cwd / "hf_modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    script = textwrap.dedent(script)
+    if hide_mhc:
+        script = HIDE_MHC + script
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture
+def saved_with_logits(tmp_path) -> tuple[Path, Path]:
+    """A converted tiny Llama (coefficients moved off the identity) saved in ``model/``, and ``reference.safetensors``
+    with the input ids and the logits this process computes for them."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path / "model")
+    x = ids()
+    with torch.no_grad():
+        logits = model(x).logits
+    save_file({"input_ids": x, "logits": logits}, str(tmp_path / "reference.safetensors"))
+    return tmp_path / "model", tmp_path / "reference.safetensors"
+
+
+def test_save_pretrained_writes_the_loader_and_leaves_the_config_alone(saved_with_logits):
+    folder, _ = saved_with_logits
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["model_type"] == "mhc"
+    source = (folder / CODE_FILE).read_text()
+    assert "from mhc.hf import MHCConfig, MHCForCausalLM" in source and "pip install mhc-torch" in source
+    compile(source, CODE_FILE, "exec")
+    model = MHCForCausalLM(MHCConfig(base_config=tiny_config("llama"), n_streams=2))
+    model.config.auto_map = {"AutoTokenizer": ["tok.Tok", None]}
+    model.save_pretrained(folder.parent / "again")
+    assert model.config.auto_map == {"AutoTokenizer": ["tok.Tok", None]}  # the in-memory config as it was
+    saved = json.loads((folder.parent / "again" / "config.json").read_text())["auto_map"]
+    assert saved == {"AutoTokenizer": ["tok.Tok", None], **AUTO_MAP}
+    del model.config.auto_map
+    model.save_pretrained(folder.parent / "again")
+    assert "auto_map" not in model.config.__dict__
+    # save_pretrained(push_to_hub=True) uploads what changed after this listing: the loader always counts as new
+    assert set(model._get_files_timestamps(folder)) == {"config.json", "generation_config.json", "model.safetensors"}
+
+
+@pytest.mark.slow
+def test_loads_with_trust_remote_code_in_a_process_without_import_mhc(saved_with_logits, tmp_path):
+    """The folder loads in a fresh process that never imports mhc: trust_remote_code=True runs the saved
+    modeling_mhc.py, which imports mhc's classes; the logits are this process's, bit for bit. Without
+    trust_remote_code transformers refuses and runs nothing. Saved again, it carries the loader, not mhc's
+    source files."""
+    folder, reference = saved_with_logits
+    out = run_python(f"""
+        import os, sys
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r})
+        except ValueError as err:
+            assert "trust_remote_code=True" in str(err), err
+        else:
+            raise AssertionError("loaded without trust_remote_code")
+        assert "mhc" not in sys.modules  # nothing ran
+
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        import mhc
+        assert mhc.__file__ == {mhc.__file__!r}, mhc.__file__
+        assert type(model) is mhc.MHCForCausalLM and type(model.config) is mhc.MHCConfig, type(model)
+        ref = load_file({str(reference)!r})
+        with torch.no_grad():
+            logits = model(ref["input_ids"]).logits
+        assert torch.equal(logits, ref["logits"]), (logits - ref["logits"]).abs().max()
+        model.save_pretrained({str(tmp_path / "again")!r})
+        print("files:", ",".join(sorted(os.listdir({str(tmp_path / "again")!r}))))
+    """, tmp_path)
+    files = out.split("files:")[1].strip().split(",")
+    assert CODE_FILE in files and not {"config.py", "modeling.py", "adapters.py"} & set(files), files
+    assert (tmp_path / "again" / CODE_FILE).read_text() == (folder / CODE_FILE).read_text()
+
+
+@pytest.mark.slow
+def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
+    """After `import mhc` (before transformers, in a fresh process) the plain call loads the folder, and so
+    does trust_remote_code=True: mhc's classes either way, the same logits."""
+    folder, reference = saved_with_logits
+    run_python(f"""
+        import mhc
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        ref = load_file({str(reference)!r})
+        for kwargs in ({{}}, {{"trust_remote_code": True}}):
+            model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, **kwargs)
+            assert type(model) is mhc.MHCForCausalLM and type(model.config) is mhc.MHCConfig, type(model)
+            with torch.no_grad():
+                assert torch.equal(model(ref["input_ids"]).logits, ref["logits"])
+    """, tmp_path)
+    # and in this process, which imported mhc long ago
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(model) is MHCForCausalLM
+
+
+def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_logits, tmp_path):
+    folder, _ = saved_with_logits
+    out = run_python(f"""
+        import importlib.util
+        try:
+            importlib.util.find_spec("mhc")
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise AssertionError("mhc is not hidden")
+        from transformers import AutoModelForCausalLM
+
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        except ImportError as err:
+            print("ERROR:", err)
+        else:
+            raise AssertionError("loaded without mhc")
+    """, tmp_path, hide_mhc=True)
+    assert "pip install mhc-torch" in out and "No module named 'mhc'" in out, out
+
+
+def corrupt_safetensors(path: Path, tensor: str, pattern: bytes, nbytes: int = 64, offset: int = 0) -> None:
+    """Overwrite ``nbytes`` bytes of ``tensor``'s data in a safetensors file (its payload, not the header)."""
+    raw = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8 : 8 + header_len])[tensor]["data_offsets"]
+    assert offset + nbytes <= end - start
+    at = 8 + header_len + start + offset
+    raw[at : at + nbytes] = (pattern * nbytes)[:nbytes]
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def saved_llama(tmp_path) -> Path:
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+NAN_F32 = struct.pack("<I", 0x7FC00000)
+POS_INF_F32 = struct.pack("<f", float("inf"))
+NEG_INF_F32 = struct.pack("<f", float("-inf"))
+
+
+def test_loading_weights_with_nan_or_inf_raises_naming_the_tensors(saved_llama):
+    """64 damaged bytes in the payload: before, the model loaded silently and computed NaN logits."""
+    weights = saved_llama / "model.safetensors"
+    corrupt_safetensors(weights, "model.model.layers.1.self_attn.q_proj.weight", NAN_F32, offset=256)
+    corrupt_safetensors(weights, "model.model.layers.0.mlp_mhc.phi", POS_INF_F32, nbytes=8)
+    corrupt_safetensors(weights, "model.model.norm.weight", NEG_INF_F32, nbytes=4, offset=12)
+    for load in (MHCForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(NonFiniteWeightsError) as info:
+            load(saved_llama)
+        msg = str(info.value)
+        assert isinstance(info.value, ValueError)
+        assert "3 of " in msg and str(saved_llama) in msg, msg
+        assert "model.model.layers.1.self_attn.q_proj.weight (16 NaN of 1024)" in msg, msg
+        assert "model.model.layers.0.mlp_mhc.phi (2 +Inf of 512)" in msg, msg
+        assert "model.model.norm.weight (1 -Inf of 32)" in msg, msg
+        assert "self_attn.k_proj" not in msg and "check_finite=False" in msg, msg
+    # The opt-out loads it as it is (and it computes NaN).
+    model = MHCForCausalLM.from_pretrained(saved_llama, check_finite=False)
+    with torch.no_grad():
+        assert model(ids()).logits.isnan().any()
+    assert not hasattr(model.config, "check_finite")
+
+
+def test_loading_finite_weights_passes_and_returns_loading_info(saved_llama):
+    model, info = MHCForCausalLM.from_pretrained(saved_llama, output_loading_info=True)
+    assert isinstance(model, MHCForCausalLM) and not info["missing_keys"]
+
+
+@pytest.mark.parametrize("verify", [None, False])
+@pytest.mark.parametrize("arch,headless,causal", [("llama", LlamaModel, "LlamaForCausalLM"),
+                                                  ("gpt2", GPT2Model, "GPT2LMHeadModel")])
+def test_convert_refuses_a_model_without_lm_head(arch, headless, causal, verify):
+    """A headless base model (what AutoModel loads) is refused before anything runs, naming its class and
+    the causal-LM class to load instead (before: AttributeError about `logits`, or about `model` with
+    verify=False)."""
+    model = headless(tiny_config(arch))
+    with pytest.raises(ValueError) as info:
+        convert_to_mhc(model, n_streams=2, verify=verify)
+    msg = str(info.value)
+    assert headless.__name__ in msg and causal in msg and "LM head" in msg, msg
+    assert "AutoModelForCausalLM" in msg, msg
+    assert not any(type(m).__name__ == "MHCDecoderLayer" for m in model.modules())  # left as it was
+
+
+def test_config_whose_adapter_does_not_fit_its_base_model_type():
+    """A GPT-2 base config with Llama's adapter names both and the fix (before: "GPT2LMHeadModel has no
+    attribute `model`")."""
+    cfg = MHCConfig(base_config=tiny_config("gpt2"), n_streams=2, adapter=ADAPTERS["llama"])
+    with pytest.raises(ValueError) as info:
+        MHCForCausalLM(cfg)
+    msg = str(info.value)
+    assert "'gpt2'" in msg and "GPT2LMHeadModel" in msg, msg
+    assert "'model.layers'" in msg and "'transformer.h'" in msg, msg  # what the adapter names, where they are
+    assert "llama" in msg, msg  # whose adapter it is
+    assert "adapter=None" in msg, msg  # the fix
+    # The fix works: the registered adapter of the base model_type.
+    cfg.adapter = None
+    assert isinstance(MHCForCausalLM(cfg), MHCForCausalLM)
+
+
+def test_convert_with_an_adapter_that_does_not_fit_names_it():
+    """An explicit adapter whose layer path is not in the model: the same message, the model left unconverted."""
+    base = tiny_base("gpt2")
+    with pytest.raises(ValueError, match="'model.layers'") as info:
+        convert_to_mhc(base, n_streams=2, adapter=ADAPTERS["llama"])
+    assert "GPT2LMHeadModel" in str(info.value)
+    assert not any(type(m).__name__ == "MHCDecoderLayer" for m in base.modules())
+
+
+def test_nonfinite_tensors_covers_every_dtype_once_and_skips_computed_buffers():
+    """Every floating dtype (float8 through its float32 fallback) and complex; integer tensors, meta tensors
+    and non-persistent buffers (computed by the model's code, not loaded) are not checked; a shared
+    parameter is named once."""
+    from mhc.hf.verify import nonfinite_tensors
+
+    m = torch.nn.Module()
+    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2)):
+        good, bad = torch.zeros(5, 3, dtype=dtype), torch.zeros(5, 3).index_fill_(0, torch.tensor([2]), math.inf)
+        m.register_parameter(f"good{i}", torch.nn.Parameter(good, requires_grad=False))
+        m.register_parameter(f"bad{i}", torch.nn.Parameter(bad.to(dtype), requires_grad=False))
+    m.register_buffer("cbad", torch.tensor([1 + 1j, complex(0, math.nan)]))
+    m.register_buffer("ints", torch.arange(4))
+    m.register_buffer("mask", torch.full((3,), -math.inf), persistent=False)
+    m.register_parameter("offloaded", torch.nn.Parameter(torch.empty(4, device="meta")))
+    m.child = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        m.child.bias[1] = math.nan
+    m.alias = m.child  # the same parameters under a second name
+    assert nonfinite_tensors(m) == ["bad0", "bad1", "bad2", "bad3", "bad4", "cbad", "child.bias"]
