@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 import mhc
 from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
-from mhc.hf.custom_code import AUTO_MAP, CODE_FILE
+from mhc.hf.custom_code import AUTO_MAP, CODE_FILE, code_source
 from mhc.hf.verify import NonFiniteWeightsError
 from test_hf import ids, perturb_mhc, tiny_base, tiny_config
 
@@ -100,6 +100,24 @@ def test_save_pretrained_writes_the_loader_and_leaves_the_config_alone(saved_wit
     assert "auto_map" not in model.config.__dict__
     # save_pretrained(push_to_hub=True) uploads what changed after this listing: the loader always counts as new
     assert set(model._get_files_timestamps(folder)) == {"config.json", "generation_config.json", "model.safetensors"}
+
+
+def test_a_training_run_s_model_folder_carries_the_loader_too(tmp_path):
+    """mhc-train writes model/ and checkpoints with write_model_dir, not save_pretrained: the same loader goes in
+    (only for mHC configs), the config object is left alone, and a checkpoint's manifest accepts the file."""
+    from mhc.train.checkpoint import ALLOWED_FILES, write_model_dir
+
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    write_model_dir(tmp_path / "mhc", model.config, model.state_dict(), None)
+    assert json.loads((tmp_path / "mhc" / "config.json").read_text())["auto_map"] == AUTO_MAP
+    assert (tmp_path / "mhc" / CODE_FILE).read_text() == code_source()
+    assert "auto_map" not in model.config.__dict__ and CODE_FILE in ALLOWED_FILES
+    loaded = MHCForCausalLM.from_pretrained(tmp_path / "mhc")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    base = tiny_base("llama")  # a residual run's folder is a plain Llama one
+    write_model_dir(tmp_path / "residual", base.config, base.state_dict(), None)
+    assert not (tmp_path / "residual" / CODE_FILE).exists()
+    assert "auto_map" not in json.loads((tmp_path / "residual" / "config.json").read_text())
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ checkpoint is removed). Nothing else reads this variable.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -75,7 +76,9 @@ MODEL_CONFIG = "config.json"
 REQUIRED_FILES = frozenset({MODEL_CONFIG, MODEL_WEIGHTS, TRAINER_STATE, TRAINER_TENSORS})
 # Written beside them for from_pretrained / AutoTokenizer users; never read when resuming.
 TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer_mhc.json", "special_tokens_map.json"})
-ALLOWED_FILES = REQUIRED_FILES | TOKENIZER_FILES
+# mHC models' loader for transformers' Auto classes without `import mhc` (mhc.hf.custom_code); never run here.
+LOADER_FILE = "modeling_mhc.py"
+ALLOWED_FILES = REQUIRED_FILES | TOKENIZER_FILES | {LOADER_FILE}
 STEP_NAME = re.compile(r"step_(\d{8,})")
 
 
@@ -234,6 +237,14 @@ def write_model_dir(directory: Path, model_config, state_dict: dict[str, Tensor]
     """
     after_file = after_file or (lambda k: None)
     directory.mkdir(parents=True, exist_ok=True)
+    if getattr(model_config, "model_type", None) == "mhc":
+        # As MHCForCausalLM.save_pretrained does: the folder loads with trust_remote_code=True alone.
+        from ..hf.custom_code import AUTO_MAP, CODE_FILE, write_code_file
+
+        assert CODE_FILE == LOADER_FILE
+        write_code_file(directory)
+        model_config = copy.copy(model_config)
+        model_config.auto_map = {**(getattr(model_config, "auto_map", None) or {}), **AUTO_MAP}
     model_config.save_pretrained(str(directory))
     after_file(1)
     sd, aliases = _dedup_shared(state_dict)
