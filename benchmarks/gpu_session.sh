@@ -9,17 +9,21 @@
 #            it has mHC-proj's call beside ours)
 #   compile  benchmarks/step/bench_compile.py, 134M: residual and mHC, eager and compiled (fullgraph)
 #   compile1b  the same for the 1.1B model (batch 4)
+#   training benchmarks/step/bench_training.py --kernels --commit $COMMIT --json $OUT/training.json $TRAINING_ARGS:
+#            the training-cost table (residual and mHC; small_gpu, 134m and 1b; bf16 and autocast; eager and
+#            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own
 #   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
 #   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
-# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), OLD_TREE (ab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b sweep ab)"
+# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
+# (bench_training.py options added after the stage's), OLD_TREE (ab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -52,6 +56,8 @@ for stage in "$@"; do
       timeout 400 python3 benchmarks/step/bench_compile.py --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile.log" ;;
     compile1b)
       timeout 500 python3 benchmarks/step/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
+    training)
+      timeout 560 python3 benchmarks/step/bench_training.py --kernels --commit "$COMMIT" --json "$OUT/training.json" ${TRAINING_ARGS-} 2>&1 | tee "$OUT/training.log" ;;
     sweep)
       timeout 500 python3 benchmarks/site/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
     ab)

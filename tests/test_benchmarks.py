@@ -234,3 +234,105 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
     assert gbps == pytest.approx(nbytes["postmix_fwd"] / 57.0 / 1e3)
     assert of_copy == pytest.approx(gbps / 4000.0)
 
+
+
+def _bench_training():
+    sys.path.insert(0, str(BENCHMARKS / "step"))
+    try:
+        import bench_training
+    finally:
+        sys.path.remove(str(BENCHMARKS / "step"))
+    return bench_training
+
+
+def test_bench_training_options_shapes_report_and_json(tmp_path):
+    """benchmarks/step/bench_training.py's pieces without running a model: its options, the shapes (the small_gpu
+    preset's model and batch), the compile call mhc.train makes, the kernel figures at the streams' element size,
+    the markdown tables and the JSON header."""
+    from types import SimpleNamespace
+
+    bt = _bench_training()
+    common = bt.common
+
+    args = bt.parse_args([])
+    assert (args.shapes, args.recipes, args.modes) == (["small_gpu", "134m", "1b"], ["bf16", "autocast"], ["eager", "compiled"])
+    assert (args.rounds, args.steps, args.warmup, args.init, args.compile_backend, args.device) == (2, 10, 3, "paper", "inductor", "cuda")
+    assert bt.parse_args(["--shapes", "1b,134m,1b", "--modes", "compiled"]).shapes == ["1b", "134m"]
+    for bad in (["--shapes", "2b"], ["--modes", ","], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--kernels"],
+                ["--rounds", "0"], ["--device", "mps"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
+
+    small, m134, b1 = (bt.shape_plan(s, tiny=False) for s in ("small_gpu", "134m", "1b"))
+    assert (small["batch"], small["seq"], small["hidden"], small["layers"], small["vocab"]) == (32, 512, 512, 12, 8192)
+    assert (m134["batch"], m134["seq"], m134["hidden"], m134["layers"], m134["vocab"]) == (8, 2048, 768, 12, 32000)
+    assert (b1["batch"], b1["seq"], b1["hidden"], b1["layers"], b1["heads"], b1["kv_heads"]) == (4, 2048, 2048, 22, 32, 4)
+    mhc_cfg, res_cfg = bt.preset_config("mhc"), bt.preset_config("residual")
+    assert mhc_cfg.mhc_options == {"init": "paper"} and mhc_cfg.streams == 4 and mhc_cfg.variant == "mhc"
+    assert res_cfg.variant == "residual" and res_cfg.streams == 1 and res_cfg.mhc_options == {}
+    assert mhc_cfg.grad_clip == 1.0 and mhc_cfg.grad_accum == 1 and not mhc_cfg.compile
+    model = torch.nn.Linear(2, 2)
+    compiled = bt.compile_model(model, "inductor", torch.device("cpu"))  # mhc.train's wrap_model; lazy, nothing compiles
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and compiled._orig_mod is model
+
+    T, C = 8192, 2048
+    averages = [SimpleNamespace(key="postmix_fwd", count=88, self_device_time_total=88 * 500.0),
+                SimpleNamespace(key="nvjet_gemm", count=10, self_device_time_total=10 * 1000.0)]
+    kernels = bt.kernel_figures(averages, 2, T, C, 4, copy=4000.0)
+    fp32_bytes = common.site_kernel_bytes(T, 4, C, 4)["postmix_fwd"]
+    assert fp32_bytes > 1.9 * common.site_kernel_bytes(T, 4, C, 2)["postmix_fwd"]  # float32 streams: twice the bytes
+    (row,) = kernels["kernels"]
+    assert row["kernel"] == "postmix_fwd" and row["calls_per_step"] == 44 and row["us_per_call"] == pytest.approx(500.0)
+    assert row["gbps"] == pytest.approx(fp32_bytes / 500.0 / 1e3) and row["x_copy"] == pytest.approx(row["gbps"] / 4000.0)
+    assert kernels["site_ms_per_step"] == pytest.approx(22.0) and kernels["kernel_ms_per_step"] == pytest.approx(27.0)
+    assert kernels["site_share"] == pytest.approx(44.0 / 54.0) and kernels["stream_bytes"] == 4
+
+    figures = lambda ms, peak, compile_s: {"ms": ms, "tokens_per_s": T / ms * 1e3, "round_medians": [ms + 1, ms],  # noqa: E731
+                                           "peak_gb": peak, "compile_s": compile_s, "skipped_steps": 0}
+    group = {"shape": "1b", "recipe": "autocast", "mode": "compiled", "batch": 4, "seq": 2048, "tokens_per_step": T,
+             "models": {"residual": figures(200.0, 40.0, 45.0), "mhc": figures(230.0, 50.0, 55.0)},
+             "ratio_ms": 1.15, "ratio_peak": 1.25, "kernels": kernels}
+    failed = {"shape": "134m", "recipe": "bf16", "mode": "eager", "error": "OutOfMemoryError: CUDA out of memory"}
+    lines = bt.table([group, failed]).splitlines()
+    assert all(line.count("|") == lines[0].count("|") for line in lines), lines
+    assert lines[2] == ("| 1b | autocast | compiled | 8,192 | 200.00 | 230.00 | 1.150× | 40,960 | 35,617 | 40.00 | 50.00 "
+                        "| 1.250× | 45.0 / 55.0 |"), lines[2]
+    assert "failed: OutOfMemoryError" in lines[3]
+    assert "| postmix_fwd | 44 | 500.0 |" in bt.kernel_table(group) and "4-byte streams" in bt.kernel_table(group)
+    assert "1.150x" in bt.group_line(group) and "FAILED" in bt.group_line(failed)
+
+    argv = ["--shapes", "134m", "--commit", "abc1234"]
+    report = {**bt.header(bt.parse_args(argv), argv), "groups": [group, failed], "complete": True}
+    common.write_json(tmp_path / "training.json", report)
+    data = json.loads((tmp_path / "training.json").read_text())
+    assert data["commit"] == "abc1234" and data["environment"]["torch"] == torch.__version__
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", data["date"]) and data["command"].endswith("--shapes 134m --commit abc1234")
+    assert data["shapes"]["134m"]["batch"] == 8 and data["settings"]["rounds"] == 2 and data["groups"][0]["ratio_ms"] == 1.15
+
+
+@pytest.mark.slow
+def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
+    """bench_training.py on tiny models on the CPU (reference site, host timers, dynamo's eager backend): every
+    group of two shapes, both recipes and both modes runs and lands in the JSON."""
+    out = tmp_path / "training.json"
+    proc = _run(sys.executable, str(BENCHMARKS / "step" / "bench_training.py"), "--device", "cpu", "--tiny",
+                "--shapes", "small_gpu,1b", "--compile-backend", "eager", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                "--commit", "abc1234", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| shape | recipe | mode |" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["commit"] == "abc1234" and data["settings"]["tiny"], data["settings"]
+    assert [(g["shape"], g["recipe"], g["mode"]) for g in data["groups"]] == [
+        (s, r, m) for s in ("small_gpu", "1b") for r in ("bf16", "autocast") for m in ("eager", "compiled")]
+    for g in data["groups"]:
+        assert "error" not in g, g
+        res, mhc = g["models"]["residual"], g["models"]["mhc"]
+        for f in (res, mhc):
+            assert f["ms"] > 0 and f["tokens_per_s"] > 0 and len(f["round_medians"]) == 1 and f["skipped_steps"] == 0, f
+            assert f["stream_dtype"] == ("torch.bfloat16" if g["recipe"] == "bf16" else "torch.float32"), (g["recipe"], f)
+            assert f["resident_gb"] > 0 and f["peak_gb"] is None  # no peak memory on the CPU
+            if g["mode"] == "compiled":
+                assert f["compile_s"] > 0 and f["dynamo"]["unique_graphs"] >= 1, f
+        assert mhc["params"] > res["params"] and g["ratio_ms"] == pytest.approx(mhc["ms"] / res["ms"])
+        if g["recipe"] == "autocast":  # mhc.train's step: two warm-up, one timed, one for memory
+            assert res["steps_run"] == mhc["steps_run"] == 4, g

@@ -1,0 +1,594 @@
+"""What a training step costs with mHC against the residual model: the source of the README's training-cost table (CUDA).
+
+    python benchmarks/step/bench_training.py --json out.json --commit $(git rev-parse --short HEAD)
+    python benchmarks/step/bench_training.py --shapes 1b --recipes autocast --modes compiled --kernels
+    python benchmarks/step/bench_training.py --dry-run                    # the plan: groups, models, recipes
+    python benchmarks/step/bench_training.py --device cpu --tiny --modes eager --json /tmp/t.json   # CPU check
+
+On the GPU machine, as the stage ``training`` of ``benchmarks/gpu_session.sh`` (every group, with
+``--kernels``, in one process under ``timeout 560``; ``TRAINING_ARGS`` adds options), after the stage ``setup``
+in a call of its own (setup and 560 s do not fit in one 10-minute call)::
+
+    COMMIT=<sha> bash benchmarks/gpu_session.sh setup
+    COMMIT=<sha> bash benchmarks/gpu_session.sh training          # $OUT/training.json and training.log
+    COMMIT=<sha> TRAINING_ARGS="--shapes small_gpu,134m" bash benchmarks/gpu_session.sh training   # or in two calls:
+    COMMIT=<sha> TRAINING_ARGS="--shapes 1b" bash benchmarks/gpu_session.sh training
+
+The six compiled groups' twelve compilations take about 7 minutes of the 560 s on the H200 (``notes/compile.md``: 27-54 s
+each), so the two-call form is the safe one.
+
+Every group is one ``(shape, recipe, mode)``: the residual model and the mHC model
+(``n_streams=4``, ``init="paper"`` unless ``--init``, the default fused site) are
+built afresh for it on the device, each runs one warm-up step (compiled: the
+first step compiles and is timed alone as the compile time, then one more),
+then their steps are timed in interleaved rounds in this one process
+(``common.interleaved``: ``--rounds`` rounds of ``--warmup`` untimed and ``--steps``
+timed steps each, the best of the round medians kept), then each step's peak
+memory (``common.step_peak_memory``), then with ``--kernels`` the fused site's
+kernels over ``--kernel-steps`` steps under ``torch.profiler``. The models are
+freed (and dynamo reset) before the next group. The JSON is rewritten after
+every group, so a run cut short keeps the groups it finished.
+
+Shapes (``--shapes``; these three options take comma-separated names, run in the order given):
+
+* ``small_gpu``: the preset ``configs/small_gpu_{residual,mhc}.yaml`` of
+  ``scripts/train_lm.py`` / ``scripts/compare.py``, built as ``mhc.train``
+  builds it (``build_model``: ``MHCForCausalLM`` over a Llama config, the
+  residual one too, with ``mode="residual", n_streams=1``; vocabulary 8192,
+  the preset's BPE), batch 32 x 512; the mHC model gets
+  ``mhc_options.init`` = ``--init`` (the preset itself trains from
+  ``"identity"``, whose ``φ = 0`` gives every token the same ``H_res`` until
+  training moves it: ``"paper"`` is nearer a trained step);
+* ``134m``: ``common.llama_134m`` (``LlamaForCausalLM``, and
+  ``convert_to_mhc`` of it), batch 8 x 2048;
+* ``1b``: ``bench_compile.llama_1b`` (1.1B, GQA 32/4), batch 4 x 2048.
+
+Recipes (``--recipes``):
+
+* ``bf16``: the model cast wholly to bf16 (the mHC coefficients stay float32, as
+  ``MHCForCausalLM.to`` keeps them), the step of ``bench_compile.py``
+  (``common.training_step``: ``model(input_ids, labels=ids).loss``, backward,
+  fused AdamW at lr 1e-4, ``zero_grad``);
+* ``autocast``: float32 weights under ``torch.autocast("cuda", torch.bfloat16)``,
+  the step of ``mhc.train``'s loop, through its own functions:
+  ``optimizer.zero_grad(set_to_none=True)``; ``mhc.train.loop.forward_backward``
+  (``lm_loss``: the forward under autocast with ``use_cache=False``, the float32
+  cross-entropy outside it, backward, ``clip_grad_norm_`` at the preset's
+  ``grad_clip`` 1.0, and the two host syncs of ``float(gnorm)`` and
+  ``float(loss)``); ``optimizer.step()`` when both are finite;
+  ``scheduler.step()``. The optimizer is ``mhc.train.model.build_optimizer``'s:
+  fused AdamW over the two parameter groups (no decay on mHC coefficients and
+  1-D parameters) with the preset's lr, betas, eps and weight decay, and its
+  warmup + cosine schedule. The batch is copied to the device every step from
+  the CPU, as the loop does. Not included: the loop's logging, tqdm and spike
+  tracking (host work of microseconds).
+
+Modes (``--modes``): ``eager``, and ``compiled``: ``torch.compile`` of the whole
+model as ``mhc.train`` does it (``mhc.train.distributed.wrap_model`` for one
+process: ``torch.compile(model)``, default mode, no ``fullgraph``); both
+recipes run it the same way. ``--compile-backend`` other than ``inductor``
+(``eager``, ``aot_eager``) is for checking the script without a GPU.
+
+Reported per group: step ms and tokens/s of each model, mHC/residual; peak
+memory (GB) of each step (parameters and optimizer state plus the step's
+peak above what was allocated before it, gradients included: they are freed
+first) and the ratio; compile seconds and dynamo's graphs and graph breaks.
+With ``--kernels``: each fused site kernel's µs per call and bandwidth
+against a device copy, bytes from ``common.site_kernel_bytes`` with the
+element size of the streams (the embedding's dtype: 2 bytes under ``bf16``,
+4 under ``autocast``, whose streams are float32), and the site kernels'
+share of the step's kernel time. A markdown table is printed at the end;
+``--json PATH`` writes everything, with ``common.environment()``, the date and
+``--commit`` (default: ``git rev-parse`` where there is a ``.git``).
+
+``--device cpu --tiny`` runs every path on tiny models on the CPU (the
+reference site, not the fused kernels; host timers; no peak memory) to
+check the script; ``--dry-run`` prints the plan and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import math
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
+import torch
+import torch._dynamo
+from bench_compile import llama_1b  # noqa: E402  (benchmarks/step/, this script's folder)
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPES = ("small_gpu", "134m", "1b")
+RECIPES = ("bf16", "autocast")
+MODES = ("eager", "compiled")
+MODELS = ("residual", "mhc")
+N_STREAMS = 4
+# batch x seq of each shape; the small_gpu preset's are read from its config (32 x 512), checked in the tests.
+LLAMA_SHAPES = {"134m": (8, 2048), "1b": (4, 2048)}
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 256, "batch": 2, "seq": 32}
+
+
+# --------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str, ap: argparse.ArgumentParser) -> list[str]:
+    """Comma-separated ``text`` as a list in the order given, each once; unknown or no names end the parser."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in names if t not in allowed]
+    if unknown or not names:
+        ap.error(f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {','.join(allowed)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)} (default all)")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {','.join(RECIPES)} (default all)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)} (default all)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each round's timed ones (default 3)")
+    ap.add_argument("--init", choices=("paper", "identity"), default="paper", help="the mHC models' init (default paper)")
+    ap.add_argument("--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)")
+    ap.add_argument("--kernel-steps", type=int, default=3, help="steps profiled for --kernels (default 3)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (default inductor, as mhc.train; eager or aot_eager to check on a CPU)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="tiny models and batches of every shape (a check, not a figure)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--json", metavar="PATH", help="write every figure, the settings and the environment to PATH")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse, else 'unknown')")
+    args = ap.parse_args(argv)
+    args.shapes = _choices(args.shapes, SHAPES, "--shapes", ap)
+    args.recipes = _choices(args.recipes, RECIPES, "--recipes", ap)
+    args.modes = _choices(args.modes, MODES, "--modes", ap)
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.kernel_steps < 1:
+        ap.error("need --rounds >= 1, --steps >= 1, --warmup >= 0, --kernel-steps >= 1")
+    if args.device not in ("cuda", "cpu"):
+        ap.error(f"--device must be cuda or cpu, got {args.device!r}")
+    if args.device == "cpu" and not args.tiny and not args.dry_run:
+        ap.error("--device cpu runs only with --tiny (or --dry-run): the real shapes are for the GPU")
+    if args.kernels and args.device != "cuda" and not args.dry_run:
+        ap.error("--kernels profiles CUDA kernels: it needs --device cuda")
+    return args
+
+
+# --------------------------------------------------------------------------------------
+# Shapes and models
+# --------------------------------------------------------------------------------------
+
+
+def preset_config(kind: str, batch: int | None = None, seq: int | None = None, init: str = "paper", tiny: bool = False):
+    """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
+
+    The mHC one gets ``mhc_options.init = init``; ``batch``/``seq`` replace the preset's (the Llama shapes'
+    optimizer settings are the preset's too); ``tiny`` shrinks the model.
+    """
+    from mhc.train import load_config
+
+    overrides: dict = {}
+    if kind == "mhc":
+        overrides["mhc_options"] = {"init": init}
+    if tiny:
+        overrides.update(hidden_size=TINY["hidden_size"], num_layers=TINY["num_layers"], num_heads=TINY["num_heads"],
+                         intermediate_size=TINY["intermediate_size"], batch_size=TINY["batch"], seq_len=TINY["seq"])
+    if batch is not None:
+        overrides["batch_size"] = batch
+    if seq is not None:
+        overrides["seq_len"] = seq
+    return load_config(REPO / "configs" / f"small_gpu_{kind}.yaml", overrides)
+
+
+def llama_config(shape: str, seq: int, tiny: bool):
+    """The LlamaConfig of the ``134m`` or ``1b`` shape (tiny: the same structure, GQA kept for 1b)."""
+    if not tiny:
+        return common.llama_134m(seq) if shape == "134m" else llama_1b(seq)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=TINY["hidden_size"], num_hidden_layers=TINY["num_layers"], num_attention_heads=TINY["num_heads"],
+        num_key_value_heads=TINY["num_heads"] // 2 if shape == "1b" else TINY["num_heads"],
+        intermediate_size=TINY["intermediate_size"], vocab_size=TINY["vocab"], max_position_embeddings=seq,
+        attn_implementation="sdpa",
+    )
+
+
+def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
+    """What a shape runs: batch, seq, hidden size, layers, vocabulary, and how its models are made."""
+    if shape == "small_gpu":
+        cfg = preset_config("mhc", init=init, tiny=tiny)
+        return {"batch": cfg.batch_size, "seq": cfg.seq_len, "hidden": cfg.hidden_size, "layers": cfg.num_layers,
+                "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads or cfg.num_heads,
+                "intermediate": cfg.intermediate_size, "vocab": TINY["vocab"] if tiny else cfg.bpe_vocab_size,
+                "built": "mhc.train.build_model(configs/small_gpu_{residual,mhc}.yaml), float32 on the CPU, then .to(device)"}
+    batch, seq = (TINY["batch"], TINY["seq"]) if tiny else LLAMA_SHAPES[shape]
+    cfg = llama_config(shape, seq, tiny)
+    return {"batch": batch, "seq": seq, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
+            "vocab": cfg.vocab_size, "built": f"LlamaForCausalLM on the device; mhc: convert_to_mhc(n_streams={N_STREAMS})"}
+
+
+def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> torch.nn.Module:
+    """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode."""
+    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
+    torch.manual_seed(0)
+    if shape == "small_gpu":  # as mhc.train.loop.train: seed, build_model on the CPU, model.to(device)
+        from mhc.train.model import build_model
+
+        cfg = preset_config(kind, init=args.init, tiny=args.tiny)
+        vocab = TINY["vocab"] if args.tiny else cfg.bpe_vocab_size  # the preset's BPE has bpe_vocab_size tokens
+        model = build_model(cfg, vocab, eos_id=0).to(device, dtype)
+    else:
+        from transformers import LlamaForCausalLM
+
+        plan = shape_plan(shape, args.tiny)
+        with torch.device(device):  # built on the device: a 1.1B model's init on the host takes seconds
+            model = LlamaForCausalLM(llama_config(shape, plan["seq"], args.tiny))
+        model = model.to(dtype)
+        if kind == "mhc":
+            import mhc
+
+            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init)
+    return model.train()
+
+
+class FixedBatches:
+    """What ``mhc.train.loop.forward_backward`` reads its batches from (``PackedData.train_batch``): one CPU batch."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def train_batch(self, start: int, count: int) -> torch.Tensor:
+        return self.ids[:count]
+
+
+def compile_model(model: torch.nn.Module, backend: str, device: torch.device, cfg=None) -> torch.nn.Module:
+    """The model compiled as ``mhc.train`` compiles it: ``wrap_model`` with ``compile=true`` in one process."""
+    if backend != "inductor":
+        return torch.compile(model, backend=backend)
+    from mhc.train.config import apply_overrides
+    from mhc.train.distributed import DistInfo, wrap_model
+
+    cfg = apply_overrides(cfg if cfg is not None else preset_config("mhc"), {"compile": True})
+    return wrap_model(model, cfg, DistInfo(), device)
+
+
+def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg):
+    """One training step of ``model`` (called through ``run``: itself or its compiled module) in ``recipe``.
+
+    The returned callable has ``.optimizer`` (for ``common.step_peak_memory``) and ``.counts``
+    (``steps``, ``skipped``: steps whose loss or gradient was not finite, which ``mhc.train`` does not apply).
+    """
+    if recipe == "bf16":  # bench_compile.py's step
+        step = common.training_step(run, ids.to(device))
+        step.counts = {"steps": 0, "skipped": 0}
+        return step
+
+    from mhc.train.distributed import DistInfo
+    from mhc.train.loop import forward_backward
+    from mhc.train.model import build_optimizer
+
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
+    optimizer, scheduler = build_optimizer(model, cfg, max_steps, device)
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    info, data, counts = DistInfo(), FixedBatches(ids.cpu()), {"steps": 0, "skipped": 0}
+
+    def step() -> None:  # the body of mhc.train.loop.train's step loop, less its logging
+        optimizer.zero_grad(set_to_none=True)
+        loss, gnorm = forward_backward(run, model, data, counts["steps"], cfg, info, device, autocast)
+        if math.isfinite(gnorm) and math.isfinite(loss):
+            optimizer.step()
+        else:
+            counts["skipped"] += 1
+        scheduler.step()
+        counts["steps"] += 1
+
+    step.optimizer = optimizer
+    step.counts = counts
+    return step
+
+
+def stream_element_size(model: torch.nn.Module) -> int:
+    """Bytes per stream element: the streams are the embedding's output copied n times, in its dtype (autocast leaves
+    embeddings alone, so float32 weights give float32 streams)."""
+    return model.get_input_embeddings().weight.element_size()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# --------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------
+
+
+def _host_time_calls(fn, steps: int, warmup: int = 0) -> list[float]:
+    """``common.time_calls`` on the CPU: milliseconds of each call by the host's clock."""
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory(model, step, device: torch.device) -> dict:
+    """``common.step_peak_memory`` with the model's gradients freed first, so that the step's peak includes them
+    (the autocast step, like mhc.train's loop, frees them at its start, not its end). CPU: resident bytes only."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        return common.step_peak_memory(model, step)
+    state = [t for s in step.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
+    step()
+    return {"resident_gb": resident / 1e9, "peak_gb": None}
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
+def site_kernels(step, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
+    """The fused site kernels of ``steps`` calls of ``step`` under ``torch.profiler`` (:func:`kernel_figures`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return kernel_figures(prof.key_averages(), steps, T, C, elt, copy)
+
+
+def kernel_figures(averages, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
+    """Per fused site kernel of ``averages`` (``steps`` steps profiled): calls per step, µs per call, GB/s and that
+    over a device copy's (``common.kernel_bandwidth_rows``, bytes from ``common.site_kernel_bytes`` at ``elt`` bytes
+    per stream element); and the site kernels' milliseconds per step, against all kernels'."""
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, N_STREAMS, C, elt), copy)
+    all_us = sum(e.self_device_time_total for e in averages)
+    site_us = sum(calls * us for _, calls, us, _, _ in rows)
+    return {
+        "tokens": T, "n": N_STREAMS, "C": C, "stream_bytes": elt, "copy_gbps": copy, "profiled_steps": steps,
+        "kernels": [{"kernel": k, "calls_per_step": calls / steps, "us_per_call": us, "gbps": gbps, "x_copy": x}
+                    for k, calls, us, gbps, x in rows],
+        "site_ms_per_step": site_us / steps / 1e3, "kernel_ms_per_step": all_us / steps / 1e3,
+        "site_share": site_us / all_us if all_us else None,
+    }
+
+
+def free(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_group(shape: str, recipe: str, mode: str, args, device: torch.device, copy: float | None, log) -> dict:
+    """Build both models, warm up (compile), time them interleaved, measure memory (and kernels); the group's figures."""
+    plan = shape_plan(shape, args.tiny, args.init)
+    B, S = plan["batch"], plan["seq"]
+    torch.manual_seed(1)
+    ids = torch.randint(0, plan["vocab"], (B, S), device=device)
+    cfg = preset_config("mhc", batch=B, seq=S, init=args.init, tiny=args.tiny)  # the autocast step's optimizer settings
+    from torch._dynamo.utils import counters
+
+    models, steps, figures = {}, {}, {}
+    for kind in MODELS:
+        t0 = time.perf_counter()
+        model = build(shape, kind, recipe, device, args)
+        run = compile_model(model, args.compile_backend, device, cfg) if mode == "compiled" else model
+        step = make_step(model, recipe, run, ids, device, cfg)
+        models[kind], steps[kind] = model, step
+        synchronize(device)
+        built_s = time.perf_counter() - t0
+        counters.clear()
+        t0 = time.perf_counter()
+        step()  # the warm-up step; compiled: it compiles forward and backward
+        synchronize(device)
+        first_s = time.perf_counter() - t0
+        step()
+        synchronize(device)
+        figures[kind] = {"params": count_parameters(model), "build_s": built_s, "first_step_s": first_s,
+                         "stream_dtype": str(model.get_input_embeddings().weight.dtype)}
+        if mode == "compiled":
+            figures[kind]["compile_s"] = first_s
+            figures[kind]["dynamo"] = dynamo_counts()
+        log(f"  {kind:8} {figures[kind]['params'] / 1e6:8.1f}M params, built {built_s:5.1f} s, first step {first_s:6.1f} s"
+            + (f", dynamo {figures[kind]['dynamo']}" if mode == "compiled" else ""))
+
+    log(f"  timing: {args.rounds} interleaved rounds of {args.warmup} + {args.steps} steps each")
+    graphs_before = counters["stats"]["unique_graphs"]
+    results = common.interleaved(steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    recompiled = counters["stats"]["unique_graphs"] - graphs_before
+    for kind in MODELS:
+        m = results[kind]
+        figures[kind].update(ms=m.ms, tokens_per_s=B * S / (m.ms / 1e3), round_medians=m.round_medians, times=m.times)
+        figures[kind].update(peak_memory(models[kind], steps[kind], device))
+    kernels = None
+    if args.kernels:
+        model = models["mhc"]
+        kernels = site_kernels(steps["mhc"], args.kernel_steps, B * S, plan["hidden"], stream_element_size(model), copy)
+    for kind in MODELS:
+        figures[kind]["skipped_steps"] = steps[kind].counts["skipped"]
+        figures[kind]["steps_run"] = steps[kind].counts["steps"] if recipe == "autocast" else None
+    res, mhc_ = figures["residual"], figures["mhc"]
+    group = {
+        "shape": shape, "recipe": recipe, "mode": mode, "batch": B, "seq": S, "tokens_per_step": B * S,
+        "models": figures, "ratio_ms": mhc_["ms"] / res["ms"],
+        "ratio_peak": mhc_["peak_gb"] / res["peak_gb"] if res["peak_gb"] else None,
+        "recompiled_while_timing": recompiled if mode == "compiled" else None, "kernels": kernels,
+    }
+    del models, steps, model, run, step
+    return group
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def _f(value, spec: str, missing: str = "—") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table(groups: list[dict]) -> str:
+    """The markdown table of the groups (those that failed: their error)."""
+    lines = [
+        "| shape | recipe | mode | tokens/step | residual ms | mHC ms | mHC/res | residual tok/s | mHC tok/s "
+        "| residual peak GB | mHC peak GB | peak mHC/res | compile s (res / mHC) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in groups:
+        head = f"| {g['shape']} | {g['recipe']} | {g['mode']} |"
+        if "error" in g:
+            lines.append(f"{head} failed: {g['error'][:200]} |" + " |" * 9)
+            continue
+        r, m = g["models"]["residual"], g["models"]["mhc"]
+        compile_s = f"{r['compile_s']:.1f} / {m['compile_s']:.1f}" if g["mode"] == "compiled" else "—"
+        lines.append(
+            f"{head} {g['tokens_per_step']:,} | {r['ms']:.2f} | {m['ms']:.2f} | {g['ratio_ms']:.3f}× "
+            f"| {r['tokens_per_s']:,.0f} | {m['tokens_per_s']:,.0f} | {_f(r['peak_gb'], '.2f')} | {_f(m['peak_gb'], '.2f')} "
+            f"| {_f(g['ratio_peak'], '.3f', '—')}{'×' if g['ratio_peak'] else ''} | {compile_s} |"
+        )
+    return "\n".join(lines)
+
+
+def kernel_table(g: dict) -> str:
+    """One group's fused site kernels as a markdown table, with a line on their total."""
+    k = g["kernels"]
+    lines = [
+        f"site kernels of the mHC step, {g['shape']} {g['recipe']} {g['mode']}: {k['tokens']} tokens, n={k['n']}, "
+        f"C={k['C']}, {k['stream_bytes']}-byte streams, bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
+        "",
+        "| kernel | calls/step | µs/call | GB/s | × copy |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['kernel']} | {r['calls_per_step']:g} | {r['us_per_call']:.1f} | {r['gbps']:.0f} | {r['x_copy']:.2f} |"
+              for r in k["kernels"]]
+    share = _f(None if k["site_share"] is None else 100 * k["site_share"], ".1f")
+    lines.append(f"\nsite kernels {k['site_ms_per_step']:.2f} ms of {k['kernel_ms_per_step']:.2f} ms kernel time "
+                 f"per step ({share} %), over {k['profiled_steps']} profiled steps")
+    return "\n".join(lines)
+
+
+def group_line(g: dict) -> str:
+    """One finished group in a line (progress)."""
+    if "error" in g:
+        return f"[{g['shape']} {g['recipe']} {g['mode']}] FAILED: {g['error'][:500]}"
+    r, m = g["models"]["residual"], g["models"]["mhc"]
+    medians = lambda f: "/".join(f"{x:.2f}" for x in f["round_medians"])  # noqa: E731
+    return (f"[{g['shape']} {g['recipe']} {g['mode']}] residual {r['ms']:.2f} ms ({medians(r)}), mHC {m['ms']:.2f} ms "
+            f"({medians(m)}): {g['ratio_ms']:.3f}x; peak {_f(r['peak_gb'], '.2f')} / {_f(m['peak_gb'], '.2f')} GB "
+            f"({_f(g['ratio_peak'], '.3f')}x)" + (f"; skipped steps {r['skipped_steps']}/{m['skipped_steps']}"
+                                                 if r["skipped_steps"] or m["skipped_steps"] else ""))
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def header(args, argv: list[str]) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "benchmark": "benchmarks/step/bench_training.py",
+        "command": "python benchmarks/step/bench_training.py " + " ".join(argv),
+        "date": now.date().isoformat(), "time_utc": now.isoformat(timespec="seconds"),
+        "commit": args.commit or git_commit(), "environment": common.environment(),
+        "settings": {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "n_streams": N_STREAMS,
+                     "init": args.init, "compile": f"torch.compile(model) (mhc.train.distributed.wrap_model), backend "
+                     f"{args.compile_backend}", "device": args.device, "tiny": args.tiny,
+                     "shapes": args.shapes, "recipes": args.recipes, "modes": args.modes, "kernels": args.kernels},
+        "shapes": {s: shape_plan(s, args.tiny, args.init) for s in args.shapes},
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    log = functools.partial(print, flush=True)
+    report = header(args, argv)
+    groups = [(s, r, m) for s in args.shapes for r in args.recipes for m in args.modes]
+    log(f"{report['environment']['device']}, torch {report['environment']['torch']}, commit {report['commit']}")
+    for s in args.shapes:
+        p = report["shapes"][s]
+        log(f"  {s}: hidden {p['hidden']}, {p['layers']} layers, heads {p['heads']}/{p['kv_heads']}, intermediate "
+            f"{p['intermediate']}, vocab {p['vocab']}; batch {p['batch']} x {p['seq']}; {p['built']}")
+    log(f"{len(groups)} groups (shape, recipe, mode): " + ", ".join(" ".join(g) for g in groups))
+    if args.dry_run:
+        log("dry run: nothing built or measured")
+        return
+    if args.device == "cuda":
+        common.require_cuda("bench_training.py")
+    else:  # host timers instead of CUDA events, for the CPU check
+        common.time_calls = _host_time_calls
+    device = torch.device(args.device)
+    # Every group compiles its two models afresh (dynamo is reset between groups); keep dynamo from falling back to
+    # eager on a code object it has compiled often.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    copy = common.copy_gbps() if args.kernels else None
+    if copy:
+        log(f"device copy: {copy:.0f} GB/s")
+    report["copy_gbps"], report["groups"], report["complete"] = copy, [], False
+    for shape, recipe, mode in groups:
+        t0 = time.perf_counter()
+        log(f"[{shape} {recipe} {mode}] building")
+        try:
+            group = run_group(shape, recipe, mode, args, device, copy, log)
+        except Exception as err:  # reported and left out, so that the other groups still run
+            group = {"shape": shape, "recipe": recipe, "mode": mode, "error": f"{type(err).__name__}: {str(err)[:2000]}",
+                     "traceback": traceback.format_exc()[-4000:]}
+            log(group["traceback"])
+        free(device)
+        group["group_s"] = time.perf_counter() - t0
+        report["groups"].append(group)
+        left = f", {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated" if device.type == "cuda" else ""
+        log(group_line(group) + f"  [{group['group_s']:.0f} s{left}]")
+        if group.get("kernels"):
+            log(kernel_table(group))
+        if args.json:
+            common.write_json(args.json, report)
+    report["complete"] = True
+    log(f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved medians of "
+        f"{args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}")
+    log(table(report["groups"]))
+    for g in report["groups"]:
+        if g.get("kernels"):
+            log("\n" + kernel_table(g))
+    if args.json:
+        common.write_json(args.json, report)
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
