@@ -95,7 +95,7 @@ def site_bits(new_mhc, base_mhc, device: str) -> bool:
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
         for n, C in ((4, 64), (8, 96)):
-            for tokens in ((2, 33), (1, 3)):
+            for tokens in ((2, 33), (1, 3), (4, 100)):  # <= 128 tokens: the token kernels; 400: Triton
                 new, base = block_pair(new_mhc, base_mhc, n, C, dtype, device)
                 x = torch.randn(*tokens, n, C, device=device, generator=torch.Generator(device).manual_seed(7))
                 x = x.to(dtype)
@@ -146,6 +146,7 @@ def main() -> None:
     if args.base is None:
         raise SystemExit("give --base DIR (made by --make-base) or --make-base COMMIT DIR")
     os.environ["MHC_CSRC_DIR"] = str(ROOT / "mhc" / "csrc")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the model's bits
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(args.base.resolve()))
     import torch
@@ -182,13 +183,30 @@ def main() -> None:
     residual, new, base = build(None), build(mhc), build(mhc_base)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
+    # The base model's own backward is not deterministic on CUDA by default (the embedding's gradient adds
+    # with atomics): deterministic algorithms for this comparison, and this tree's model twice as a control.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     grads = []
-    for model in (new, base):
+    for model in (new, new, base):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        grads.append([loss.detach(), *(p.grad for p in model.parameters())])
+        grads.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
         model.zero_grad(set_to_none=True)
+    torch.use_deterministic_algorithms(False)
+    compare(f"control: this tree's {args.size} model twice, loss and gradients", grads[0], grads[1])
+    grads = grads[1:]
     ok &= compare(f"{args.size} model loss and {len(grads[0]) - 1} gradients", *grads)
+    # Decoding: no grad, a few tokens (the token kernels, linked boundaries), then greedy generate().
+    decoded = []
+    for model in (new, base):
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids[:1, :32]).logits
+            out = model.generate(ids[:1, :16], max_new_tokens=8, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        decoded.append([logits, out.sequences, *out.logits])
+        model.train()
+    ok &= compare("decode: 32-token no-grad logits, generate(8 new tokens) ids and logits", *decoded)
     torch.cuda.synchronize()
 
     steps = {"residual": common.training_step(residual, ids), "mhc new": common.training_step(new, ids),

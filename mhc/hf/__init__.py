@@ -1,8 +1,9 @@
 """HuggingFace transformers integration: mHC models that wrap an existing decoder's layers.
 
-* :mod:`mhc.hf.modeling`: :class:`MHCForCausalLM`, :class:`MHCDecoderLayer` and
-  :func:`convert_to_mhc`; importing it registers ``model_type="mhc"`` with
-  transformers' Auto classes.
+* :mod:`mhc.hf.modeling`: :class:`MHCForCausalLM` and :class:`MHCDecoderLayer`;
+  importing it registers ``model_type="mhc"`` with transformers' Auto classes.
+* :mod:`mhc.hf.convert`: :func:`convert_to_mhc` and :func:`added_parameter_count`.
+* :mod:`mhc.hf.custom_code`: the loader a saved folder carries (``trust_remote_code=True``).
 * :mod:`mhc.hf.config`: :class:`MHCConfig`, plain serialisable fields.
 * :mod:`mhc.hf.adapters` and :mod:`mhc.hf.generic`: where each family keeps its
   layers, sublayers and norms (registered adapters, and the one inferred by
@@ -19,10 +20,10 @@ This subpackage imports transformers; ``import mhc`` does not import it until
 one of these names is used.
 """
 
-from .modeling import (
-    MHC_FIELDS, MHCConfig, MHCDecoderLayer, MHCForCausalLM, NonFiniteWeightsError, added_parameter_count,
-    convert_to_mhc,
-)
+from .config import MHC_FIELDS, MHCConfig
+from .convert import added_parameter_count, convert_to_mhc
+from .modeling import MHCDecoderLayer, MHCForCausalLM
+from .verify import NonFiniteWeightsError
 
 __all__ = [
     "MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count",

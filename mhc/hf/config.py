@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from typing import Any
 
 try:
@@ -22,7 +21,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from .adapters import Adapter, registered_adapter, supported_model_types
 from ..options import MHCOptions, check_options, close_option
 
-__all__ = ["MHCConfig", "MHC_FIELDS", "added_parameter_count"]
+__all__ = ["MHCConfig", "MHC_FIELDS"]
 
 # Base-config keys MHCConfig never exposes as its own attributes. The RoPE settings are the base
 # model's alone: PretrainedConfig validates them on the wrapper too, and transformers 5.17 reads
@@ -234,24 +233,3 @@ class MHCConfig(_BaseConfig):
             if base and name in base:
                 return base[name]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-
-def added_parameter_count(config: MHCConfig) -> int:
-    """Parameters mHC adds to the base model (what ``num_parameters()`` grows by).
-
-    Per site (two per sequential decoder layer, one per parallel-residual
-    layer: ``len(config.get_adapter().sites)``), with ``n`` streams and hidden size ``C``:
-    ``mhc``: ``nC·(r + 2n) + r + 2n + 3`` with ``r = n²`` (``r = n!`` for
-    ``projection="lite"``, one logit per permutation); ``hc``: ``C·(n + 2) + n² + 2n + 3``;
-    ``residual``: 0. Plus ``n`` for ``reduce="learned"``.
-    """
-    base = config.get_text_config()
-    n, C, L = config.n_streams, base.hidden_size, base.num_hidden_layers
-    if config.mode == "mhc":
-        r = math.factorial(n) if config.projection == "lite" else n * n
-        site = n * C * (r + 2 * n) + r + 2 * n + 3
-    elif config.mode == "hc":
-        site = C * (n + 2) + n * n + 2 * n + 3
-    else:
-        site = 0
-    return len(config.get_adapter().sites) * L * site + (n if config.reduce == "learned" else 0)

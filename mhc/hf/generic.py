@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .adapters import Adapter, Branch, Site, registered_adapter, supported_model_types
+from .adapters import ADAPTERS, Adapter, Branch, Site, registered_adapter, supported_model_types
 
 __all__ = ["UnsupportedLayoutError", "infer_adapter", "adapter_for_model", "probe_input_ids"]
 
@@ -77,7 +77,7 @@ def _kind(module: nn.Module) -> str:
     return "sublayer"
 
 
-def _find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+def find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
     candidates = [
         (name, m)
         for name, m in model.named_modules()
@@ -248,7 +248,7 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
         raise UnsupportedLayoutError(f"{type(model).__name__}'s config has no num_hidden_layers")
     if any(p.is_meta for p in model.parameters()):
         raise UnsupportedLayoutError("the generic adapter runs the model once, and this one has weights on 'meta'")
-    layers_path, layers = _find_layers(model, num_layers)
+    layers_path, layers = find_layers(model, num_layers)
     recorder = _Recorder(model, layers)
     try:
         _run_once(model, probe_input_ids(model) if input_ids is None else input_ids)
@@ -290,3 +290,67 @@ def adapter_for_model(model: nn.Module) -> Adapter:
             f"{', '.join(supported_model_types())}), and {err}. Register one with "
             "mhc.hf.adapters.register_adapter(model_type, Adapter(...))."
         ) from None
+
+
+def _adapter_owners(adapter: Adapter) -> list[str]:
+    """The model types whose registered adapter is ``adapter`` (those registered as a fixed :class:`Adapter`)."""
+    return sorted(t for t, spec in ADAPTERS.items() if isinstance(spec, Adapter) and spec == adapter)
+
+
+def check_adapter_fits(model: nn.Module, adapter: Adapter) -> None:
+    """Raise ``ValueError`` if ``adapter`` names modules that ``model`` (a base ``*ForCausalLM``) does not have.
+
+    Checked: the decoder-layer list (``adapter.layers``), the final norm and, in the first
+    layer, every submodule a site names. The message says which base ``model_type`` and which
+    adapter disagree (the model types that registered it), where the model keeps its decoder
+    layers, and how to fix it: an :class:`MHCConfig` whose ``base_config`` and ``adapter`` come
+    from different models (a GPT-2 config with Llama's adapter) builds with ``adapter=None``,
+    which takes the adapter registered for its base ``model_type``.
+    """
+    problem = None
+    try:
+        layers = model.get_submodule(adapter.layers)
+    except AttributeError:
+        problem = f"has no {adapter.layers!r} (where the adapter looks for the decoder layers)"
+    else:
+        if not isinstance(layers, nn.ModuleList):
+            problem = f"has a {type(layers).__name__} at {adapter.layers!r}, not the nn.ModuleList of decoder layers"
+        else:
+            try:
+                model.get_submodule(adapter.final_norm)
+            except AttributeError:
+                problem = f"has no {adapter.final_norm!r} (the adapter's final norm)"
+            if problem is None and len(layers):
+                names = [n for site in adapter.sites for b in site.branches for n in b.module_names()]
+                missing = [n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)]
+                if missing:
+                    problem = (f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
+                               f"{', '.join(map(repr, missing))} (which the adapter's sites use)")
+    if problem is None:
+        return
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    what = f"{type(model).__name__} (base model_type {model_type!r})"
+    where = ""
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(num_layers, int) and num_layers > 0:
+        try:
+            found, _ = find_layers(model, num_layers)
+            where = f"; its {num_layers} decoder layers are at {found!r}"
+        except UnsupportedLayoutError:
+            pass
+    owners = _adapter_owners(adapter)
+    whose = f"the adapter registered for {', '.join(map(repr, owners))}" if owners else "a custom adapter"
+    own = registered_adapter(config) if config is not None else None
+    fix = (
+        f"use the adapter registered for {model_type!r} instead (MHCConfig(..., adapter=None), or "
+        "convert_to_mhc without adapter=)"
+        if own is not None
+        else "pass an adapter that describes this model (convert_to_mhc(model) infers one for architectures "
+        "without a registered adapter)"
+    )
+    raise ValueError(
+        f"the mHC adapter does not fit {what}: the model {problem}{where}. The adapter (layers at "
+        f"{adapter.layers!r}) is {whose}: it was made for another architecture than the base model's. "
+        f"To fix it, {fix}, or build the model from the base config the adapter was recorded with."
+    )

@@ -51,7 +51,6 @@ Newton projection's data-dependent iterations cause graph breaks, not errors.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 
@@ -66,23 +65,18 @@ except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .adapters import ADAPTERS, Adapter, registered_adapter
-from .generic import UnsupportedLayoutError, _find_layers, adapter_for_model
+from .adapters import Adapter
+from .generic import check_adapter_fits
 from ..block import MHCBlock
-from .config import MHC_FIELDS, MHCConfig, added_parameter_count
+from .config import MHCConfig
 from .custom_code import AUTO_MAP, CODE_FILE, write_code_file
 from .branch import SiteBranch
 from .verify import (
-    NonFiniteWeightsError, check_finite_weights, check_logits, identity_coefficients, reference_logits,
-    verify_by_default,
+    check_finite_weights,
 )
-from ..options import reject_unknown_options
 from ..streams import StreamReduce, expand_streams
 
-__all__ = [
-    "MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count",
-    "NonFiniteWeightsError",
-]
+__all__ = ["MHCForCausalLM", "MHCDecoderLayer"]
 
 _MISSING = object()
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -469,178 +463,6 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
                         if p.grad is not None:
                             p.grad = p.grad.to(torch.float32)
         return self
-
-
-def _adapter_owners(adapter: Adapter) -> list[str]:
-    """The model types whose registered adapter is ``adapter`` (those registered as a fixed :class:`Adapter`)."""
-    return sorted(t for t, spec in ADAPTERS.items() if isinstance(spec, Adapter) and spec == adapter)
-
-
-def check_adapter_fits(model: nn.Module, adapter: Adapter) -> None:
-    """Raise ``ValueError`` if ``adapter`` names modules that ``model`` (a base ``*ForCausalLM``) does not have.
-
-    Checked: the decoder-layer list (``adapter.layers``), the final norm and, in the first
-    layer, every submodule a site names. The message says which base ``model_type`` and which
-    adapter disagree (the model types that registered it), where the model keeps its decoder
-    layers, and how to fix it: an :class:`MHCConfig` whose ``base_config`` and ``adapter`` come
-    from different models (a GPT-2 config with Llama's adapter) builds with ``adapter=None``,
-    which takes the adapter registered for its base ``model_type``.
-    """
-    problem = None
-    try:
-        layers = model.get_submodule(adapter.layers)
-    except AttributeError:
-        problem = f"has no {adapter.layers!r} (where the adapter looks for the decoder layers)"
-    else:
-        if not isinstance(layers, nn.ModuleList):
-            problem = f"has a {type(layers).__name__} at {adapter.layers!r}, not the nn.ModuleList of decoder layers"
-        else:
-            try:
-                model.get_submodule(adapter.final_norm)
-            except AttributeError:
-                problem = f"has no {adapter.final_norm!r} (the adapter's final norm)"
-            if problem is None and len(layers):
-                names = [n for site in adapter.sites for b in site.branches for n in b.module_names()]
-                missing = [n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)]
-                if missing:
-                    problem = (f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
-                               f"{', '.join(map(repr, missing))} (which the adapter's sites use)")
-    if problem is None:
-        return
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    what = f"{type(model).__name__} (base model_type {model_type!r})"
-    where = ""
-    num_layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(num_layers, int) and num_layers > 0:
-        try:
-            found, _ = _find_layers(model, num_layers)
-            where = f"; its {num_layers} decoder layers are at {found!r}"
-        except UnsupportedLayoutError:
-            pass
-    owners = _adapter_owners(adapter)
-    whose = f"the adapter registered for {', '.join(map(repr, owners))}" if owners else "a custom adapter"
-    own = registered_adapter(config) if config is not None else None
-    fix = (
-        f"use the adapter registered for {model_type!r} instead (MHCConfig(..., adapter=None), or "
-        "convert_to_mhc without adapter=)"
-        if own is not None
-        else "pass an adapter that describes this model (convert_to_mhc(model) infers one for architectures "
-        "without a registered adapter)"
-    )
-    raise ValueError(
-        f"the mHC adapter does not fit {what}: the model {problem}{where}. The adapter (layers at "
-        f"{adapter.layers!r}) is {whose}: it was made for another architecture than the base model's. "
-        f"To fix it, {fix}, or build the model from the base config the adapter was recorded with."
-    )
-
-
-def _check_causal_lm(model: PreTrainedModel) -> None:
-    """``ValueError`` naming the class if ``model`` is a headless base model (no LM head, no logits)."""
-    if getattr(model, "base_model", model) is not model or model.get_output_embeddings() is not None:
-        return
-    try:
-        suggestion = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)].__name__
-    except (KeyError, ImportError, AttributeError):  # an architecture without a registered causal-LM class
-        suggestion = "LlamaForCausalLM"
-    raise ValueError(
-        f"convert_to_mhc needs a causal LM with its LM head (e.g. {suggestion}), got {type(model).__name__}, "
-        "a base model without one (what AutoModel loads; it returns hidden states, not logits). Load the "
-        "checkpoint with AutoModelForCausalLM.from_pretrained(...) and convert that."
-    )
-
-
-def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn.Module]) -> None:
-    """Put the original decoder layers back (after a failed conversion: ``model`` is as before)."""
-    layers = model.get_submodule(adapter.layers)
-    for i, layer in enumerate(originals):
-        layers[i] = layer
-
-
-def convert_to_mhc(
-    model: PreTrainedModel, n_streams: int = 4, *, adapter: Adapter | None = None, verify: bool | None = None,
-    **mhc_options,
-) -> MHCForCausalLM:
-    """Put mHC into an existing HF causal LM, keeping every one of its weights.
-
-    The returned model owns the *same* modules as ``model`` (no copy; ``model``
-    itself should not be used afterwards). With the default
-    ``init="identity"`` its outputs equal the original's up to float rounding.
-    The new coefficient parameters are float32 on the model's device. The
-    adapter used is recorded in ``config.adapter`` (a saved model reloads with it).
-
-    Args:
-        model: a ``*ForCausalLM``, random or pretrained: of a registered
-            architecture (:mod:`mhc.hf.adapters`), or one the generic adapter
-            recognises (:mod:`mhc.hf.generic`), which is refused with a
-            ``ValueError`` saying what does not fit otherwise.
-        n_streams: number of streams.
-        adapter: an :class:`mhc.hf.adapters.Adapter` to use instead of the
-            registered or generic one.
-        verify: the self-check. ``True``: run the original and the converted
-            model on a random ``[2, 8]`` input (``φ`` at the identity init's
-            zero during the check, whatever ``init``) and raise
-            :class:`mhc.hf.verify.ConversionMismatchError` (a ``ValueError``
-            with the measured max |logit difference|) beyond
-            :func:`mhc.hf.verify.logit_tolerance` (``1e-4·max(1, max|logit|)``
-            in fp32); the model is then left unconverted. ``False``: no
-            check. ``None`` (default): check models of at most
-            :data:`mhc.hf.verify.VERIFY_AUTO_MAX_PARAMETERS` (4e9)
-            parameters with no weights on the meta device.
-        **mhc_options: any other mHC setting of :class:`MHCConfig` (``mode``,
-            ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
-            raises ``TypeError`` naming the closest setting.
-    """
-    reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f != "base_config"], "convert_to_mhc")
-    if verify is not None and not isinstance(verify, bool):
-        raise TypeError(f"verify must be True, False or None, got {verify!r}")
-    if isinstance(model, MHCForCausalLM):
-        raise ValueError("model is already an MHCForCausalLM")
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"convert_to_mhc needs a transformers PreTrainedModel, got {type(model).__name__}")
-    _check_causal_lm(model)
-    if adapter is None:
-        adapter = adapter_for_model(model)
-    elif not isinstance(adapter, Adapter):
-        raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
-    check_adapter_fits(model, adapter)
-    config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
-    quant = config.base_config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
-        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left.
-        del config.base_config["quantization_config"]
-    impl = getattr(model.config, "_attn_implementation_internal", None)
-    if impl is not None:
-        config._attn_implementation_internal = impl
-    check = verify_by_default(model) if verify is None else verify
-    if check:
-        probe_ids, reference = reference_logits(model)
-    # Mark the existing modules initialised so post_init() leaves their weights alone.
-    for module in model.modules():
-        module._is_hf_initialized = True
-    ref = next(model.parameters())
-    originals = list(model.get_submodule(adapter.layers))
-    try:
-        mhc_model = MHCForCausalLM(config, base_model=model)
-    except Exception:  # e.g. a layer without a submodule the adapter names: none of them stays wrapped
-        _restore_layers(model, adapter, originals)
-        raise
-    for module in mhc_model.modules():
-        if isinstance(module, (MHCBlock, StreamReduce)):
-            module.to(device=ref.device)  # stays float32
-    if check:
-        try:
-            with identity_coefficients(mhc_model):
-                _, converted = reference_logits(mhc_model, probe_ids)
-            check_logits(reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})")
-        except Exception:
-            _restore_layers(model, adapter, originals)
-            mhc_model._final_norm_hook.remove()
-            raise
-    if getattr(model, "generation_config", None) is not None:
-        mhc_model.generation_config = copy.deepcopy(model.generation_config)
-    mhc_model.train(model.training)
-    return mhc_model
 
 
 AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
