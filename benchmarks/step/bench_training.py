@@ -31,7 +31,7 @@ every group, so a run cut short keeps the groups it finished.
 
 Shapes (``--shapes``; these three options take comma-separated names, run in the order given):
 
-* ``small_gpu``: the preset ``configs/small_gpu_{residual,mhc}.yaml`` of
+* ``small_gpu``: the preset ``small_gpu_{residual,mhc}`` (``mhc/train/presets/``) of
   ``scripts/train_lm.py`` / ``scripts/compare.py``, built as ``mhc.train``
   builds it (``build_model``: ``MHCForCausalLM`` over a Llama config, the
   residual one too, with ``mode="residual", n_streams=1``; vocabulary 8192,
@@ -186,7 +186,7 @@ def preset_config(kind: str, batch: int | None = None, seq: int | None = None, i
         overrides["batch_size"] = batch
     if seq is not None:
         overrides["seq_len"] = seq
-    return load_config(REPO / "configs" / f"small_gpu_{kind}.yaml", overrides)
+    return load_config(f"small_gpu_{kind}", overrides)
 
 
 def llama_config(shape: str, seq: int, tiny: bool):
@@ -210,7 +210,7 @@ def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
         return {"batch": cfg.batch_size, "seq": cfg.seq_len, "hidden": cfg.hidden_size, "layers": cfg.num_layers,
                 "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads or cfg.num_heads,
                 "intermediate": cfg.intermediate_size, "vocab": TINY["vocab"] if tiny else cfg.bpe_vocab_size,
-                "built": "mhc.train.build_model(configs/small_gpu_{residual,mhc}.yaml), float32 on the CPU, then .to(device)"}
+                "built": "mhc.train.build_model(preset small_gpu_{residual,mhc}), float32 on the CPU, then .to(device)"}
     batch, seq = (TINY["batch"], TINY["seq"]) if tiny else LLAMA_SHAPES[shape]
     cfg = llama_config(shape, seq, tiny)
     return {"batch": batch, "seq": seq, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
