@@ -92,6 +92,25 @@ def test_bf16_streams_match_fp32_to_bf16_tolerance():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize("mode", ["mhc", "hc", "residual"])
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ((), "empty tuple"),
+        (None, "the branch's output is NoneType"),
+        ([0.0], "the branch's output is list"),
+        ({"y": 0.0}, "the branch's output is dict"),
+        (("weights", 1), "the first element of the tuple the branch returned is str"),
+    ],
+)
+def test_a_branch_that_returns_no_tensor_gets_an_error_naming_it(mode, output, message):
+    """A branch returning (), None, a list, a dict or a tuple led by a non-tensor: a TypeError that says so (not
+    an IndexError or AttributeError from inside the block)."""
+    block = MHCBlock(lambda u: output, C, 4, mode=mode)
+    with pytest.raises(TypeError, match=message):
+        block(torch.randn(2, 4, C))
+
+
 @pytest.mark.parametrize("mode", ["mhc", "hc"])
 def test_branch_args_kwargs_and_tuple_outputs_pass_through(mode):
     class Attention(nn.Module):
