@@ -1,0 +1,62 @@
+"""The CUDA projection's outputs and gradients, bit for bit, across two builds of the kernels (two processes).
+
+    python benchmarks/projection/bits_across_builds.py dump new.safetensors           # this tree's mhc
+    PYTHONPATH=old_tree python benchmarks/projection/bits_across_builds.py dump old.safetensors
+    python benchmarks/projection/bits_across_builds.py compare new.safetensors old.safetensors
+
+``dump`` projects fixed random logits (n 4 and 8; float32, bfloat16, float16;
+batches 1, 7 and 4096; logit scales 1, 10 and 30) with whichever ``mhc`` the
+path gives, backpropagates a fixed gradient, and writes ``T`` and ``dL/dR`` of
+each case with safetensors. ``compare`` says, per case, whether the two files
+agree bit for bit, and the largest difference where they do not. The two
+builds cannot share a process: both register the ``torch.ops.mhc`` operators.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def dump(path: str) -> None:
+    import mhc
+
+    out = {}
+    for n in (4, 8):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for batch in (1, 7, 4096):
+                for scale in (1, 10, 30):
+                    g = torch.Generator().manual_seed(1000 * n + batch + scale)
+                    R = (scale * torch.randn(batch, n, n, generator=g)).to("cuda", dtype).requires_grad_()
+                    G = torch.randn(batch, n, n, generator=g).to("cuda", dtype)
+                    T = mhc.birkhoff_project(R)
+                    T.backward(G)
+                    key = f"n{n}_{str(dtype)[6:]}_b{batch}_s{scale}"
+                    out[f"{key}.T"], out[f"{key}.grad"] = T.detach().cpu(), R.grad.cpu()
+    save_file(out, path)
+    print(f"{len(out) // 2} cases from {mhc.__file__} written to {path}")
+
+
+def compare(a_path: str, b_path: str) -> int:
+    a, b = load_file(a_path), load_file(b_path)
+    if a.keys() != b.keys():
+        print("the files hold different cases")
+        return 1
+    differ = 0
+    for key in sorted(a):
+        if not torch.equal(a[key], b[key]):
+            differ += 1
+            print(f"{key}: DIFFERENT (max abs {float((a[key].double() - b[key].double()).abs().max()):.3e})")
+    print(f"bits projection across builds: {len(a) - differ} of {len(a)} tensors identical")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "dump":
+        dump(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
+        raise SystemExit(compare(sys.argv[2], sys.argv[3]))
+    else:
+        raise SystemExit(__doc__)
