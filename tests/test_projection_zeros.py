@@ -8,7 +8,8 @@ stochastic matrix on the support. Where the finite entries hold no
 permutation there is no answer: NaN, ``error = inf``, not converged, counted
 and warned about as unconverged.
 
-The reference path runs here on the CPU.
+The reference path runs here on the CPU; the CUDA tests at the bottom are
+marked like ``tests/test_projection_cuda.py`` and skip without a device.
 The reference's answers are judged against an independent construction: the
 union of the permutations inside the support by brute force
 (``itertools.permutations``) and float64 Sinkhorn on that union.
@@ -265,3 +266,173 @@ def test_backward_with_exact_zeros_is_finite():
     for T in (P, blocks):
         grad = birkhoff_backward(T, torch.randn(1, 4, 4))
         assert bool(grad.isfinite().all()) and bool((grad[T == 0] == 0).all())
+
+
+# ----------------------------------------------------------------------------
+# CUDA kernels (n in {4, 8}): skipped without a device.
+# ----------------------------------------------------------------------------
+
+def _kernels():
+    from mhc import projection_cuda
+
+    assert projection_cuda.available(), "the CUDA extension failed to build"
+    return projection_cuda
+
+
+def _random_supports(B: int, n: int, extra: float) -> torch.Tensor:
+    """A union of 1-3 random permutations per matrix, plus each other entry with probability ``extra``."""
+    support = torch.zeros(B, n, n, dtype=torch.bool)
+    for b in range(B):
+        for _ in range(1 + b % 3):
+            support[b, torch.arange(n), torch.randperm(n)] = True
+    return support | (torch.rand(B, n, n) < extra)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("every", [1, 7, 64])
+def test_cuda_neginf_outside_a_permutation_gives_the_permutation(n, dtype, every, fresh_seed):
+    """Permutation supports among dense matrices: in every lane (``every=1``: every warp votes for the
+    robust solver), one in 7 (n = 4: at least 3 a warp, the vote), one in 64 (alone in its warp)."""
+    _kernels()
+    B = 4096
+    R = torch.randn(B, n, n)
+    sparse = torch.zeros(B, dtype=torch.bool)
+    sparse[::every] = True
+    perms = random_perms((int(sparse.sum()),), n)
+    R[sparse] = permutation_logits(perms)
+    R = R.to(dtype).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        T, info = mhc.birkhoff_project(R, return_info=True)
+    case = f"seed={fresh_seed}, n={n}, {dtype}, every {every}"
+    expected = one_hot(perms, torch.float64).cuda()
+    sparse = sparse.cuda()
+    assert float((T[sparse].double() - expected).abs().max()) <= 1e-6, case
+    assert bool(info.converged.all()) and info.num_nonfinite == 0, case
+    # The hot path (no info) gives the same answer.
+    assert float((mhc.birkhoff_project(R)[sparse].double() - expected).abs().max()) <= 1e-6, case
+    if every > 1:  # the dense matrices solve as in a batch without the sparse ones (the solver may differ by warp)
+        clean = mhc.birkhoff_project(R[~sparse])
+        torch.testing.assert_close(T[~sparse].double(), clean.double(), rtol=0, atol=1e-5 if dtype == torch.float32
+                                   else torch.finfo(dtype).eps, msg=lambda m: f"{case}: {m}")
+    Rg = R.clone().requires_grad_()
+    (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, torch.randn_like(R))
+    assert bool(dR.isfinite().all()) and float(dR[sparse].abs().max()) == 0.0, case
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("extra", [0.0, 0.2])
+@pytest.mark.parametrize("every", [1, 16])
+def test_cuda_partial_support_matches_the_reference(n, extra, every, fresh_seed):
+    """Random supports holding 1-3 permutations (and with ``extra`` more entries, some on no permutation),
+    in every lane or one in 16 among dense matrices: the float64 reference's answer and gradient."""
+    _kernels()
+    B = 2048
+    R = 3 * torch.randn(B, n, n)
+    sparse = torch.zeros(B, dtype=torch.bool)
+    sparse[::every] = True
+    support = _random_supports(int(sparse.sum()), n, extra)
+    R[sparse] = R[sparse].masked_fill(~support, NEG)
+    expected = birkhoff_project_reference(R.double(), tol=1e-12, max_iter=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        T, info = mhc.birkhoff_project(R.cuda(), return_info=True)
+    case = f"seed={fresh_seed}, n={n}, extra={extra}, every {every}"
+    assert bool(info.converged.all()), case
+    assert float(marginal_error(T).max()) <= info.tol, case
+    torch.testing.assert_close(T.cpu().double(), expected, rtol=0, atol=5e-5, msg=lambda m: f"{case}: {m}")
+    assert bool((T.cpu()[expected == 0] == 0).all()), f"{case}: the zeros of the answer must be exact"
+    # The backward kernel on those plans: finite, zero off the support, and the reference's gradient.
+    Rg = R.cuda().requires_grad_()
+    G = torch.randn(B, n, n)
+    (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G.cuda())
+    R64 = R.double().requires_grad_()
+    (dR64,) = torch.autograd.grad(birkhoff_project_reference(R64, tol=1e-12, max_iter=200), R64, G.double())
+    assert bool(dR.isfinite().all()) and bool((dR.cpu()[expected == 0] == 0).all()), case
+    rel = float((dR.cpu().double() - dR64).norm() / dR64.norm())
+    assert rel <= 1e-3, f"{case}: relative gradient error {rel:.2e}"
+    # The backward kernel alone, on the same plans (the host build of it: 1.1e-5 at n = 8).
+    dR_same = torch.ops.mhc.birkhoff_backward(T, G.cuda())
+    ref_same = birkhoff_backward(T.cpu().double(), G.double())
+    rel_same = float((dR_same.cpu().double() - ref_same).norm() / ref_same.norm())
+    assert rel_same <= 1e-4, f"{case}: backward kernel on the same plans: relative error {rel_same:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
+@pytest.mark.parametrize("n", [4, 8])
+def test_cuda_no_permutation_in_the_support_is_nan_counted_and_warned(n, fresh_seed):
+    projection_cuda = _kernels()
+    projection_cuda.reset_convergence_tracking()
+    R = torch.randn(256, n, n)
+    R[3, 1] = NEG  # a row of −inf
+    R[9, :, 2] = NEG  # a column
+    R[17, :2, 1:] = NEG  # rows 0 and 1 both need column 0
+    R[40, 2, 2] = NEG  # feasible
+    bad = torch.zeros(256, dtype=torch.bool)
+    bad[[3, 9, 17]] = True
+    R = R.cuda()
+    with pytest.warns(ConvergenceWarning, match="no doubly stochastic matrix"):
+        T, info = mhc.birkhoff_project(R, return_info=True)
+    bad = bad.cuda()
+    case = f"seed={fresh_seed}, n={n}"
+    assert bool(T[bad].isnan().all()) and bool(T[~bad].isfinite().all()), case
+    assert bool((info.error[bad] == math.inf).all()) and not bool(info.converged[bad].any()), case
+    assert info.num_unconverged == 3 and info.num_nonfinite == 0, case
+    assert projection_cuda.unconverged_count(reset=True) == 3, case
+    Rg = R.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        Tc, infoc = birkhoff_project_reference(R.cpu(), return_info=True)
+        (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, torch.randn_like(R))
+    assert torch.equal(Tc.isnan(), T.isnan().cpu()) and torch.equal(infoc.error.isinf(), info.error.isinf().cpu())
+    assert bool(dR[bad].isnan().all()) and bool(dR[~bad].isfinite().all()), case
+    projection_cuda.reset_convergence_tracking()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
+@pytest.mark.parametrize("n", [4, 8])
+def test_cuda_token_kernel_projects_like_birkhoff_project(n, fresh_seed):
+    """The decode-sized site kernel (csrc/site_tokens.cuh) runs the same per-matrix code: ``b_res`` of -inf
+    off a permutation gives that permutation at every token, a partial support ``birkhoff_project``'s answer
+    on the kernel's own logits, and a row of -inf NaN (counted)."""
+    from mhc import fused_tokens
+
+    projection_cuda = _kernels()
+    C = 72
+    block = mhc.MHCBlock(torch.nn.Identity(), C, n, init="paper").cuda()
+    with torch.no_grad():
+        block.alpha.fill_(1.0)  # logits that differ from token to token
+    phi, alpha, b_pre, b_post = (p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post))
+    tol = mhc.projection.effective_tol(1e-6, n, torch.float32)
+    x = torch.randn(7, n, C, device="cuda")
+    case = f"seed={fresh_seed}, n={n}"
+
+    perm = torch.randperm(n)
+    b_res = torch.full((n, n), NEG, device="cuda")
+    b_res[torch.arange(n), perm] = 0.0
+    _, _, _, H = fused_tokens.pre(x, phi, alpha, b_pre, b_post, b_res, block.norm_eps, tol, 100)
+    P = one_hot(perm, torch.float32).cuda()
+    assert float((H - P).abs().max()) <= 1e-6, case
+
+    support = _random_supports(1, n, 0.2)[0].cuda()
+    b_res = torch.randn(n, n, device="cuda").masked_fill(~support, NEG)
+    _, zr, _, H = fused_tokens.pre(x, phi, alpha, b_pre, b_post, b_res, block.norm_eps, tol, 100)
+    logits = alpha[2] * zr[:, 2 * n : 2 * n + n * n].reshape(-1, n, n) + b_res
+    expected = birkhoff_project_reference(logits.double(), tol=1e-12, max_iter=200)
+    torch.testing.assert_close(H.double(), expected, rtol=0, atol=5e-5, msg=lambda m: f"{case}: {m}")
+    assert bool((H[expected == 0] == 0).all()), case
+
+    projection_cuda.reset_convergence_tracking()
+    b_res = torch.randn(n, n, device="cuda")
+    b_res[1] = NEG
+    _, _, _, H = fused_tokens.pre(x, phi, alpha, b_pre, b_post, b_res, block.norm_eps, tol, 100)
+    assert bool(H.isnan().all()), case
+    assert projection_cuda.unconverged_count(reset=True) == x.shape[0], case
+    projection_cuda.reset_convergence_tracking()
