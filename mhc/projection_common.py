@@ -79,7 +79,17 @@ def marginal_error(T: Tensor) -> Tensor:
 
     Returns:
         ``[...]`` float64.
+
+    Raises:
+        TypeError: ``T`` is not a floating-point tensor.
+        ValueError: ``T`` is not ``[..., n, n]``.
     """
+    if not isinstance(T, Tensor):
+        raise TypeError(f"marginal_error expects a torch.Tensor, got {type(T).__name__}")
+    if not T.is_floating_point():
+        raise TypeError(f"marginal_error expects a floating-point tensor, got {T.dtype}")
+    if T.dim() < 2 or T.shape[-1] != T.shape[-2]:
+        raise ValueError(f"marginal_error expects square matrices [..., n, n], got {tuple(T.shape)}")
     T = T.double()
     return (T.sum(-1) - 1).abs().sum(-1) + (T.sum(-2) - 1).abs().sum(-1)
 
