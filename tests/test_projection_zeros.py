@@ -412,6 +412,7 @@ def test_cuda_token_kernel_projects_like_birkhoff_project(n, fresh_seed):
     phi, alpha, b_pre, b_post = (p.detach() for p in (block.phi, block.alpha, block.b_pre, block.b_post))
     tol = mhc.projection.effective_tol(1e-6, n, torch.float32)
     x = torch.randn(7, n, C, device="cuda")
+    assert fused_tokens.takes(x)  # (also loads the extension's module for pre)
     case = f"seed={fresh_seed}, n={n}"
 
     perm = torch.randperm(n)
