@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 
 import torch
 from torch import Tensor
+
+from .options import check_int, check_option, check_real
 
 __all__ = [
     "SINKHORN_EPS",
@@ -36,8 +39,10 @@ __all__ = [
     "check_lite_streams",
     "permutation_matrices",
     "lite_h_res",
+    "lite_h_res_unchecked",
     "lite_identity_logits",
     "sinkhorn_h_res",
+    "sinkhorn_h_res_unchecked",
 ]
 
 SINKHORN_EPS = 1e-6
@@ -51,12 +56,23 @@ _PERMUTATIONS: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
 
 def lite_logit_count(n: int) -> int:
-    """``n!``: how many ``H_res`` logits mHC-lite needs per token for ``n`` streams."""
-    return math.factorial(n)
+    """``n!``: how many ``H_res`` logits mHC-lite needs per token for ``n`` streams (an int ``>= 1``).
+
+    Raises:
+        TypeError: ``n`` is not an int (a ``bool`` is not).
+        ValueError: ``n < 1``.
+    """
+    return math.factorial(check_int("n", n, 1))
+
+
+def _is_int(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
 
 
 def check_lite_streams(n: int) -> None:
-    """Raise ``ValueError`` if mHC-lite cannot run with ``n`` streams (``1 <= n <= 5``)."""
+    """Raise if mHC-lite cannot run with ``n`` streams: ``TypeError`` unless an int, ``ValueError`` unless ``1 <= n <= 5``."""
+    if not _is_int(n):
+        check_option("n_streams", n)  # raises MHCBlock's TypeError for it
     if not 1 <= n <= LITE_MAX_STREAMS:
         raise ValueError(
             f"projection='lite' mixes all n! permutation matrices, so n_streams must be between 1 and "
@@ -74,10 +90,26 @@ def permutation_matrices(n: int, device: torch.device | str = "cpu", dtype: torc
     first call ran under ``torch.inference_mode()``.
 
     Raises:
-        ValueError: ``n`` outside ``1..5``.
+        TypeError: ``n`` not an int, ``device`` not a ``str`` / ``torch.device``,
+            ``dtype`` not a ``torch.dtype``.
+        ValueError: ``n`` outside ``1..5``, or ``device`` names no device.
     """
+    if not _is_int(n):
+        check_int("n", n, 1)  # raises the TypeError
     check_lite_streams(n)
-    device = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {device!r} ({type(device).__name__})")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r} is not a device: {err}") from None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})")
+    return _permutations(int(n), device, dtype)
+
+
+def _permutations(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:func:`permutation_matrices` for checked arguments (``device`` a ``torch.device``)."""
     key = (n, device, dtype)
     cached = _PERMUTATIONS.get(key)
     if cached is None:
@@ -102,16 +134,26 @@ def lite_h_res(logits: Tensor) -> Tensor:
         unaffected.
 
     Raises:
+        TypeError: ``logits`` is not a float32 or float64 tensor.
         ValueError: the last dimension is not ``n!`` for any ``n`` in ``1..5``.
     """
+    _check_logits(logits, "lite_h_res")
     count = logits.shape[-1] if logits.dim() else 0
     n = next((k for k in range(1, LITE_MAX_STREAMS + 1) if math.factorial(k) == count), None)
     if n is None:
         raise ValueError(
             f"lite_h_res needs [..., n!] logits with n in 1..{LITE_MAX_STREAMS}, got shape {tuple(logits.shape)}"
         )
+    return lite_h_res_unchecked(logits, n)
+
+
+def lite_h_res_unchecked(logits: Tensor, n: int) -> Tensor:
+    """:func:`lite_h_res` of ``logits [..., n!]`` that the caller has checked (MHCBlock's forward), no checks.
+
+    Anyone else: call :func:`lite_h_res`.
+    """
     weights = torch.softmax(logits, dim=-1)
-    P = permutation_matrices(n, logits.device, logits.dtype).reshape(count, n * n)
+    P = _permutations(n, logits.device, logits.dtype).reshape(logits.shape[-1], n * n)
     return (weights @ P).reshape(*logits.shape[:-1], n, n) * _nan_where_nonfinite(logits, -1)
 
 
@@ -127,9 +169,14 @@ def lite_identity_logits(n: int, diagonal: float) -> Tensor:
     the Newton projection's ``b_res``. ``n = 1`` has one permutation: ``[0.]``.
 
     Raises:
-        ValueError: ``n`` outside ``1..5``, or ``diagonal`` not in ``(1/n, 1)`` (for ``n >= 2``).
+        TypeError: ``n`` not an int, or ``diagonal`` not a real number.
+        ValueError: ``n`` outside ``1..5``, ``diagonal`` not finite, or not in
+            ``(1/n, 1)`` (for ``n >= 2``).
     """
+    if not _is_int(n):
+        check_int("n", n, 1)  # raises the TypeError
     check_lite_streams(n)
+    diagonal = check_real("diagonal", diagonal, False)
     logits = torch.zeros(lite_logit_count(n), dtype=torch.float32, device="cpu")
     if n == 1:
         return logits
@@ -154,13 +201,36 @@ def sinkhorn_h_res(logits: Tensor, iters: int = 20, eps: float = SINKHORN_EPS) -
     first row step), differentiated through the loop by autograd.
 
     Args:
-        logits: ``[..., n, n]`` float32 or float64.
+        logits: ``[..., n, n]`` float32 or float64, ``n >= 1``.
         iters: rounds, an int ``>= 1`` (DeepSeek and the mHC paper: 20).
         eps: the ``hc_eps`` of the recipe, finite and ``>= 0`` (default :data:`SINKHORN_EPS`).
 
     Returns:
         ``[..., n, n]`` in the dtype of ``logits``. A matrix with a NaN or Inf
         logit comes back all NaN (and gets NaN gradients); the others are unaffected.
+
+    Raises:
+        TypeError: ``logits`` is not a float32 or float64 tensor, ``iters`` not
+            an int or ``eps`` not a real number (a ``bool`` is neither).
+        ValueError: ``logits`` not ``[..., n, n]`` with ``n >= 1``, ``iters < 1``,
+            or ``eps`` negative, NaN or infinite: :class:`mhc.MHCBlock`'s checks
+            of ``sinkhorn_iters`` and ``sinkhorn_eps``
+            (:func:`mhc.options.check_option`).
+    """
+    _check_logits(logits, "sinkhorn_h_res")
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn_h_res needs square matrices [..., n, n], got {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"sinkhorn_h_res needs n >= 1, got {tuple(logits.shape)}")
+    iters = check_option("sinkhorn_iters", iters, name="iters")
+    eps = check_option("sinkhorn_eps", eps, name="eps")
+    return sinkhorn_h_res_unchecked(logits, iters, eps)
+
+
+def sinkhorn_h_res_unchecked(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """:func:`sinkhorn_h_res` for arguments the caller has checked (MHCBlock's forward), no checks.
+
+    Anyone else: call :func:`sinkhorn_h_res`.
     """
     comb = torch.softmax(logits.transpose(-1, -2), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
@@ -168,6 +238,13 @@ def sinkhorn_h_res(logits: Tensor, iters: int = 20, eps: float = SINKHORN_EPS) -
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb.transpose(-1, -2) * _nan_where_nonfinite(logits, -2, -1)
+
+
+def _check_logits(logits, owner: str) -> None:
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{owner}: logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{owner}: logits must be float32 or float64, got {logits.dtype}")
 
 
 def _nan_where_nonfinite(logits: Tensor, *dims: int) -> Tensor:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = [
-    "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_options", "close_option",
-    "reject_unknown_options",
+    "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_option", "check_options", "close_option",
+    "reject_unknown_options", "check_int", "check_real", "check_non_negative",
 ]
 
 MODES = ("mhc", "hc", "residual")
@@ -61,6 +61,16 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+# The single-value rules the options use, for the package's public functions whose arguments are
+# not options (an ``n``, an ``eps``, a ``diagonal``): the same types accepted, the same messages.
+check_int = _integer
+"""``check_int(name, value, minimum)``: an ``int`` (not a ``bool``) ``>= minimum``; ``TypeError`` / ``ValueError``."""
+check_real = _real
+"""``check_real(name, value, positive)``: a finite real (``> 0`` if ``positive``), as ``float``."""
+check_non_negative = _non_negative
+"""``check_non_negative(name, value)``: a finite real ``>= 0``, as ``float``."""
 
 
 # How each option of an mHC site is checked; also the list of the options there are.
@@ -120,6 +130,22 @@ def check_options(**options: Any) -> dict[str, Any]:
     """
     reject_unknown_options(options, OPTION_NAMES, "mHC options")
     return {name: _OPTION_CHECKS[name](name, value) for name, value in options.items()}
+
+
+def check_option(option: str, value: Any, *, name: str | None = None) -> Any:
+    """Check one value exactly as :func:`check_options` checks ``option``; return it normalised.
+
+    For a function whose argument is an mHC option under another name (e.g.
+    :func:`mhc.mixing.sinkhorn_h_res`'s ``iters`` is ``sinkhorn_iters``): the
+    same rule as :class:`mhc.MHCBlock`'s, with errors naming ``name``
+    (default: ``option``) and the value.
+
+    Raises:
+        TypeError: ``option`` is not an option, or ``value`` has the wrong type.
+        ValueError: ``value`` is out of range or not among the choices.
+    """
+    reject_unknown_options((option,), OPTION_NAMES, "check_option")
+    return _OPTION_CHECKS[option](option if name is None else name, value)
 
 
 @dataclasses.dataclass(frozen=True)

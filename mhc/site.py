@@ -21,13 +21,14 @@ converted model) the deviations are exactly zero, so the site returns
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from .mixing import SINKHORN_EPS, lite_h_res, lite_logit_count, sinkhorn_h_res
+from .mixing import SINKHORN_EPS, lite_h_res_unchecked, sinkhorn_h_res_unchecked
 from .options import MHCOptions
 from .projection import birkhoff_project
 
@@ -102,16 +103,17 @@ def coefficients(
         x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
         x_norm = F.rms_norm(x_flat, (n * C,), eps=options.norm_eps)
         lite = options.projection == "lite"
-        pre, post, res = (x_norm @ phi.t()).split([n, n, lite_logit_count(n) if lite else n * n], dim=-1)
+        pre, post, res = (x_norm @ phi.t()).split([n, n, math.factorial(n) if lite else n * n], dim=-1)
         H_pre = torch.sigmoid(a_pre * pre + b_pre)
         if pre_eps:
             H_pre = H_pre + pre_eps
         H_post = 2 * torch.sigmoid(a_post * post + b_post)
+        # The block checked its options and sizes when it was built: the unchecked variants, no per-call checks.
         if lite:
-            return H_pre, H_post, lite_h_res(a_res * res + b_res)
+            return H_pre, H_post, lite_h_res_unchecked(a_res * res + b_res, n)
         logits = a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res
         if options.projection == "sinkhorn":
-            H_res = sinkhorn_h_res(logits, options.sinkhorn_iters, sinkhorn_eps)
+            H_res = sinkhorn_h_res_unchecked(logits, options.sinkhorn_iters, sinkhorn_eps)
         else:
             H_res = birkhoff_project(logits, tol=options.tol)
         return H_pre, H_post, H_res

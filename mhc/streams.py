@@ -19,8 +19,14 @@ def expand_streams(h: Tensor, n: int) -> Tensor:
 
     Returns:
         ``[..., n, C]`` contiguous, same dtype and device as ``h``.
+
+    Raises:
+        TypeError: ``h`` is not a tensor, or ``n`` not an int.
+        ValueError: ``h`` has no dimension, or ``n < 1``.
     """
     n = check_options(n_streams=n)["n_streams"]
+    if not isinstance(h, Tensor):
+        raise TypeError(f"expand_streams: h must be a torch.Tensor, got {type(h).__name__}")
     if h.dim() < 1:
         raise ValueError("expand_streams needs a tensor with a hidden dimension [..., C]")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
@@ -38,14 +44,36 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
         ``[..., C]`` in the dtype of ``x``. The sum accumulates in float32 (or
         better; the weights are used in that precision too) and is cast back
         once, so bf16 streams lose nothing to a bf16 running sum.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or ``weights`` neither a tensor nor ``None``.
+        ValueError: ``x`` is not ``[..., n, C]``, or ``weights`` do not broadcast to ``[..., n]``.
     """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"reduce_streams: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2:
         raise ValueError(f"reduce_streams expects [..., n, C], got shape {tuple(x.shape)}")
     acc = torch.promote_types(x.dtype, torch.float32)
     if weights is None:
         return x.mean(dim=-2, dtype=acc).to(x.dtype)
-    if weights.shape[-1] != x.shape[-2]:
-        raise ValueError(f"weights have {weights.shape[-1]} entries for {x.shape[-2]} streams")
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"reduce_streams: weights must be a torch.Tensor or None, got {type(weights).__name__}")
+    if weights.dim() < 1 or weights.shape[-1] != x.shape[-2]:
+        raise ValueError(
+            f"weights of shape {tuple(weights.shape)} need one entry per stream: {x.shape[-2]} streams "
+            f"(x of shape {tuple(x.shape)})"
+        )
+    if weights.dim() > 1:  # ([n] weights, StreamReduce's, always broadcast)
+        target = tuple(x.shape[:-1])
+        try:
+            broadcast = torch.broadcast_shapes(weights.shape, target)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != target:
+            raise ValueError(
+                f"weights of shape {tuple(weights.shape)} do not broadcast to [..., n] = {target} "
+                f"(x of shape {tuple(x.shape)})"
+            )
     return torch.einsum("...n,...nc->...c", weights.to(acc), x.to(acc)).to(x.dtype)
 
 

@@ -13,12 +13,17 @@ from torch import nn
 
 from mhc import MHCBlock, expand_streams, marginal_error
 from mhc.diagnostics import (
+    backward_gain,
     collect_h_res,
     collect_sites,
     composite_gains,
     composite_mapping,
+    forward_gain,
+    near_zero_or_one,
+    one_hot_rows,
     plot_report,
     report_from_h_res,
+    report_from_sites,
     stability_report,
     stream_spread,
     suffix_backward_gain,
@@ -355,3 +360,51 @@ def test_grad_ratio_with_activation_checkpointing_records_each_site_once():
     ids = torch.randint(0, 64, (1, 8))
     plain = stability_report(model, input_ids=ids, labels=ids, loss_fn=lambda out: out.loss)
     assert plain.depth == 4 and all(r is not None and r > 0 for r in plain.grad_ratio), plain.grad_ratio
+
+
+# ----------------------------------------------------------------------------- argument checks (issue #52)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: forward_gain([[1.0]]), TypeError, "M must be a torch.Tensor"),
+        (lambda: backward_gain(torch.ones(3)), ValueError, r"M must be \[\.\.\., n, n\], got \(3,\)"),
+        (lambda: forward_gain(torch.ones(2, 3, 4)), ValueError, r"got \(2, 3, 4\)"),
+        (lambda: stream_spread([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+        (lambda: stream_spread(torch.ones(5)), ValueError, r"x must be \[\.\.\., n, C\], got \(5,\)"),
+        (lambda: near_zero_or_one([0.5], 1e-3), TypeError, "values must be a torch.Tensor"),
+        (lambda: near_zero_or_one(torch.ones(3), -1e-3), ValueError, "eps must be finite and >= 0, got -0.001"),
+        (lambda: near_zero_or_one(torch.ones(3), math.nan), ValueError, "eps must be finite"),
+        (lambda: near_zero_or_one(torch.ones(3), "0.1"), TypeError, "eps must be a real number"),
+        (lambda: one_hot_rows(torch.eye(3), math.inf), ValueError, "eps must be finite"),
+        (lambda: one_hot_rows(torch.ones(3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
+        (lambda: one_hot_rows(torch.ones(2, 3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
+        (lambda: collect_sites("model"), TypeError, "model must be an nn.Module"),
+        (lambda: collect_sites(nn.Linear(2, 2), loss_fn="mean"), TypeError, "loss_fn must be callable or None"),
+        (lambda: stability_report(nn.Linear(2, 2), torch.ones(1, 2), eps=2.0), ValueError, r"eps must be a number in \(0, 0.5\)"),
+        (lambda: report_from_h_res([torch.eye(3)], eps="0.1"), TypeError, "eps must be a real number"),
+        (lambda: report_from_h_res([torch.eye(3)], names=[7]), TypeError, "names must be strings"),
+        (lambda: report_from_h_res([torch.eye(3)], names="site"), TypeError, "names must be a sequence of strings"),
+        (lambda: report_from_sites([torch.eye(3)]), TypeError, "records must be SiteRecord"),
+        (lambda: plot_report("report", "x.png"), TypeError, "report must be a StabilityReport"),
+        (lambda: plot_report(report_from_h_res([torch.eye(3)]), 7), TypeError, "path must be a str or os.PathLike"),
+        (lambda: plot_report(report_from_h_res([torch.eye(3)]), "x.png", title=3), TypeError, "title must be a str"),
+    ],
+)
+def test_public_functions_check_their_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_stability_report_checks_eps_before_running_the_model():
+    calls = []
+
+    class Counting(nn.Module):
+        def forward(self, x):
+            calls.append(1)
+            return x
+
+    with pytest.raises(ValueError, match="eps"):
+        stability_report(Counting(), torch.ones(1), eps=0.0)
+    assert calls == []

@@ -1,8 +1,11 @@
 """NaN and Inf stay where they are: in the projection's batch and in MHCBlock's tokens (CPU, PyTorch path).
 
-A non-finite matrix (or token) gets NaN results and NaN gradients; every other
-matrix (or token) gets exactly what it gets in a batch without the bad value,
-forward and backward, and nothing raises.
+A matrix holding NaN or +Inf (or a token holding NaN) gets NaN results and
+NaN gradients; every other matrix (or token) gets exactly what it gets in a
+batch without the bad value, forward and backward, and nothing raises. A
+-Inf logit is a zero entry of exp(R), not a bad value: the matrix is projected
+on its finite entries (tests/test_projection_zeros.py); here it must leave the
+others alone too.
 """
 
 import itertools
@@ -19,7 +22,7 @@ METHODS = ["newton", "sinkhorn"]
 NS = [2, 3, 4, 8]
 DTYPES = [torch.float32, torch.float64]
 BATCH_SHAPES = [(3, 5), (2, 3, 2)]
-BAD_VALUES = [math.nan, math.inf, -math.inf]
+BAD_VALUES = [math.nan, math.inf]
 
 
 def fresh_generator() -> torch.Generator:
@@ -60,6 +63,32 @@ def test_a_nonfinite_matrix_changes_nothing_else(method, n, dtype):
         assert bool(info.error[bad].isnan().all()) and not bool(info.converged[bad].any()), case
         assert torch.equal(info.error[~bad], info_clean.error), case
         assert torch.equal(info.iterations[~bad], info_clean.iterations), case
+
+
+@pytest.mark.parametrize("method,n,dtype", list(itertools.product(METHODS, NS, DTYPES)))
+def test_a_neginf_logit_changes_nothing_else(method, n, dtype):
+    """One -inf logit: that matrix is projected on its other entries (finite, that entry exactly 0, finite
+    gradients), and every other matrix is what a batch without it gives, bit for bit."""
+    g = fresh_generator()
+    seed = f"seed {g.initial_seed()}"
+    for batch in BATCH_SHAPES:
+        R = 5 * torch.randn(*batch, n, n, generator=g, dtype=dtype)
+        G = torch.randn(*batch, n, n, generator=g, dtype=dtype)
+        where = tuple(int(torch.randint(0, s, (), generator=g)) for s in (*batch, n, n))
+        zero = torch.zeros(batch, dtype=torch.bool)
+        zero[where[:-2]] = True
+        R_zero = R.clone()
+        R_zero[where] = -math.inf
+        case = f"{seed}: {method}, batch {batch}, -inf at {where}"
+
+        T, info, dR = project_with_grad(R_zero, G, method)
+        T_clean, info_clean, dR_clean = project_with_grad(R[~zero], G[~zero], method)
+
+        assert T[zero].isfinite().all() and dR[zero].isfinite().all() and T[where] == 0 and dR[where] == 0, case
+        assert torch.equal(T[~zero], T_clean) and torch.equal(dR[~zero], dR_clean), case
+        assert info.num_nonfinite == 0 and torch.equal(info.error[~zero], info_clean.error), case
+        if method == "newton":
+            assert bool(info.converged.all()), case
 
 
 @pytest.mark.parametrize("method,n,dtype", list(itertools.product(METHODS, NS, DTYPES)))

@@ -72,3 +72,25 @@ def test_bad_input_raises():
         reduce_streams(torch.randn(8))
     with pytest.raises(ValueError, match="streams"):
         reduce_streams(torch.randn(2, 4, 8), torch.ones(3))
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(TypeError, match="h must be a torch.Tensor"):
+        expand_streams([1.0, 2.0], 4)
+    with pytest.raises(ValueError, match=r"\[\.\.\., C\]"):
+        expand_streams(torch.tensor(1.0), 4)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        reduce_streams([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="weights must be a torch.Tensor or None"):
+        reduce_streams(torch.randn(2, 4, 8), [0.25] * 4)
+    with pytest.raises(ValueError, match="weights"):
+        reduce_streams(torch.randn(2, 4, 8), torch.tensor(0.25))  # no stream dimension
+    with pytest.raises(ValueError, match=r"weights of shape \(3, 4\) do not broadcast"):
+        reduce_streams(torch.randn(2, 4, 8), torch.ones(3, 4))  # [..., n] against a batch of 2
+    with pytest.raises(ValueError, match=r"weights of shape \(2, 1, 4\) do not broadcast"):
+        reduce_streams(torch.randn(2, 4, 8), torch.ones(2, 1, 4))  # would add a batch dimension
+    # what is documented still works: [n] weights, and weights broadcast over the batch
+    x = torch.randn(2, 4, 8)
+    torch.testing.assert_close(reduce_streams(x, torch.full((4,), 0.25)), x.mean(-2))
+    torch.testing.assert_close(reduce_streams(x, torch.full((2, 4), 0.25)), x.mean(-2))
+    torch.testing.assert_close(reduce_streams(x, torch.full((1, 4), 0.25)), x.mean(-2))

@@ -13,6 +13,7 @@ from torch import nn
 from mhc import MHCBlock, MHCOptions, birkhoff_project, expand_streams, marginal_error
 from mhc.mixing import (
     LITE_MAX_STREAMS,
+    check_lite_streams,
     lite_h_res,
     lite_identity_logits,
     lite_logit_count,
@@ -319,3 +320,96 @@ def test_permutations_cached_under_inference_mode_still_train():
     w = torch.randn(3, 2, dtype=torch.bfloat16, requires_grad=True)
     (w @ permutation_matrices(2, "cpu", torch.bfloat16).reshape(2, 4)).sum().backward()
     assert w.grad is not None and w.grad.shape == (3, 2)
+
+
+# ----------------------------------------------------------------------------- argument checks (issue #52)
+
+SINKHORN_BAD = [
+    (dict(eps=-1.0), ValueError, "eps must be finite and >= 0, got -1.0"),
+    (dict(eps=math.nan), ValueError, "eps must be finite"),
+    (dict(eps=math.inf), ValueError, "eps must be finite"),
+    (dict(eps="1e-6"), TypeError, "eps must be a real number"),
+    (dict(eps=True), TypeError, "eps must be a real number"),
+    (dict(eps=None), TypeError, "eps must be a real number"),
+    (dict(iters=0), ValueError, "iters must be >= 1, got 0"),
+    (dict(iters=-5), ValueError, "iters must be >= 1, got -5"),
+    (dict(iters=2.0), TypeError, "iters must be an int"),
+    (dict(iters=True), TypeError, "iters must be an int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", SINKHORN_BAD)
+def test_sinkhorn_h_res_checks_its_options(kwargs, error, match):
+    """The checks MHCBlock makes of sinkhorn_iters / sinkhorn_eps, under the function's own argument names."""
+    with pytest.raises(error, match=match):
+        sinkhorn_h_res(torch.randn(2, 4, 4), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "logits, error, match",
+    [
+        (torch.randn(2, 3, 4), ValueError, r"square matrices \[\.\.\., n, n\], got \(2, 3, 4\)"),
+        (torch.randn(4), ValueError, r"got \(4,\)"),
+        (torch.randn(2, 0, 0), ValueError, "n >= 1"),
+        (torch.randn(2, 4, 4).to(torch.bfloat16), TypeError, "float32 or float64"),
+        (torch.ones(2, 4, 4, dtype=torch.int64), TypeError, "float32 or float64"),
+        ([[0.0, 1.0], [1.0, 0.0]], TypeError, "torch.Tensor"),
+    ],
+)
+def test_sinkhorn_h_res_checks_its_logits(logits, error, match):
+    with pytest.raises(error, match=match):
+        sinkhorn_h_res(logits)
+
+
+def test_sinkhorn_h_res_accepts_the_edges():
+    R = torch.randn(2, 3, 3, dtype=torch.float64)
+    assert sinkhorn_h_res(R, 1, 0).shape == R.shape  # one round, an int zero epsilon
+    assert sinkhorn_h_res(R[0], iters=3, eps=1e-3).shape == (3, 3)
+    assert sinkhorn_h_res(torch.randn(0, 4, 4)).shape == (0, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: lite_h_res([0.0, 1.0]), TypeError, "torch.Tensor"),
+        (lambda: lite_h_res(torch.zeros(3, 24, dtype=torch.bfloat16)), TypeError, "float32 or float64"),
+        (lambda: lite_h_res(torch.zeros(3, 2, dtype=torch.int64)), TypeError, "float32 or float64"),
+        (lambda: lite_logit_count(0), ValueError, "n must be >= 1, got 0"),
+        (lambda: lite_logit_count(True), TypeError, "n must be an int"),
+        (lambda: lite_logit_count(3.0), TypeError, "n must be an int"),
+        (lambda: check_lite_streams(2.0), TypeError, "n_streams must be an int"),
+        (lambda: check_lite_streams(True), TypeError, "n_streams must be an int"),
+        (lambda: permutation_matrices(2.0), TypeError, "n must be an int"),
+        (lambda: permutation_matrices(True), TypeError, "n must be an int"),
+        (lambda: permutation_matrices(3, dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+        (lambda: permutation_matrices(3, device="gpu7"), ValueError, "device"),
+        (lambda: permutation_matrices(3, device=1.5), TypeError, "device"),
+        (lambda: lite_identity_logits(1, "0.9"), TypeError, "diagonal must be a real number"),
+        (lambda: lite_identity_logits(3, None), TypeError, "diagonal must be a real number"),
+        (lambda: lite_identity_logits(3, math.nan), ValueError, "diagonal must be finite"),
+        (lambda: lite_identity_logits(3.0, 0.9), TypeError, "n must be an int"),
+    ],
+)
+def test_lite_functions_check_their_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("projection", ["sinkhorn", "lite"])
+def test_the_block_forward_skips_the_public_checks(projection, monkeypatch):
+    """MHCBlock checked its options once, when it was built: its forward calls the unchecked variants
+    (mhc.mixing.sinkhorn_h_res_unchecked, lite_h_res_unchecked), so the public checks cost it nothing."""
+    import mhc.mixing
+    import mhc.site
+
+    block = MHCBlock(nn.Linear(C, C), C, 4, projection=projection, init="paper")
+    x = torch.randn(3, 4, C)
+    expected = block(x)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the block's forward called a checked public function")
+
+    for name in ("sinkhorn_h_res", "lite_h_res", "lite_logit_count", "permutation_matrices", "check_lite_streams"):
+        monkeypatch.setattr(mhc.mixing, name, refuse)
+        monkeypatch.setattr(mhc.site, name, refuse, raising=False)
+    assert torch.equal(block(x), expected)

@@ -19,7 +19,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 git log -1 --format='%H %s' 2>/dev/null | tee -a $OUT/gpu.log
 # the "before" extension builds in the background meanwhile (its own cache dir)
 ( cd /tmp && PYTHONPATH=$BEFORE TORCH_EXTENSIONS_DIR=/tmp/ext_before MAX_JOBS=8 python3 -c "
-import mhc.projection_cuda as p, mhc.fused as f; print('before projection', p.available())" ) > $OUT/before_build.log 2>&1 &
+import mhc.projection.cuda as p, mhc.fused as f; print('before projection', p.available())" ) > $OUT/before_build.log 2>&1 &
 BG=$!
 export TORCH_EXTENSIONS_DIR=/tmp/ext_after
 { python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/w . && python3 -m venv --system-site-packages /tmp/venv \

@@ -8,8 +8,10 @@
 
 #ifdef __CUDACC__
 #define MHC_HD __host__ __device__ __forceinline__
+#define MHC_HD_NOINLINE __host__ __device__ __noinline__
 #else
 #define MHC_HD inline
+#define MHC_HD_NOINLINE __attribute__((noinline))
 #endif
 
 namespace mhc_birkhoff {
@@ -551,7 +553,8 @@ MHC_HD bool flush_tiny(float (&T)[N][N]) {
 // largest over those cycles, against rounding). Where every such value is at
 // most e^kFlushedLog the plan is the solution up to them: they are written
 // into T and true is returned. False when one would be larger or has no such
-// cycle (T is then partly written; the caller restarts from R). R (the
+// cycle (T is then partly written; the caller restarts from R). A -inf logit
+// (prepare_logits) is a zero of the solution, not a flushed entry. R (the
 // logits) is overwritten.
 template <int N>
 MHC_HD bool fill_flushed(float (&T)[N][N], float (&R)[N][N]) {
@@ -574,6 +577,10 @@ MHC_HD bool fill_flushed(float (&T)[N][N], float (&R)[N][N]) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       if (in(i, j)) continue;
+      if (R[i][j] == -INFINITY) {  // a zero of exp(R) (prepare_logits): 0 in the solution too
+        T[i][j] = 0.f;
+        continue;
+      }
       float best = 0.f;
       bool found = false;
 #pragma unroll
@@ -821,6 +828,113 @@ MHC_HD bool wants_robust(const float (&R)[N][N]) {
   return wide;
 }
 
+// ----------------------------------------------------------------------------
+// Zero entries (design.md §2, "Zero entries"): a -inf logit is an entry
+// exp(R_ij) = 0. The projection then lives on the union U of the permutations
+// inside the support S of the finite logits (every doubly stochastic matrix on
+// S is a convex combination of those permutations), where it is an ordinary
+// scaling with finite potentials; the entries of S off U are 0 whatever their
+// logits, and would send the potentials to infinity if left in. So
+// prepare_logits sets them to -inf too, and the solvers above run on U as on
+// any matrix: every step maps a zero entry to zero. Where S holds no
+// permutation there is no answer (NaN, error inf).
+// ----------------------------------------------------------------------------
+
+enum LogitsKind : int {
+  kDense = 0,         // every logit finite
+  kZeros = 1,         // -inf logits, and a permutation among the finite ones (solved on U)
+  kNoProjection = 2,  // -inf logits that leave no permutation among the finite ones: NaN, error inf
+  kBad = 3,           // NaN or +inf somewhere: NaN, error NaN
+};
+
+// The entries of `support` (bit i*N+j: logit (i, j) is finite) that lie on a
+// permutation inside it; 0 when it holds none. A maximum matching by
+// augmenting paths (breadth first from each row), then: an entry (i, j) off
+// the matching, column j matched to row i', lies on a permutation iff i'
+// reaches i in the graph with an edge a -> b wherever row a has a finite
+// entry in the column matched to row b (an alternating cycle through (i, j)).
+// Not inlined: only matrices holding a -inf call it, and its local arrays
+// stay out of the solver's registers.
+template <int N>
+MHC_HD_NOINLINE uint64_t permutation_support(uint64_t support) {
+  static_assert(N * N <= 64, "one bit per entry");
+  constexpr unsigned kRowBits = (1u << N) - 1u;
+  unsigned cols[N];
+  int col_of[N], row_of[N];
+  for (int i = 0; i < N; ++i) {
+    cols[i] = (unsigned)(support >> (i * N)) & kRowBits;
+    col_of[i] = row_of[i] = -1;
+  }
+  for (int root = 0; root < N; ++root) {
+    int prev[N], queue[N];  // prev: the row that reached a column; each row enters the queue once
+    int head = 0, tail = 0, free_col = -1;
+    unsigned seen = 0;
+    queue[tail++] = root;
+    while (head < tail && free_col < 0) {
+      const int i = queue[head++];
+      for (int j = 0; j < N; ++j) {
+        if (!((cols[i] >> j) & 1u) || ((seen >> j) & 1u)) continue;
+        seen |= 1u << j;
+        prev[j] = i;
+        if (row_of[j] < 0) {
+          free_col = j;
+          break;
+        }
+        queue[tail++] = row_of[j];
+      }
+    }
+    if (free_col < 0) return 0;  // Hall's condition fails: no permutation inside the support
+    for (int j = free_col; j >= 0;) {  // flip the path back to the root
+      const int i = prev[j], next = col_of[i];
+      col_of[i] = j;
+      row_of[j] = i;
+      j = next;
+    }
+  }
+  unsigned reach[N];
+  for (int a = 0; a < N; ++a) {
+    unsigned r = 0;
+    for (int j = 0; j < N; ++j)
+      if ((cols[a] >> j) & 1u) r |= 1u << row_of[j];
+    reach[a] = r;
+  }
+  for (int k = 0; k < N; ++k)  // transitive closure (Warshall)
+    for (int a = 0; a < N; ++a)
+      if ((reach[a] >> k) & 1u) reach[a] |= reach[k];
+  uint64_t keep = 0;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      if (((cols[i] >> j) & 1u) && (row_of[j] == i || ((reach[row_of[j]] >> i) & 1u))) keep |= 1ULL << (i * N + j);
+  return keep;
+}
+
+// Sort the logits R (in place) into a LogitsKind; for kZeros also set the
+// finite entries that lie on no permutation inside the finite ones to -inf.
+// The common case, every logit finite, costs 2·N² compares.
+template <int N>
+MHC_HD int prepare_logits(float (&R)[N][N]) {
+  bool bad = false, zero = false;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      bad = bad || !(R[i][j] < INFINITY);  // NaN or +inf
+      zero = zero || R[i][j] == -INFINITY;
+    }
+  if (bad) return kBad;
+  if (!zero) return kDense;
+  uint64_t support = 0;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      if (R[i][j] > -INFINITY) support |= 1ULL << (i * N + j);
+  const uint64_t keep = permutation_support<N>(support);
+  if (keep == 0) return kNoProjection;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      if (!((keep >> (i * N + j)) & 1ULL)) R[i][j] = -INFINITY;
+  return kZeros;
+}
+
 // Solve one matrix: fast_solve (unless `robust`), and the robust Solver from
 // the logits where fast_solve hands the matrix back. On entry T holds the
 // (finite) logits R, on exit the plan. `reload(X)` writes R into X again; it
@@ -845,6 +959,30 @@ MHC_HD int solve_matrix(float (&T)[N][N], Reload&& reload, float tol, int max_it
 #pragma unroll
     for (int j = 0; j < N; ++j) T[i][j] = S.T[i][j];
   return it + S.it;
+}
+
+// One matrix of logits, whatever it holds (T: the logits, through
+// prepare_logits, which returned `kind`; the plan on exit): solve_matrix for
+// kDense and kZeros, NaN for the others, with err_out NaN (kBad) or inf
+// (kNoProjection) and 0 iterations. `reload(X)` writes the raw logits into
+// X; they are prepared again here (only the robust restart and n = 4's
+// flushed entries reload).
+template <int N, typename Reload>
+MHC_HD int solve_logits(float (&T)[N][N], int kind, Reload&& reload, float tol, int max_iter, double& err_out,
+                        bool robust = false, bool exact_err = true) {
+  if (kind == kBad || kind == kNoProjection) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) T[i][j] = NAN;
+    err_out = kind == kBad ? (double)NAN : (double)INFINITY;
+    return 0;
+  }
+  auto prepared = [&](float (&X)[N][N]) {
+    reload(X);
+    prepare_logits<N>(X);
+  };
+  return solve_matrix<N>(T, prepared, tol, max_iter, err_out, robust, exact_err);
 }
 
 }  // namespace mhc_birkhoff

@@ -33,8 +33,9 @@
 
 namespace mhc_birkhoff {
 
-// Matrices with finite input that missed tol, per device (one copy of a
-// __device__ variable per device context). Read on demand from the host.
+// Matrices that missed tol (or have no projection: -inf logits leaving no
+// permutation), per device (one copy of a __device__ variable per device
+// context); not those holding NaN or +inf. Read on demand from the host.
 __device__ unsigned long long g_unconverged = 0ULL;
 
 constexpr int kThreads = 128;         // threads per block
@@ -155,32 +156,15 @@ __device__ __forceinline__ void store_matrix(scalar_t* __restrict__ p, const flo
   }
 }
 
-template <int N>
-__device__ __forceinline__ bool all_finite(const float (&T)[N][N]) {
-  bool finite = true;
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) finite = finite && isfinite(T[i][j]);
-  return finite;
-}
-
-// One matrix, in place (T: the logits in, the plan out): solved and counted in
-// g_unconverged if it misses tol, or NaN where the logits are not all finite
-// (err NaN, 0 iterations). Returns the Newton iterations.
+// One matrix, in place (T: the logits after prepare_logits, which returned
+// `kind`; the plan out): solve_logits, and counted in g_unconverged if it
+// misses tol or has no projection (err inf). NaN where the logits hold NaN or
+// +inf (err NaN, 0 iterations, not counted). Returns the Newton iterations.
 template <int N, typename Reload>
-__device__ __forceinline__ int project_matrix(float (&T)[N][N], bool finite, bool robust, Reload&& reload, float tol,
+__device__ __forceinline__ int project_matrix(float (&T)[N][N], int kind, bool robust, Reload&& reload, float tol,
                                               int max_iter, bool exact_err, double& err) {
-  err = CUDART_NAN;
-  if (!finite) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int j = 0; j < N; ++j) T[i][j] = CUDART_NAN_F;
-    return 0;
-  }
-  const int iters = solve_matrix<N>(T, reload, tol, max_iter, err, robust, exact_err);
-  if (!(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
+  const int iters = solve_logits<N>(T, kind, reload, tol, max_iter, err, robust, exact_err);
+  if (kind != kBad && !(err <= (double)tol)) atomicAdd(&g_unconverged, 1ULL);
   return iters;
 }
 
@@ -213,15 +197,16 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<N>()) birkhoff_fo
   const scalar_t* src = R + idx * NN;
   float T[N][N];
   load_matrix<N, scalar_t>(src, T, vec_ok);
-  const bool finite = all_finite<N>(T);
-  // One solver per warp where possible (see wants_robust and robust_votes).
-  const unsigned wide = __ballot_sync(__activemask(), finite && wants_robust<N>(T));
+  const int kind = prepare_logits<N>(T);  // -inf logits: zeros of exp(R) (birkhoff_core.cuh)
+  // One solver per warp where possible (see wants_robust and robust_votes); a
+  // matrix with zero entries votes like a wide one.
+  const unsigned wide = __ballot_sync(__activemask(), kind <= kZeros && wants_robust<N>(T));
   const bool robust = __popc(wide) >= robust_votes<N>();
   // The robust solver re-reads R rather than keeping a copy in registers.
   auto reload = [&](float (&X)[N][N]) { load_matrix<N, scalar_t>(src, X, vec_ok); };
   double err;
   // The float64 error only where the caller asks for it (info).
-  const int iters = project_matrix<N>(T, finite, robust, reload, tol, max_iter, iters_out != nullptr, err);
+  const int iters = project_matrix<N>(T, kind, robust, reload, tol, max_iter, iters_out != nullptr, err);
   store_matrix<N, scalar_t>(out + idx * NN, T, vec_ok);
   if (iters_out != nullptr) {
     iters_out[idx] = iters;

@@ -239,9 +239,9 @@ __device__ __forceinline__ void finish_pre_token(
 #pragma unroll
         for (int j = 0; j < N; ++j) X[i][j] = R[i][j];
     };
-    const bool finite = all_finite<N>(T);
+    const int kind = prepare_logits<N>(T);
     double err;
-    project_matrix<N>(T, finite, finite && wants_robust<N>(T), reload, tol, max_iter, false, err);
+    project_matrix<N>(T, kind, kind <= kZeros && wants_robust<N>(T), reload, tol, max_iter, false, err);
 #pragma unroll
     for (int i = 0; i < N; ++i)
 #pragma unroll

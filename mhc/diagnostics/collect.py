@@ -65,8 +65,13 @@ def collect_sites(
         One :class:`SiteRecord` per site call, in the order they ran.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``loss_fn`` neither callable nor ``None``.
         ValueError: the model holds no ``MHCBlock``, or ran none of them.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None, got {loss_fn!r} ({type(loss_fn).__name__})")
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, MHCBlock)}
     if not names:
         raise ValueError("the model holds no MHCBlock")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..options import check_non_negative
 from ..projection import marginal_error
 
 __all__ = [
@@ -129,13 +130,31 @@ def composite_mapping(h_res: Sequence[Tensor] | Tensor) -> Tensor:
     return torch.stack(prefix)
 
 
+def _check_tensor(name: str, value, dims: str, square: bool) -> None:
+    """``TypeError`` unless ``value`` is a tensor, ``ValueError`` unless it has the trailing dims ``[..., a, b]``."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() < 2 or (square and value.shape[-1] != value.shape[-2]):
+        raise ValueError(f"{name} must be {dims}, got {tuple(value.shape)}")
+
+
 def forward_gain(M: Tensor) -> Tensor:
-    """Max absolute row sum of ``M: [..., n, n]`` (``‖M‖_∞``): ``[...]``, M's dtype."""
+    """Max absolute row sum of ``M: [..., n, n]`` (``‖M‖_∞``): ``[...]``, M's dtype.
+
+    Raises:
+        TypeError: ``M`` is not a tensor. ValueError: not ``[..., n, n]``.
+    """
+    _check_tensor("M", M, "[..., n, n]", square=True)
     return M.abs().sum(-1).amax(-1)
 
 
 def backward_gain(M: Tensor) -> Tensor:
-    """Max absolute column sum of ``M: [..., n, n]`` (``‖M‖_1``): ``[...]``, M's dtype."""
+    """Max absolute column sum of ``M: [..., n, n]`` (``‖M‖_1``): ``[...]``, M's dtype.
+
+    Raises:
+        TypeError: ``M`` is not a tensor. ValueError: not ``[..., n, n]``.
+    """
+    _check_tensor("M", M, "[..., n, n]", square=True)
     return M.abs().sum(-2).amax(-1)
 
 
@@ -200,7 +219,11 @@ def stream_spread(x: Tensor) -> Tensor:
 
     Returns:
         ``[...]`` float64.
+
+    Raises:
+        TypeError: ``x`` is not a tensor. ValueError: not ``[..., n, C]``.
     """
+    _check_tensor("x", x, "[..., n, C]", square=False)
     x = x.detach().double()
     dev = (x - x.mean(-2, keepdim=True)).flatten(-2).norm(dim=-1)
     total = x.flatten(-2).norm(dim=-1)
@@ -213,7 +236,14 @@ def near_zero_or_one(values: Tensor, eps: float) -> Tensor:
     For ``H_res`` entries this is saturation of the projection (``T(1-T)`` near 0,
     almost no gradient); for ``H_pre = σ(z)`` and ``H_post / 2 = σ(z)`` it is the flat
     part of the sigmoid (``σ'(z) = σ(1-σ) < eps``).
+
+    Raises:
+        TypeError: ``values`` is not a tensor, or ``eps`` not a real number.
+        ValueError: ``eps`` negative, NaN or infinite.
     """
+    if not isinstance(values, Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    eps = check_non_negative("eps", eps)
     v = values.detach().double()
     return (v.abs() <= eps) | ((v - 1).abs() <= eps)
 
@@ -224,5 +254,11 @@ def one_hot_rows(h_res: Tensor, eps: float) -> Tensor:
     A row whose largest entry is at least ``1 - eps`` (and whose others are then
     below ``eps`` for a doubly stochastic matrix) has saturated: it routes one
     stream and its logits get almost no gradient.
+
+    Raises:
+        TypeError: ``h_res`` is not a tensor, or ``eps`` not a real number.
+        ValueError: ``h_res`` not ``[..., n, n]``, or ``eps`` negative, NaN or infinite.
     """
+    _check_tensor("h_res", h_res, "[..., n, n]", square=True)
+    eps = check_non_negative("eps", eps)
     return h_res.detach().double().amax(-1) >= 1 - eps

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..options import check_real
 from ..projection import marginal_error
 from .collect import SiteRecord, collect_sites
 from .metrics import near_zero_or_one, one_hot_rows, stack_h_res, suffix_backward_gain, token_gains
@@ -118,11 +119,18 @@ def _fraction(mask: Tensor) -> float:
     return float(mask.double().mean()) if mask.numel() else 0.0
 
 
+def _check_eps(eps) -> float:
+    """The saturation threshold: a real number in ``(0, 0.5)`` (``TypeError`` / ``ValueError``)."""
+    eps = check_real("eps", eps, False)
+    if not 0 < eps < 0.5:
+        raise ValueError(f"eps must be a number in (0, 0.5), got {eps!r}")
+    return eps
+
+
 def _build(
     h_res: Tensor, names: list[str], modes: list[str], eps: float, records: Sequence[SiteRecord] | None
 ) -> StabilityReport:
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 0.5):
-        raise ValueError(f"eps must be a number in (0, 0.5), got {eps!r}")
+    eps = _check_eps(eps)
     batch_shape = tuple(h_res.shape[1:-2])
     gains = token_gains(h_res)
     fwd_mean, fwd_max, fwd_tok = _summaries(gains.forward, batch_shape)
@@ -173,20 +181,39 @@ def report_from_h_res(
 
     Args:
         h_res: a list of ``[*batch, n, n]`` tensors or one ``[L, *batch, n, n]`` tensor, first site first.
-        names: one name per site (default ``"site <d>"``).
-        eps: the saturation threshold.
+        names: one name per site, strings (default ``"site <d>"``).
+        eps: the saturation threshold, a real number in ``(0, 0.5)``.
+
+    Raises:
+        TypeError: ``names`` not a sequence of strings, ``eps`` not a real number, or
+            ``h_res`` not floating-point tensors.
+        ValueError: no site, not ``[..., n, n]``, sites of different shapes, a name count
+            that is not the site count, or ``eps`` outside ``(0, 0.5)``.
     """
+    eps = _check_eps(eps)
     H = stack_h_res(h_res)
+    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, Sequence)):
+        raise TypeError(f"names must be a sequence of strings, got {type(names).__name__}")
     names = [f"site {d}" for d in range(H.shape[0])] if names is None else list(names)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"names must be strings, got {[type(name).__name__ for name in names]}")
     if len(names) != H.shape[0]:
         raise ValueError(f"{len(names)} names for {H.shape[0]} sites")
     return _build(H, names, ["?"] * H.shape[0], eps, None)
 
 
 def report_from_sites(records: Sequence[SiteRecord], *, eps: float = DEFAULT_EPS) -> StabilityReport:
-    """The report of what :func:`~mhc.diagnostics.collect_sites` recorded."""
+    """The report of what :func:`~mhc.diagnostics.collect_sites` recorded.
+
+    Raises:
+        TypeError: ``records`` are not :class:`~mhc.diagnostics.SiteRecord` s, or ``eps`` not a real number.
+        ValueError: no records, or ``eps`` outside ``(0, 0.5)``.
+    """
+    eps = _check_eps(eps)
     if not records:
         raise ValueError("no site records")
+    if not all(isinstance(r, SiteRecord) for r in records):
+        raise TypeError(f"records must be SiteRecord objects (collect_sites), got {[type(r).__name__ for r in records]}")
     H = stack_h_res([r.h_res for r in records])
     return _build(H, [r.name for r in records], [r.mode for r in records], eps, list(records))
 
@@ -197,7 +224,9 @@ def stability_report(
     """Run ``model(*args, **kwargs)`` (and ``loss_fn(output).backward()`` if given) and report on its sites.
 
     Without ``loss_fn`` the run is under ``no_grad`` and ``grad_ratio`` is None.
+    ``eps`` (a real number in ``(0, 0.5)``) is checked before the model runs.
     """
+    eps = _check_eps(eps)
     return report_from_sites(collect_sites(model, *args, loss_fn=loss_fn, **kwargs), eps=eps)
 
 
@@ -271,7 +300,18 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     log axis (0 drawn at the float64 floor), with the marginal error; (3) stream spread
     and saturation fractions; (4) the measured gradient ratio beside the predicted
     backward gain, when the report has one. Returns ``Path(path)``.
+
+    Raises:
+        TypeError: ``report`` not a :class:`StabilityReport`, ``path`` not a ``str`` / ``os.PathLike``,
+            ``title`` not a ``str``.
+        ValueError: ``path`` does not end in ``.png``.
     """
+    if not isinstance(report, StabilityReport):
+        raise TypeError(f"report must be a StabilityReport, got {type(report).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(title, str):
+        raise TypeError(f"title must be a str, got {type(title).__name__}")
     # matplotlib only here: half a second to import, which `import mhc` does not need to spend.
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

@@ -84,11 +84,28 @@ def birkhoff_project(
 
     Returns:
         ``T`` with the shape and dtype of ``logits``. The solver runs in
-        float32 (float64 for float64 input). Matrices holding NaN or Inf come
-        back as NaN and get NaN gradients; the others, and their gradients,
-        are unaffected. Newton matrices that miss the tolerance raise a
-        :class:`ConvergenceWarning` and are flagged in the info; they are
-        never reported as converged.
+        float32 (float64 for float64 input). Newton matrices that miss the
+        tolerance raise a :class:`ConvergenceWarning` and are flagged in the
+        info; they are never reported as converged.
+
+        ``-inf`` logits are zero entries of ``exp(logits)`` (design.md §2,
+        "Zero entries"). Such a matrix is projected on its finite entries:
+        ``T`` is exactly 0 where the logit is ``-inf`` and on the finite
+        entries that lie on no permutation inside the finite ones (every
+        doubly stochastic matrix on that support is 0 there), so finite
+        entries on exactly one permutation give that permutation matrix,
+        with a zero gradient. Where the finite entries hold no permutation
+        (a row or column all ``-inf``, or any ``k`` rows whose finite entries
+        lie in fewer than ``k`` columns) no doubly stochastic matrix exists:
+        Newton returns NaN with NaN gradients, ``info.error`` ``inf`` and
+        ``converged`` False, counts the matrix as unconverged and warns
+        (:class:`ConvergenceWarning`; on CUDA also
+        :func:`mhc.projection.cuda.unconverged_count`). ``method="sinkhorn"``
+        iterates on ``exp(logits)`` with its zeros as they are.
+
+        Matrices holding NaN or ``+inf`` come back as NaN and get NaN
+        gradients (``info.error`` NaN). Either way the other matrices, and
+        their gradients, are unaffected.
 
     Raises:
         TypeError: ``logits`` is not a floating tensor of a supported dtype,

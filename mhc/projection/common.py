@@ -45,8 +45,11 @@ class ProjectionInfo:
     Attributes:
         iterations: ``[...]`` int32, solver steps each matrix took.
         error: ``[...]`` float64, ``‖T1-1‖₁ + ‖Tᵀ1-1‖₁`` of the compute-precision
-            result (NaN for non-finite input, and for finite logits whose
-            spread overflows the compute dtype, ~3e38 in float32).
+            result; NaN for input holding NaN or ``+inf`` (and for finite
+            logits whose spread overflows the compute dtype, ~3e38 in
+            float32); ``inf`` where the finite logits hold no permutation, so
+            that no doubly stochastic matrix lives on them (``-inf`` logits
+            are zeros of ``exp(R)``; such a matrix comes back NaN).
         converged: ``[...]`` bool, whether the matrix met the tolerance.
         tol: the tolerance actually enforced (``tol`` raised to the rounding
             floor of the compute dtype, see :func:`birkhoff_project`).
@@ -59,12 +62,12 @@ class ProjectionInfo:
 
     @property
     def num_unconverged(self) -> int:
-        """Matrices with finite input that missed the tolerance."""
+        """Matrices that missed the tolerance: after ``max_iter``, or with no projection at all (``error`` inf)."""
         return int((~self.converged & ~self.error.isnan()).sum())
 
     @property
     def num_nonfinite(self) -> int:
-        """Matrices returned as NaN: their input held NaN or Inf (or overflowed, see ``error``)."""
+        """Matrices returned as NaN because their input held NaN or ``+inf`` (or overflowed, see ``error``)."""
         return int(self.error.isnan().sum())
 
 
@@ -76,7 +79,17 @@ def marginal_error(T: Tensor) -> Tensor:
 
     Returns:
         ``[...]`` float64.
+
+    Raises:
+        TypeError: ``T`` is not a floating-point tensor.
+        ValueError: ``T`` is not ``[..., n, n]``.
     """
+    if not isinstance(T, Tensor):
+        raise TypeError(f"marginal_error expects a torch.Tensor, got {type(T).__name__}")
+    if not T.is_floating_point():
+        raise TypeError(f"marginal_error expects a floating-point tensor, got {T.dtype}")
+    if T.dim() < 2 or T.shape[-1] != T.shape[-2]:
+        raise ValueError(f"marginal_error expects square matrices [..., n, n], got {tuple(T.shape)}")
     T = T.double()
     return (T.sum(-1) - 1).abs().sum(-1) + (T.sum(-2) - 1).abs().sum(-1)
 
@@ -137,17 +150,28 @@ def effective_tol(tol: float, n: int, dtype: torch.dtype) -> float:
 
 
 def warn_unconverged(error: Tensor, tol: float, max_iter: int) -> int:
-    """Warn (:class:`ConvergenceWarning`) if finite matrices missed ``tol``; returns how many did.
+    """Warn (:class:`ConvergenceWarning`) if matrices missed ``tol``; returns how many did.
 
-    ``error`` is a flat ``[B]`` float64 of marginal errors (NaN for non-finite
-    input, which is not counted: those matrices come back as NaN).
+    ``error`` is a flat ``[B]`` float64 of marginal errors: NaN for NaN or
+    ``+inf`` input, which is not counted (those matrices come back as NaN), and
+    ``inf`` for a matrix whose finite entries hold no permutation, which is
+    (it has no projection; the warning says so).
     """
     unconverged = int(((error > tol) & ~error.isnan()).sum())
     if unconverged:
+        infeasible = int(error.isinf().sum())
+        missed = unconverged - infeasible
+        parts = []
+        if missed:
+            worst = float(torch.where(error.isfinite(), error, 0).max())
+            parts.append(f"{missed} missed tol={tol:.1e} after max_iter={max_iter} (worst error {worst:.2e})")
+        if infeasible:
+            parts.append(
+                f"{infeasible} have no doubly stochastic matrix on their finite entries (their -inf logits leave "
+                "no permutation) and came back NaN"
+            )
         warnings.warn(
-            f"birkhoff_project: {unconverged} of {error.numel()} matrices missed tol={tol:.1e} "
-            f"after max_iter={max_iter} (worst error {float(error.nan_to_num(0).max()):.2e}); "
-            "use return_info=True to find them",
+            f"birkhoff_project: of {error.numel()} matrices, {'; '.join(parts)}; use return_info=True to find them",
             ConvergenceWarning,
             stacklevel=2,
         )

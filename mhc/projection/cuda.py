@@ -22,9 +22,11 @@ the reference's differentiable
 (float32, the op ``mhc::birkhoff_backward_graph`` defined here), and second
 derivatives come out right; plain backward runs the kernel.
 
-Convergence accounting: the forward kernel adds every finite matrix that
-misses ``tol`` after ``max_iter`` iterations to a per-device counter in
-device memory, with no host sync. :func:`unconverged_count` reads it (and
+Convergence accounting: the forward kernel adds every matrix that misses
+``tol`` after ``max_iter`` iterations, or has no projection (``-inf`` logits
+that leave no permutation among the finite ones, design.md §2 "Zero
+entries"), to a per-device counter in device memory, with no host sync;
+matrices holding NaN or ``+inf`` are not counted. :func:`unconverged_count` reads it (and
 syncs); in eager mode the wrapper also polls it without blocking (an
 asynchronous copy every ``POLL_EVERY`` calls) and raises a
 :class:`~mhc.projection.common.ConvergenceWarning` when it grows.
@@ -165,7 +167,8 @@ def _warn_if_grown(dev: int, count: int) -> None:
     if count > _last_warned.get(dev, 0):
         warnings.warn(
             f"birkhoff_project (CUDA): {count - _last_warned.get(dev, 0)} more matrices missed the "
-            f"tolerance on cuda:{dev} ({count} since the counter was reset); "
+            f"tolerance on cuda:{dev} ({count} since the counter was reset), or have no doubly stochastic "
+            "matrix on their finite entries (-inf logits leaving no permutation; those came back NaN); "
             "use return_info=True to find them",
             ConvergenceWarning,
             stacklevel=4,

@@ -41,6 +41,7 @@ __all__ = [
     "project_unchecked",
     "birkhoff_backward",
     "dual_hessian",
+    "permutation_support",
 ]
 
 _ARMIJO_C1 = 1e-4
@@ -312,7 +313,16 @@ _newton_op.register_autograd(_newton_op_backward, setup_context=_newton_op_setup
 
 
 def _solve_finite(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the solver on the finite matrices of ``R [B, n, n]``; the rest become NaN."""
+    """Run the solver on the matrices of ``R [B, n, n]`` that have a projection; the rest become NaN.
+
+    All-finite matrices are solved as they are (and alone, so their bits do not
+    depend on the rest of the batch). A matrix with ``-inf`` entries (zeros of
+    ``exp(R)``) and no NaN or ``+inf`` is solved on the entries that lie on a
+    permutation inside its finite ones (:func:`permutation_support`; the others
+    are set to ``-inf``: they are zero in every doubly stochastic matrix on that
+    support), or, where its finite entries hold no permutation, comes back NaN
+    with error ``inf`` (unconverged). NaN or ``+inf`` anywhere: NaN, error NaN.
+    """
     B = R.shape[0]
     finite = R.isfinite().all(-1).all(-1)
     if bool(finite.all()):
@@ -323,7 +333,89 @@ def _solve_finite(R: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor,
     idx = finite.nonzero().squeeze(-1)
     if idx.numel():
         T[idx], iterations[idx], error[idx] = _solve_newton(R[idx], tol, max_iter)
+    # -inf entries and nothing worse (R < inf is False for NaN and +inf).
+    zeros = (~finite & (R < math.inf).all(-1).all(-1)).nonzero().squeeze(-1)
+    if zeros.numel():
+        allowed = permutation_support(R[zeros] > -math.inf)
+        feasible = allowed.any(-1).any(-1)
+        error[zeros[~feasible]] = math.inf
+        solve = zeros[feasible]
+        if solve.numel():
+            pruned = R[solve].masked_fill(~allowed[feasible], -math.inf)
+            T[solve], iterations[solve], error[solve] = _solve_newton(pruned, tol, max_iter)
     return T, iterations, error
+
+
+def permutation_support(support: Tensor) -> Tensor:
+    """The entries of ``support`` that lie on a permutation inside it: ``[K, n, n]`` bool -> ``[K, n, n]`` bool.
+
+    ``support`` marks the finite logits of each matrix (the nonzero entries of
+    ``exp(R)``). A doubly stochastic matrix on that support is a convex
+    combination of the permutation matrices inside it (Birkhoff-von Neumann), so
+    its support is at most the union of those permutations, and the projection's
+    support is exactly that union: every other entry is 0 whatever its logit.
+    On the union the projection is an ordinary diagonal scaling
+    ``T_ij = exp(R_ij + a_i + b_j)`` with finite ``a, b`` (the union has total
+    support), which the Newton solver finds; on the full support the potentials
+    would diverge. A matrix whose support holds no permutation at all (a row or
+    column without a finite entry, or any set of k rows whose finite entries
+    lie in fewer than k columns) has no doubly stochastic matrix on it: its
+    result is all False.
+
+    Per distinct pattern, in Python on the CPU: a maximum matching by
+    augmenting paths; entry ``(i, j)`` off the matching, with ``j`` matched to
+    row ``i'``, lies on a permutation iff row ``i'`` reaches row ``i`` in the
+    graph with an edge ``a -> b`` where row ``a`` has a finite entry in the
+    column matched to row ``b`` (an alternating cycle through ``(i, j)``).
+    Only matrices with ``-inf`` entries come here, so the common (dense) batch
+    never pays for it.
+    """
+    K, n = support.shape[0], support.shape[-1]
+    if K == 0:
+        return support.clone()
+    patterns, inverse = torch.unique(support.reshape(K, n * n).cpu(), dim=0, return_inverse=True)
+    allowed = torch.zeros(patterns.shape[0], n, n, dtype=torch.bool)
+    for p, pattern in enumerate(patterns.reshape(-1, n, n).tolist()):
+        union = _permutation_union(pattern)
+        if union is not None:
+            allowed[p] = torch.tensor(union, dtype=torch.bool)
+    return allowed[inverse].to(support.device)
+
+
+def _permutation_union(rows: list[list[bool]]) -> list[list[bool]] | None:
+    """:func:`permutation_support` of one ``n x n`` pattern (lists of bools), or ``None`` without a permutation."""
+    n = len(rows)
+    columns = [[j for j in range(n) if rows[i][j]] for i in range(n)]
+    col_of, row_of = [-1] * n, [-1] * n
+    for root in range(n):  # augmenting path from each row in turn (breadth first)
+        prev = [-1] * n  # column -> the row that reached it
+        seen, queue, free = [False] * n, [root], -1
+        for i in queue:
+            for j in columns[i]:
+                if not seen[j]:
+                    seen[j], prev[j] = True, i
+                    if row_of[j] < 0:
+                        free = j
+                        break
+                    queue.append(row_of[j])
+            if free >= 0:
+                break
+        if free < 0:
+            return None  # Hall's condition fails: no perfect matching
+        j = free
+        while j >= 0:  # flip the path back to the root
+            i = prev[j]
+            j_next = col_of[i]
+            col_of[i], row_of[j] = j, i
+            j = j_next
+    # reach[a]: bitmask of the rows reachable from row a (edges a -> row_of[j] for each finite (a, j)).
+    reach = [sum(1 << row_of[j] for j in columns[a]) for a in range(n)]
+    for k in range(n):  # transitive closure (Warshall)
+        bit = 1 << k
+        for a in range(n):
+            if reach[a] & bit:
+                reach[a] |= reach[k]
+    return [[rows[i][j] and (row_of[j] == i or bool(reach[row_of[j]] >> i & 1)) for j in range(n)] for i in range(n)]
 
 
 def _sinkhorn(R: Tensor, iters: int) -> Tensor:
@@ -374,10 +466,12 @@ def project_unchecked(
     tol = effective_tol(tol, n, logits.dtype)
 
     if method == "sinkhorn":
-        finite = R.isfinite().all(-1, keepdim=True).all(-2, keepdim=True)
-        # A product, not torch.where: a non-finite matrix's gradient is NaN too
-        # (where would hand it zeros), and finite matrices are multiplied by 1.
-        T = _sinkhorn(R, iters) * torch.where(finite, 1.0, math.nan).to(R.dtype)
+        # NaN or +inf anywhere (R < inf is False there): NaN. -inf entries are zeros of exp(R) that the
+        # iteration keeps; a row or column of them comes back NaN by itself (0/0).
+        valid = (R < math.inf).all(-1, keepdim=True).all(-2, keepdim=True)
+        # A product, not torch.where: a NaN matrix's gradient is NaN too
+        # (where would hand it zeros), and the others are multiplied by 1.
+        T = _sinkhorn(R, iters) * torch.where(valid, 1.0, math.nan).to(R.dtype)
         info = None
         if return_info:
             error = marginal_error(T).detach()
