@@ -37,6 +37,18 @@ def dump(path: str) -> None:
                     out[f"{key}.T"], out[f"{key}.grad"] = T.detach().cpu(), R.grad.cpu()
     save_file(out, path)
     print(f"{len(out) // 2} cases from {mhc.__file__} written to {path}")
+    # The kernels' time on all-finite input, for a look across builds (do_bench medians, L2 cleared).
+    import triton.testing
+
+    for n in (4, 8):
+        for dtype in (torch.float32, torch.bfloat16):
+            R = (5 * torch.randn(32768, n, n, generator=torch.Generator().manual_seed(n))).to("cuda", dtype)
+            G = torch.randn_like(R)
+            fwd = triton.testing.do_bench(lambda: mhc.birkhoff_project(R))
+            Rg = R.clone().requires_grad_()
+            both = triton.testing.do_bench(lambda: torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G))
+            print(f"time n={n} {str(dtype)[6:]} 32768 matrices: forward {fwd * 1e3:.1f} us, "
+                  f"forward+backward {both * 1e3:.1f} us")
 
 
 def compare(a_path: str, b_path: str) -> int:
