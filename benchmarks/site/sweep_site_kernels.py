@@ -478,7 +478,7 @@ def _sweep(site, ref, kernel: str, variants: list, args, device: str, copy: floa
     t_start = time.perf_counter()
     for i, params in enumerate([None] + variants):
         if deadline is not None and time.perf_counter() > deadline:
-            say(f"  {kernel} {C}x{T}: out of --budget after {i - 1} of {len(variants)} variants")
+            say(f"  {kernel} {C}x{T}: out of --budget after {max(0, i - 1)} of {len(variants)} variants")
             out_of_time = True
             break
         if params is not None and (err := compile_errors.get(_compile_key(kernel, params))):
@@ -505,6 +505,8 @@ def _sweep(site, ref, kernel: str, variants: list, args, device: str, copy: floa
         rows.append(row)
         if (i + 1) % 50 == 0:
             say(f"  {kernel} {C}x{T}: {i + 1}/{len(variants) + 1} timed ({time.perf_counter() - t_start:.0f} s)")
+    if out_of_time and not rows:
+        return rows, out_of_time
     if not rows or not rows[0]["plan"]:
         say(f"  {kernel} {C}x{T}: the plan's launch failed: {failures[:1]}")
         return rows, out_of_time
