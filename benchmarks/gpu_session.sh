@@ -13,17 +13,21 @@
 #            the training-cost table (residual and mHC; small_gpu, 134m and 1b; bf16 and autocast; eager and
 #            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own
 #   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
+#   sweep32  the same for float32 streams (issue #49, fp32 weights under bf16 autocast): coeff_partial, stream_grad,
+#            phi_grad, coeff_bwd at 512x16384, 768x16384 and 2048x8192, the dot kernels over PRECISION ieee / tf32x3 /
+#            tf32, outputs against float64; --budget 450 under timeout 500, JSON after each kernel (SWEEP32_ARGS).
+#            Needs no setup stage (this tree's mhc, Triton kernels only)
 #   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
 # (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
-# (bench_training.py options added after the stage's), OLD_TREE (ab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep ab)"
+# (bench_training.py options added after the stage's), SWEEP_ARGS / SWEEP32_ARGS (likewise), OLD_TREE (ab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep sweep32 ab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|sweep32|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
@@ -60,6 +64,9 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/step/bench_training.py --kernels --commit "$COMMIT" --json "$OUT/training.json" ${TRAINING_ARGS-} 2>&1 | tee "$OUT/training.log" ;;
     sweep)
       timeout 500 python3 benchmarks/site/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
+    sweep32)
+      timeout 500 python3 benchmarks/site/sweep_site_kernels.py --dtype float32 --jobs 14 --budget 450 \
+        --json "$OUT/sweep32.json" ${SWEEP32_ARGS-} 2>&1 | tee "$OUT/sweep32.log" ;;
     ab)
       [ -d "${OLD_TREE-}" ] || { echo "ab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
       OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 1b 4 new old new old

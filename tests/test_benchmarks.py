@@ -336,3 +336,111 @@ def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
         assert mhc["params"] > res["params"] and g["ratio_ms"] == pytest.approx(mhc["ms"] / res["ms"])
         if g["recipe"] == "autocast":  # mhc.train's step: two warm-up, one timed, one for memory
             assert res["steps_run"] == mhc["steps_run"] == 4, g
+
+
+def _sweep_site_kernels():
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(BENCHMARKS / "site"))
+    try:
+        import sweep_site_kernels
+    finally:
+        sys.path.remove(str(BENCHMARKS / "site"))
+    return sweep_site_kernels
+
+
+def test_sweep_site_kernels_options_grids_and_error_bound():
+    """benchmarks/site/sweep_site_kernels.py without running a kernel: bf16 keeps its shapes, kernels, grid and
+    tolerance; float32 (issue #49) adds the small_gpu shape, the kernels the profile points at first, the
+    PRECISION dimension of the dot kernels (tf32 on the coarse grid), the float64 reference and its error bound."""
+    sw = _sweep_site_kernels()
+    bf = sw.parse_args([])
+    assert bf.shapes == [(768, 16384), (2048, 8192)] and bf.kernels == list(sw.KERNELS) and bf.precisions == ()
+    assert (bf.reference, bf.tol, bf.screen) == ("plan", 2e-2, 0)
+    f32 = sw.parse_args(["--dtype", "float32"])
+    assert f32.shapes == [(512, 16384), (768, 16384), (2048, 8192)]
+    assert f32.kernels == ["coeff_partial", "stream_grad", "phi_grad", "coeff_bwd"]
+    assert f32.precisions == ("ieee", "tf32x3", "tf32") and f32.coarse == ("tf32",)
+    assert (f32.reference, f32.tol, f32.screen, f32.rel_factor) == ("float64", 1e-5, 8, 4.0)
+    assert sw.parse_args(["--dtype", "float32", "--precisions", "ieee", "--shapes", "512x16384"]).precisions == ("ieee",)
+    for bad in (["--shapes", "512"], ["--shapes", "0x16"], ["--kernels", "coeff_partial,gemm"], ["--dtype", "float16"],
+                ["--jobs", "0"]):
+        with pytest.raises(SystemExit):
+            sw.parse_args(bad)
+
+    # bf16: the grid the plan was swept on, no PRECISION; every variant also counted before.
+    bf16 = {k: sw._variants(k, 768) for k in sw.KERNELS}
+    assert {k: len(v) for k, v in bf16.items()} == {"coeff_partial": 108, "coeff_fwd": 54, "postmix_fwd": 18,
+                                                    "postmix_bwd": 24, "coeff_bwd": 27, "stream_grad": 72, "phi_grad": 48}
+    assert not any("PRECISION" in v for vs in bf16.values() for v in vs)
+    # float32: each precision over the grid (tf32 over the coarse one); 4 stages of 128 x 128 tiles do not fit.
+    f = torch.float32
+    cp = sw._variants("coeff_partial", 512, f, f32.precisions, f32.coarse)
+    by_p = {p: [v for v in cp if v["PRECISION"] == p] for p in f32.precisions}
+    assert {p: len(v) for p, v in by_p.items()} == {"ieee": 102, "tf32x3": 102, "tf32": 8}
+    assert not any(v["BM"] == v["BK"] == 128 and v["num_stages"] == 4 for v in cp)
+    assert all(v["num_warps"] == 4 and v["num_stages"] == 3 for v in by_p["tf32"])
+    for kernel in ("stream_grad", "phi_grad"):
+        vs = sw._variants(kernel, 512, f, f32.precisions, f32.coarse)
+        assert {v["PRECISION"] for v in vs} == set(f32.precisions)
+    assert "PRECISION" not in sw._variants("coeff_bwd", 512, f, f32.precisions, f32.coarse)[0]
+    assert len(sw._variants("coeff_bwd", 512, f)) == 27 and len(sw._variants("coeff_bwd", 768, f)) == 36  # BC <= C
+    limited = sw._variants("stream_grad", 512, f, f32.precisions, f32.coarse, limit=2)
+    assert [v["PRECISION"] for v in limited] == ["ieee", "ieee", "tf32x3", "tf32x3", "tf32", "tf32"]
+    # splits and tokens are launch arguments: variants differing only there share a compile.
+    a, b = dict(cp[0], splits=1), dict(cp[0], splits=4)
+    assert sw._compile_key("coeff_partial", a) == sw._compile_key("coeff_partial", b)
+    assert sw._compile_key("coeff_partial", a) != sw._compile_key("coeff_partial", dict(a, PRECISION="tf32x3"))
+
+    # Against float64: 4x the plan's (ieee) error, at least 1e-6, at most --tol; against the plan: --tol.
+    bound = sw.error_bound
+    assert bound("float64", 1e-5, 3e-7, 4.0) == pytest.approx(1.2e-6)
+    assert bound("float64", 1e-5, 1e-8, 4.0) == sw.REL_FLOOR == 1e-6
+    assert bound("float64", 1e-5, 8e-6, 4.0) == 1e-5
+    assert bound("float64", 1e-5, None, 4.0) == 1e-5 and bound("plan", 2e-2, 3e-7, 4.0) == 2e-2
+    assert 3e-4 > bound("float64", 1e-5, 3.4e-7, 4.0) > 3.9e-7  # tf32 fails, tf32x3 passes (~ torch's CPU sums)
+    # float32 streams move twice the stream bytes (the coefficients stay float32).
+    common = sw.common
+    assert common.site_kernel_bytes(16384, 4, 512, 4)["coeff_partial"] == 16384 * (4 * 512 * 4 + 4 * 25)
+
+
+def test_sweep_site_kernels_runs_float32_in_the_interpreter(tmp_path):
+    """The float32 sweep end to end in Triton's interpreter on a tiny shape: the plan and one variant of each
+    precision per dot kernel, checked against float64 (all correct there: the interpreter's dot is numpy's),
+    the JSON written; a --budget of 0 stops before the first variant and still writes it."""
+    sw = _sweep_site_kernels()
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the sweep (the GPU runs it in benchmarks/gpu_session.sh sweep32)")
+    out = tmp_path / "sweep32.json"
+    argv = ["--dtype", "float32", "--shapes", "128x16", "--limit", "1", "--jobs", "1", "--screen", "2", "--json", str(out)]
+    rows = sw.main(argv)
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["dtype"] == "float32" and data["reference"] == "float64" and len(data["rows"]) == len(rows)
+    got = {(r["kernel"], r["precision"], r["plan"]) for r in rows}
+    assert got == {("coeff_partial", "ieee", True), ("stream_grad", "ieee", True), ("phi_grad", "ieee", True),
+                   ("coeff_bwd", None, True), ("coeff_bwd", None, False)} | {
+        (k, p, False) for k in ("coeff_partial", "stream_grad", "phi_grad") for p in ("ieee", "tf32x3", "tf32")}
+    for r in rows:
+        assert r["ok"] and 0 < r["max_rel"] < 1e-6 and r["bound"] >= sw.REL_FLOOR and r["us"] > 0, r
+        assert (r["C"], r["T"]) == (128, 16) and r["x_copy"] > 0
+    assert [s["kernel"] for s in data["summary"]] == sorted(["coeff_partial", "stream_grad", "phi_grad", "coeff_bwd"])
+    assert sum(r["full"] for r in rows) >= 5  # the plans at least, timed again in full
+
+    sw.main(argv[:-1] + [str(tmp_path / "none.json"), "--budget", "0", "--kernels", "coeff_bwd"])
+    data = json.loads((tmp_path / "none.json").read_text())
+    assert not data["complete"] and data["rows"] == []
+
+
+@pytest.mark.slow
+def test_sweep_site_kernels_compiles_in_worker_processes(tmp_path):
+    """--jobs 2: the worker processes take one task per distinct compile (on CUDA Triton's warmup, nothing
+    launched; in the interpreter nothing to compile), the timing process waits for each kernel's."""
+    pytest.importorskip("triton")
+    env = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
+    out = tmp_path / "sweep.json"
+    proc = _run(sys.executable, str(BENCHMARKS / "site" / "sweep_site_kernels.py"), "--dtype", "float32", "--shapes",
+                "128x16", "--kernels", "stream_grad", "--limit", "1", "--jobs", "2", "--json", str(out), **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stream_grad: 3/3 distinct variants compiled, 0 failed" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["compiles"]["stream_grad"]["done"] == 3 and len(data["rows"]) == 4
+    assert all(r["ok"] for r in data["rows"]), data["rows"]
