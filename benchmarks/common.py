@@ -20,8 +20,19 @@ from typing import Any
 import torch
 
 __all__ = [
-    "require_cuda", "environment", "time_calls", "host_and_wall_us", "best_host_and_wall_us", "step_peak_memory",
-    "Measurement", "interleaved", "copy_gbps", "llama_134m", "llama_model", "training_step", "write_json",
+    "require_cuda",
+    "environment",
+    "time_calls",
+    "host_and_wall_us",
+    "best_host_and_wall_us",
+    "step_peak_memory",
+    "Measurement",
+    "interleaved",
+    "copy_gbps",
+    "llama_134m",
+    "llama_model",
+    "training_step",
+    "write_json",
 ]
 
 
@@ -33,7 +44,10 @@ def require_cuda(script: str) -> None:
 
 def environment() -> dict[str, str]:
     """The device and library versions a measurement ran with."""
-    info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    info = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
     try:
         import triton
     except ImportError:
@@ -197,8 +211,13 @@ def kernel_bandwidth_rows(averages, bytes_per_call: dict[str, int], copy: float)
     """
     rows = []
     for name, nbytes in bytes_per_call.items():
-        hits = [e for e in averages if (e.key == name or e.key.startswith(name + "_")) and e.count > 0
-                and e.self_device_time_total > 0]
+        hits = [
+            e
+            for e in averages
+            if (e.key == name or e.key.startswith(name + "_"))
+            and e.count > 0
+            and e.self_device_time_total > 0
+        ]
         if not hits:
             continue
         calls = sum(e.count for e in hits)
@@ -214,8 +233,14 @@ def llama_134m(seq: int = 2048):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-        intermediate_size=2048, vocab_size=32000, max_position_embeddings=seq, attn_implementation="sdpa",
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
     )
 
 

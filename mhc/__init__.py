@@ -17,7 +17,13 @@ import warnings
 from . import diagnostics
 from .block import MHCBlock
 from .options import MHCOptions
-from .projection import ConvergenceWarning, ProjectionInfo, birkhoff_project, birkhoff_project_reference, marginal_error
+from .projection import (
+    ConvergenceWarning,
+    ProjectionInfo,
+    birkhoff_project,
+    birkhoff_project_reference,
+    marginal_error,
+)
 from .streams import StreamReduce, expand_streams, reduce_streams
 
 __all__ = [

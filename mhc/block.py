@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, site
-from .fused.record import Backend, SiteLink
 from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
+from .fused.record import Backend, SiteLink
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, reject_unknown_options
 
@@ -123,7 +123,10 @@ class MHCBlock(nn.Module):
             raise TypeError(f"options must be an MHCOptions, got {type(options).__name__}")
         options = options.replace(**option_values)
         sizes = check_options(
-            hidden_size=hidden_size, n_streams=n_streams, layer_index=layer_index, pre_eps=pre_eps,
+            hidden_size=hidden_size,
+            n_streams=n_streams,
+            layer_index=layer_index,
+            pre_eps=pre_eps,
             sinkhorn_eps=sinkhorn_eps,
         )
         if not callable(branch):
@@ -155,7 +158,11 @@ class MHCBlock(nn.Module):
 
     @classmethod
     def from_deepseek_v4(
-        cls, hc: nn.Module, branch: nn.Module | Callable[..., Any], projection: str = "sinkhorn", **option_values: Any
+        cls,
+        hc: nn.Module,
+        branch: nn.Module | Callable[..., Any],
+        projection: str = "sinkhorn",
+        **option_values: Any,
     ) -> MHCBlock:
         """A block with the weights and numerics of a transformers ``DeepseekV4HyperConnection``.
 
@@ -267,7 +274,11 @@ class MHCBlock(nn.Module):
                 # σ(b_pre) = pre, 2σ(b_post) = 1, Π_B(exp(b_res)) = 0.9 on the diagonal
                 # (mHC-lite: the identity permutation weighted so that its H_res has the same diagonal).
                 diag = math.log(RES_INIT_DIAGONAL * max(n - 1, 1) / (1 - RES_INIT_DIAGONAL))
-                res = lite_identity_logits(n, RES_INIT_DIAGONAL) if self._lite(self._options) else torch.eye(n) * diag
+                res = (
+                    lite_identity_logits(n, RES_INIT_DIAGONAL)
+                    if self._lite(self._options)
+                    else torch.eye(n) * diag
+                )
                 values = {
                     "b_pre": exact_sum_logits(pre, self.layer_index % n),
                     "b_post": torch.zeros(n),
@@ -334,8 +345,15 @@ class MHCBlock(nn.Module):
         if self._options.mode == "residual":
             return site.residual_coefficients(x)
         return site.coefficients(
-            x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, self._options,
-            pre_eps=self._pre_eps, sinkhorn_eps=self._sinkhorn_eps,
+            x,
+            self.phi,
+            self.alpha,
+            self.b_pre,
+            self.b_post,
+            self.b_res,
+            self._options,
+            pre_eps=self._pre_eps,
+            sinkhorn_eps=self._sinkhorn_eps,
         )
 
     def uses_fused(self, x: Tensor) -> bool:
@@ -451,13 +469,19 @@ class MHCBlock(nn.Module):
             out = self.branch.call_normed(u, normed, *args, **kwargs)
         if isinstance(out, tuple):
             if not out:
-                raise TypeError("MHCBlock's branch returned an empty tuple; it must return a tensor [..., C] "
-                                "or a tuple whose first element is one")
+                raise TypeError(
+                    "MHCBlock's branch returned an empty tuple; it must return a tensor [..., C] "
+                    "or a tuple whose first element is one"
+                )
             y, rest = out[0], out[1:]
         else:
             y, rest = out, None
         if not isinstance(y, Tensor):
-            where = "the first element of the tuple the branch returned" if rest is not None else "the branch's output"
+            where = (
+                "the first element of the tuple the branch returned"
+                if rest is not None
+                else "the branch's output"
+            )
             raise TypeError(
                 f"MHCBlock's branch must return a tensor [..., C] (or a tuple whose first element is one); "
                 f"{where} is {type(y).__name__}"

@@ -47,5 +47,7 @@ def exact_sum_logits(weights: Tensor, peak: int) -> Tensor:
         total = torch.sigmoid(logits).sum()
         if total == 1:
             break
-        logits[tuned] = torch.nextafter(logits[tuned], torch.tensor(math.inf if total < 1 else -math.inf, device="cpu"))
+        logits[tuned] = torch.nextafter(
+            logits[tuned], torch.tensor(math.inf if total < 1 else -math.inf, device="cpu")
+        )
     return logits

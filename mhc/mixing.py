@@ -80,7 +80,9 @@ def check_lite_streams(n: int) -> None:
         )
 
 
-def permutation_matrices(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+def permutation_matrices(
+    n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """All ``n!`` permutation matrices of size ``n``, ``[n!, n, n]``, identity first.
 
     ``P[k, i, σ_k(i)] = 1`` for the ``k``-th permutation ``σ_k`` of

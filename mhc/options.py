@@ -17,8 +17,18 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = [
-    "MHCOptions", "MODES", "INITS", "PROJECTIONS", "OPTION_NAMES", "check_option", "check_options", "close_option",
-    "reject_unknown_options", "check_int", "check_real", "check_non_negative",
+    "MHCOptions",
+    "MODES",
+    "INITS",
+    "PROJECTIONS",
+    "OPTION_NAMES",
+    "check_option",
+    "check_options",
+    "close_option",
+    "reject_unknown_options",
+    "check_int",
+    "check_real",
+    "check_non_negative",
 ]
 
 MODES = ("mhc", "hc", "residual")

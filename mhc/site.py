@@ -158,7 +158,14 @@ def pre_mix(x: Tensor, H_pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @_without_autocast
 def post_mix(
-    y: Tensor, anchor: Tensor, dev: Tensor, H_post: Tensor, H_res: Tensor, *, exact_rows: bool, dtype: torch.dtype
+    y: Tensor,
+    anchor: Tensor,
+    dev: Tensor,
+    H_post: Tensor,
+    H_res: Tensor,
+    *,
+    exact_rows: bool,
+    dtype: torch.dtype,
 ) -> Tensor:
     """``x'_i = Σ_j H_res[i, j] x_j + H_post[i] y``, around stream 0.
 

@@ -57,7 +57,9 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
     if weights is None:
         return x.mean(dim=-2, dtype=acc).to(x.dtype)
     if not isinstance(weights, Tensor):
-        raise TypeError(f"reduce_streams: weights must be a torch.Tensor or None, got {type(weights).__name__}")
+        raise TypeError(
+            f"reduce_streams: weights must be a torch.Tensor or None, got {type(weights).__name__}"
+        )
     if weights.dim() < 1 or weights.shape[-1] != x.shape[-2]:
         raise ValueError(
             f"weights of shape {tuple(weights.shape)} need one entry per stream: {x.shape[-2]} streams "

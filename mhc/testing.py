@@ -51,7 +51,9 @@ def _token(token: tuple[int, ...]) -> str:
     return f"token {token}" if token else "the only token"  # () for unbatched [n, n] H_res
 
 
-def _gain_problem(report: StabilityReport, what: str, maxima: list[float], tokens: list, limit: float) -> str | None:
+def _gain_problem(
+    report: StabilityReport, what: str, maxima: list[float], tokens: list, limit: float
+) -> str | None:
     over = [d for d, v in enumerate(maxima) if not v <= limit]  # NaN is over
     if not over:
         return None
@@ -65,7 +67,9 @@ def _gain_problem(report: StabilityReport, what: str, maxima: list[float], token
 def _excerpt(report: StabilityReport, depths: set[int]) -> str:
     rows = sorted(depths) if report.depth > _FULL_TABLE_UP_TO else range(report.depth)
     width = max(4, *(len(report.sites[d]) for d in rows))
-    out = [f"{'depth':>5}  {'site':<{width}}  {'fwd gain max':>13}  {'bwd gain max':>13}  {'marginal error':>14}"]
+    out = [
+        f"{'depth':>5}  {'site':<{width}}  {'fwd gain max':>13}  {'bwd gain max':>13}  {'marginal error':>14}"
+    ]
     for d in rows:
         out.append(
             f"{d:>5}  {report.sites[d]:<{width}}  {report.forward_gain_max[d]:>13.6g}  "
@@ -117,7 +121,9 @@ def assert_composite_stable(
     max_gain = _check_limit("max_gain", max_gain, allow_zero=False)
     max_marginal_error = _check_limit("max_marginal_error", max_marginal_error, allow_zero=True)
     if max_gain is None and max_marginal_error is None:
-        raise ValueError("give max_gain when max_marginal_error is None (the default max_gain derives from it)")
+        raise ValueError(
+            "give max_gain when max_marginal_error is None (the default max_gain derives from it)"
+        )
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(f"model_kwargs must be a dict, got {type(model_kwargs).__name__}")
     if isinstance(model, nn.Module):
@@ -139,7 +145,9 @@ def assert_composite_stable(
         if problem:
             problems.append(problem)
             over = [d for d, v in enumerate(maxima) if not v <= limit]
-            depths.update((over[0], max(over, key=lambda d: maxima[d] if not math.isnan(maxima[d]) else math.inf)))
+            depths.update(
+                (over[0], max(over, key=lambda d: maxima[d] if not math.isnan(maxima[d]) else math.inf))
+            )
     if max_marginal_error is not None:
         errors = report.marginal_error_max
         over = [d for d, v in enumerate(errors) if not v <= max_marginal_error]

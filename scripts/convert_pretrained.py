@@ -76,10 +76,18 @@ def main() -> int:
     ap.add_argument("--max-diff", type=float, default=1e-4, help="fail above this max |logit diff| (fp32)")
     ap.add_argument("--text-file", help="text for the perplexity check (default: the Zen of Python)")
     ap.add_argument("--new-tokens", type=int, default=20)
-    ap.add_argument("--no-verify", dest="verify", action="store_false",
-                    help="skip convert_to_mhc's own self-check (this script's comparisons still run)")
-    ap.add_argument("--no-fp64-check", dest="fp64_check", action="store_false",
-                    help="skip repeating the logit comparison in float64")
+    ap.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip convert_to_mhc's own self-check (this script's comparisons still run)",
+    )
+    ap.add_argument(
+        "--no-fp64-check",
+        dest="fp64_check",
+        action="store_false",
+        help="skip repeating the logit comparison in float64",
+    )
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,13 +99,17 @@ def main() -> int:
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(model_dir, **load_kw)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kw).eval()
-    print(f"loaded {type(base).__name__} ({base.num_parameters():,} params) from {model_dir} {gguf or ''} "
-          f"in {time.time() - t0:.1f}s")
+    print(
+        f"loaded {type(base).__name__} ({base.num_parameters():,} params) from {model_dir} {gguf or ''} "
+        f"in {time.time() - t0:.1f}s"
+    )
 
     text = Path(args.text_file).read_text() if args.text_file else default_text()
     ids = tok(text, return_tensors="pt").input_ids
     prompt = tok("The capital of France is", return_tensors="pt").input_ids
-    gen_kw = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    gen_kw = dict(
+        max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id
+    )
 
     with torch.no_grad():
         ref_logits = base(ids).logits
@@ -152,8 +164,8 @@ def main() -> int:
         "fp32_noise_floor_eager_vs_sdpa": noise_floor,
         "perplexity_before": ppl_before,
         "perplexity_after": ppl_after,
-        "greedy_before": tok.decode(gen_before[0, prompt.shape[1]:]),
-        "greedy_after": tok.decode(gen_after[0, prompt.shape[1]:]),
+        "greedy_before": tok.decode(gen_before[0, prompt.shape[1] :]),
+        "greedy_after": tok.decode(gen_after[0, prompt.shape[1] :]),
         "greedy_equal": bool(torch.equal(gen_before, gen_after)),
         "params_before": n_base,
         "params_after": model.num_parameters(),

@@ -39,7 +39,9 @@ ROW = re.compile(r"^\s*\d+\s+\S")
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     return env
 
 
@@ -57,7 +59,9 @@ def sample_block(diagnostics_out: str) -> str:
     header = next((i for i, line in enumerate(lines) if line.startswith("depth ")), None)
     figure = next((line for line in lines if line.startswith("figure: ")), None)
     if header is None or figure is None:
-        raise ValueError(f"unexpected diagnostics output (no table header or figure line):\n{diagnostics_out}")
+        raise ValueError(
+            f"unexpected diagnostics output (no table header or figure line):\n{diagnostics_out}"
+        )
     end = header + 1
     while end < len(lines) and ROW.match(lines[end]):
         end += 1
@@ -68,7 +72,9 @@ def corpus_label(summary: dict) -> str:
     """Which corpus the run read, from its summary.json."""
     c = summary.get("corpus")
     if not c:
-        raise ValueError("the run's summary.json has no corpus record (trained by an older mhc): train it again")
+        raise ValueError(
+            "the run's summary.json has no corpus record (trained by an older mhc): train it again"
+        )
     return (f"corpus `{c['source']}`, {c['documents']} documents, {c['chars'] / 1e6:.2f}M characters, "
             f"SHA-256 `{c['sha256'][:16]}…`, Python {c['python']}")  # fmt: skip
 
@@ -84,7 +90,12 @@ def paragraph(label: str, block: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, help="work folder (default: a temporary one, removed afterwards)")
-    p.add_argument("--reuse", type=Path, metavar="WORK", help="a work folder whose runs/tiny_cpu_mhc/ is finished: no training")
+    p.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="WORK",
+        help="a work folder whose runs/tiny_cpu_mhc/ is finished: no training",
+    )
     p.add_argument("--readme", type=Path, default=README, help="the README to rewrite (default: %(default)s)")
     p.add_argument("--figure", type=Path, default=FIGURE, help="where the figure goes (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the new paragraph; write nothing")
@@ -94,7 +105,9 @@ def main(argv=None) -> int:
 
     text = args.readme.read_text(encoding="utf-8")
     if len(SAMPLE.findall(text)) != 1:
-        sys.exit(f"{args.readme}: expected exactly one 'After the main job ...' paragraph with a fenced block")
+        sys.exit(
+            f"{args.readme}: expected exactly one 'After the main job ...' paragraph with a fenced block"
+        )
     temporary = None
     work = args.reuse or args.work
     if work is None:

@@ -44,7 +44,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from mhc import MHCBlock, MHCForCausalLM  # noqa: E402
 from mhc.hf.deepseek_v4 import gap_table  # noqa: E402
-
 from mhc.train import load_config, prepare_data, read_metrics  # noqa: E402
 from mhc.train.config import VARIANTS  # noqa: E402
 from mhc.train.plots import variant_colors  # noqa: E402
@@ -55,7 +54,14 @@ CONFIG = "study_exactness"  # a preset (mhc/train/presets/)
 LAUNCH_ORDER = ("mhc-sk20", "mhc-lite", "hc", "mhc", "residual")
 RECORD_KEYS = ("variant", "seed", "params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain",
                "bwd_gain", "hres_marginal_err_max")  # fmt: skip
-TABLE_KEYS = ("final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain", "bwd_gain", "hres_marginal_err_max")
+TABLE_KEYS = (
+    "final_val_loss",
+    "max_grad_norm",
+    "loss_spikes",
+    "fwd_gain",
+    "bwd_gain",
+    "hres_marginal_err_max",
+)
 SMOKE_CONFIG = "study_exactness_smoke"
 
 
@@ -65,16 +71,31 @@ def _jobs(variants: list[str], seeds: list[int], runs: Path) -> list[tuple[str, 
 
 
 def _run_sets(variant: str, seed: int, common: list[str]) -> list[str]:
-    return [f"variant={variant}", f"seed={seed}", *(["n_streams=1"] if variant == "residual" else []), *common]
+    return [
+        f"variant={variant}",
+        f"seed={seed}",
+        *(["n_streams=1"] if variant == "residual" else []),
+        *common,
+    ]
 
 
-def run_parallel(jobs: list[tuple[str, int, Path]], config: str | Path, common: list[str], parallel: int) -> dict[str, int]:
+def run_parallel(
+    jobs: list[tuple[str, int, Path]], config: str | Path, common: list[str], parallel: int
+) -> dict[str, int]:
     """Run every (variant, seed, run_dir) as scripts/train_lm.py, ``parallel`` processes at a time; exit codes by run."""
     pending, running, codes = list(jobs), {}, {}
     while pending or running:
         while pending and len(running) < parallel:
             variant, seed, run_dir = pending.pop(0)
-            cmd = [sys.executable, str(TRAIN), "--config", str(config), "--run-dir", str(run_dir), "--overwrite"]
+            cmd = [
+                sys.executable,
+                str(TRAIN),
+                "--config",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                "--overwrite",
+            ]
             for s in _run_sets(variant, seed, common):
                 cmd += ["--set", s]
             run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -124,17 +145,30 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
         **{k: summary.get(k) for k in ("fwd_gain_full_depth", "bwd_gain_full_depth")},
         "fwd_gain_full_depth_max_over_evals": _finite_max(r.get("fwd_gain") for r in evals),
         "bwd_gain_full_depth_max_over_evals": _finite_max(r.get("bwd_gain") for r in evals),
-        **{k: summary.get(k) for k in ("steps", "skipped_steps", "stopped_early", "train_time_s", "tokens_per_s",
-                                       "device", "precision")},  # fmt: skip
+        **{
+            k: summary.get(k)
+            for k in (
+                "steps",
+                "skipped_steps",
+                "stopped_early",
+                "train_time_s",
+                "tokens_per_s",
+                "device",
+                "precision",
+            )
+        },  # fmt: skip
     }
     curves = {
-        "variant": variant, "seed": seed,
+        "variant": variant,
+        "seed": seed,
         "train": [[r["step"], r["tokens"], r["loss"], r.get("grad_norm")] for r in train],
         "eval": [[r["step"], r["tokens"], r["val_loss"]] for r in evals],
         "gains": {k: gains.get(k) for k in ("forward_gain", "backward_gain")},
         "marginal_final": final_marginal,
-        "marginal_over_training": [[step, _finite_max(m["max"]), statistics.fmean(m["mean"]) if m["mean"] else None]
-                                   for step, m in marginal],  # fmt: skip
+        "marginal_over_training": [
+            [step, _finite_max(m["max"]), statistics.fmean(m["mean"]) if m["mean"] else None]
+            for step, m in marginal
+        ],  # fmt: skip
     }
     return record, curves
 
@@ -202,7 +236,12 @@ def summary_table(records: list[dict]) -> str:
         rs = [r for r in records if r["variant"] == v]
         tokens = sorted({r["tokens"] for r in rs})
         capped = " (capped)" if any(r.get("stopped_early") for r in rs) else ""
-        cells = [v, str(len(rs)), f"{rs[0]['params'] / 1e6:.2f}M", "/".join(f"{t:,}" for t in tokens) + capped]
+        cells = [
+            v,
+            str(len(rs)),
+            f"{rs[0]['params'] / 1e6:.2f}M",
+            "/".join(f"{t:,}" for t in tokens) + capped,
+        ]
         cells += [_mean_std([r[k] for r in rs]) for k in TABLE_KEYS]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -264,7 +303,13 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
             color = f"C{i}"
             pts = [(s, m, a) for s, m, a in c["marginal_over_training"] if m is not None]
             if pts:
-                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=".", label=f"seed {c['seed']}: max")
+                ax_t.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    color=color,
+                    marker=".",
+                    label=f"seed {c['seed']}: max",
+                )
                 ax_t.plot([p[0] for p in pts], [p[2] for p in pts], color=color, linestyle="--",
                           label=f"seed {c['seed']}: mean")  # fmt: skip
             if c["marginal_final"]:
@@ -324,7 +369,9 @@ def swap_table(records: list[dict]) -> list[str]:
         ls = [x for name, x in rows if name == v]
         if ls:
             cells = [_mean_std([x[k] for x in ls]) for k in ("newton", "sinkhorn")]
-            lines.append(f"| {v} | {cells[0]} | {cells[1]} | {_mean_std([x['sinkhorn'] - x['newton'] for x in ls])} |")
+            lines.append(
+                f"| {v} | {cells[0]} | {cells[1]} | {_mean_std([x['sinkhorn'] - x['newton'] for x in ls])} |"
+            )
     return [*lines, ""]
 
 
@@ -384,21 +431,39 @@ def write_report(out: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=CONFIG, help="base config: a YAML file or a preset's name (default: %(default)s)")
+    p.add_argument(
+        "--config", default=CONFIG, help="base config: a YAML file or a preset's name (default: %(default)s)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
-    p.add_argument("--out", default=str(REPO / "docs" / "studies" / "exactness"), help="results folder (default: %(default)s)")
-    p.add_argument("--runs", default="runs/study_exactness", help="run folders, checkpoints included (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default=str(REPO / "docs" / "studies" / "exactness"),
+        help="results folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--runs",
+        default="runs/study_exactness",
+        help="run folders, checkpoints included (default: %(default)s)",
+    )
     p.add_argument("--jobs", type=int, default=0, help="runs at once (default: all)")
     p.add_argument("--tokens", type=int, default=0, help="token budget of every run (default: the config's)")
     p.add_argument("--target-s", type=float, default=0.0,
                    help="calibrate: run every job --calib-steps steps at once, then pick the budget so the slowest trains ~this long")  # fmt: skip
     p.add_argument("--calib-steps", type=int, default=30)
-    p.add_argument("--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)")
+    p.add_argument(
+        "--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--smoke", action="store_true", help=f"the preset {SMOKE_CONFIG} on the CPU: tests the pipeline in seconds")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the preset {SMOKE_CONFIG} on the CPU: tests the pipeline in seconds",
+    )
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
-    p.add_argument("--deepseek-gap", action="store_true", help="print mhc.hf.deepseek_v4.gap_table() (CPU) and exit")
+    p.add_argument(
+        "--deepseek-gap", action="store_true", help="print mhc.hf.deepseek_v4.gap_table() (CPU) and exit"
+    )
     p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                    help="with --report-only: OUT folders of several batches to merge into --out first "
                         "(a later folder's run replaces an earlier one of the same variant and seed)")  # fmt: skip
@@ -450,17 +515,28 @@ def main(argv=None) -> int:
         cal_jobs = [(v, s, runs / "calibration" / v / f"seed{s}") for v, s, _ in jobs]
         run_parallel(cal_jobs, config, cal_sets, parallel)
         summaries = {f"{v}/seed{s}": rd / "summary.json" for v, s, rd in cal_jobs}
-        rates = {k: json.loads(f.read_text()).get("tokens_per_s") for k, f in summaries.items() if f.is_file()}
+        rates = {
+            k: json.loads(f.read_text()).get("tokens_per_s") for k, f in summaries.items() if f.is_file()
+        }
         rates = {k: r for k, r in rates.items() if r}
         if not rates:
-            print("calibration failed: no run reported its speed (see the logs under --runs/calibration)", file=sys.stderr)
+            print(
+                "calibration failed: no run reported its speed (see the logs under --runs/calibration)",
+                file=sys.stderr,
+            )
             return 1
         per_step = cfgs[0].batch_size * cfgs[0].grad_accum * cfgs[0].seq_len
         tokens = max(per_step, int(min(rates.values()) * args.target_s) // per_step * per_step)
-        print(f"calibration tokens/s: {json.dumps({k: round(v) for k, v in rates.items()})} -> budget {tokens:,}", flush=True)
+        print(
+            f"calibration tokens/s: {json.dumps({k: round(v) for k, v in rates.items()})} -> budget {tokens:,}",
+            flush=True,
+        )
     sets = common + ([f"tokens={tokens}", "max_steps=0"] if tokens else [])
     if build is not None and build.wait() != 0:
-        print("warning: `python -m mhc.cuda_build` failed; the mhc runs use the PyTorch projection", file=sys.stderr)
+        print(
+            "warning: `python -m mhc.cuda_build` failed; the mhc runs use the PyTorch projection",
+            file=sys.stderr,
+        )
     t_runs = time.time()
     codes = run_parallel(jobs, config, sets, parallel)
     wall = time.time() - t_runs
@@ -472,7 +548,9 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     windows = data.val_windows(cfgs[0].eval_batches * cfgs[0].batch_size)
     records, curves = collect_all(jobs, out, windows, device)
-    (out / "results.json").write_text(json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n")
+    (out / "results.json").write_text(
+        json.dumps([{k: r[k] for k in RECORD_KEYS} | r for r in records], indent=1) + "\n"
+    )
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {"command": command, "config": os.path.relpath(config, REPO) if Path(config).is_absolute() else str(config),
@@ -480,7 +558,9 @@ def main(argv=None) -> int:
             "failed": failed, "calibration_tokens_per_s": rates, "target_s": args.target_s}  # fmt: skip
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(write_report(out))
-    print(f"wrote {out} ({len(records)} runs, {wall:.0f} s of training wall time, {time.time() - t0:.0f} s in all)")
+    print(
+        f"wrote {out} ({len(records)} runs, {wall:.0f} s of training wall time, {time.time() - t0:.0f} s in all)"
+    )
     return 1 if failed else 0
 
 

@@ -91,7 +91,9 @@ MODES = ("eager", "static", "compiled")
 MODELS = ("residual", "mhc", "mhc-unlinked", "mhc-norms", "mhc-torch")
 ROOT = Path(__file__).resolve().parents[2]
 # The KV cache's keyword in this transformers' forward (transformers 5.x renamed past_key_values).
-CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+CACHE_ARG = (
+    "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+)
 
 
 def commit() -> str:
@@ -100,16 +102,28 @@ def commit() -> str:
     if os.environ.get("COMMIT"):
         return os.environ["COMMIT"]
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def tiny_llama(seq: int) -> LlamaConfig:
     """A 2-layer Llama (hidden 32, vocabulary 97) for checking the script on a CPU."""
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=seq)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=seq,
+    )
 
 
 def build(name: str, cfg: LlamaConfig, device: str, dtype: torch.dtype, seed: int):
@@ -168,15 +182,23 @@ class CudagraphSkips(logging.Handler):
 
 def dynamo_counts(skips: CudagraphSkips) -> dict:
     breaks = dict(counters["graph_break"])
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(breaks.values()),
-            "break_reasons": {k[:300]: v for k, v in list(breaks.items())[:5]},
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"], "cudagraph_skip_reasons": skips.reasons[:5]}
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(breaks.values()),
+        "break_reasons": {k[:300]: v for k, v in list(breaks.items())[:5]},
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraph_skip_reasons": skips.reasons[:5],
+    }
 
 
 def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_config: CompileConfig):
     """A function running one greedy ``generate()`` of ``mode``; it checks the output's length."""
-    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
-              "do_sample": False}
+    kwargs = {
+        "attention_mask": torch.ones_like(ids),
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+    }
     if mode == "static":
         kwargs.update(cache_implementation="static", disable_compile=True)
     elif mode == "compiled":
@@ -185,8 +207,10 @@ def generate_call(model, ids: torch.Tensor, mode: str, new_tokens: int, compile_
     def run() -> torch.Tensor:
         out = model.generate(ids, **kwargs)
         if out.shape != (ids.shape[0], ids.shape[1] + new_tokens):
-            raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, expected "
-                               f"{(ids.shape[0], ids.shape[1] + new_tokens)}")
+            raise RuntimeError(
+                f"generate() returned shape {tuple(out.shape)}, expected "
+                f"{(ids.shape[0], ids.shape[1] + new_tokens)}"
+            )
         return out
 
     return run
@@ -222,10 +246,13 @@ def measure(calls: dict, tokens: int, rounds: int, steps: int, device: str) -> d
     return out
 
 
-def run_mode(mode: str, batch: int, models: dict, spies: dict, skips: CudagraphSkips, args, cfg,
-             compile_config) -> dict:
+def run_mode(
+    mode: str, batch: int, models: dict, spies: dict, skips: CudagraphSkips, args, cfg, compile_config
+) -> dict:
     """Untimed first calls of each model (compile, for ``compiled``), then the interleaved timing."""
-    ids = torch.randint(3, cfg.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+    ids = torch.randint(
+        3, cfg.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch)
+    )
     ids = ids.to(args.device)
     if mode == "compiled":
         torch._dynamo.reset()  # each batch size compiles its own graphs
@@ -257,9 +284,11 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, skips: CudagraphS
             d = row["dynamo"]
             took = row["compiled_calls"] == row["decode_steps"] and d["graphs"] > 0
             row["took_compiled_path"] = took
-            text += (f"  compiled path: {'yes' if took else 'NO'} ({row['compiled_calls']} of "
-                     f"{row['decode_steps']} decode steps through get_compiled_call); graphs {d['graphs']}, "
-                     f"graph breaks {d['graph_breaks']}, cudagraph skips {d['cudagraph_skips']}")
+            text += (
+                f"  compiled path: {'yes' if took else 'NO'} ({row['compiled_calls']} of "
+                f"{row['decode_steps']} decode steps through get_compiled_call); graphs {d['graphs']}, "
+                f"graph breaks {d['graph_breaks']}, cudagraph skips {d['cudagraph_skips']}"
+            )
             for reason, count in d["break_reasons"].items():
                 text += f"\n      break x{count}: {reason}"
             for reason in d["cudagraph_skip_reasons"]:
@@ -276,9 +305,11 @@ def run_mode(mode: str, batch: int, models: dict, spies: dict, skips: CudagraphS
             info[name]["graphs_compiled_while_timed"] = recompiles  # all models together
             info[name]["compiled_calls_while_timed"] = spies[name].calls
     if mode == "compiled" and calls:
-        print(f"  compiled batch {batch}: graphs compiled while timed (all models): {recompiles}; decode steps "
-              "through the compiled call while timed: "
-              + ", ".join(f"{n} {spies[n].calls}" for n in calls), flush=True)
+        print(
+            f"  compiled batch {batch}: graphs compiled while timed (all models): {recompiles}; decode steps "
+            "through the compiled call while timed: " + ", ".join(f"{n} {spies[n].calls}" for n in calls),
+            flush=True,
+        )
     return info
 
 
@@ -354,22 +385,30 @@ def step_times(models: dict, args, cfg, rounds: int = 3) -> dict:
                         wall += time.perf_counter() - t0
                 rows[name]["host_us"].append(host * 1e6 / args.profile_steps)
                 rows[name]["wall_us"].append(wall * 1e6 / args.profile_steps)
-        print(f"\nRaw eager decode steps, batch {batch} (best of {rounds} interleaved rounds of "
-              f"{args.profile_steps} steps; a sync after every step)")
+        print(
+            f"\nRaw eager decode steps, batch {batch} (best of {rounds} interleaved rounds of "
+            f"{args.profile_steps} steps; a sync after every step)"
+        )
         print(f"  {'model':12} {'prefill ms':>11} {'host µs':>9} {'wall µs':>9} {'wall x residual':>16}")
         base = min(rows["residual"]["wall_us"]) if "residual" in rows else None
         for name, row in rows.items():
             best = {k: min(v) for k, v in row.items()}
             ratio = f"{best['wall_us'] / base:16.3f}" if base else f"{'-':>16}"
-            print(f"  {name:12} {best['prefill_ms']:11.2f} {best['host_us']:9.0f} {best['wall_us']:9.0f} {ratio}")
+            print(
+                f"  {name:12} {best['prefill_ms']:11.2f} {best['host_us']:9.0f} {best['wall_us']:9.0f} {ratio}"
+            )
             row.update({f"best_{k}": v for k, v in best.items()})
-        print("  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their"
-              " attention and MLP, and the rest (each layer's own glue: its norms, residual adds or mHC sites)")
+        print(
+            "  host µs a step inside the decoder layers (timing hooks, one more round): the layers, their"
+            " attention and MLP, and the rest (each layer's own glue: its norms, residual adds or mHC sites)"
+        )
         for name, model in models.items():
             split = layer_host_split(model, ids, args.profile_steps, args.device)
             rows[name]["layer_host_us"] = split
-            print(f"  {name:12} layers {split['layers']:7.0f}  sublayers {split['sublayers']:7.0f}  "
-                  f"rest {split['layers'] - split['sublayers']:7.0f}  ({split['layer_calls']:.0f} layer calls a step)")
+            print(
+                f"  {name:12} layers {split['layers']:7.0f}  sublayers {split['sublayers']:7.0f}  "
+                f"rest {split['layers'] - split['sublayers']:7.0f}  ({split['layer_calls']:.0f} layer calls a step)"
+            )
     return table
 
 
@@ -392,15 +431,22 @@ def layer_host_split(model, ids: torch.Tensor, steps: int, device: str) -> dict:
     finally:
         for h in handles:
             h.remove()
-    return {"layers": totals["layers"] * 1e6 / steps, "sublayers": totals["sublayers"] * 1e6 / steps,
-            "layer_calls": totals["layers_calls"] / steps}
+    return {
+        "layers": totals["layers"] * 1e6 / steps,
+        "sublayers": totals["sublayers"] * 1e6 / steps,
+        "layer_calls": totals["layers_calls"] / steps,
+    }
 
 
 def timed_children(layers) -> list:
     """The decoder layers' attention and MLP children: neither mHC sites nor Llama-style norms. A hooked norm
     is not fused into an mHC site's first step (mhc.hf.branch.is_llama_rms_norm), so the norms stay unhooked."""
-    return [c for layer in layers for c in layer.children()
-            if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)]
+    return [
+        c
+        for layer in layers
+        for c in layer.children()
+        if not isinstance(c, mhc.MHCBlock) and not is_llama_rms_norm(c)
+    ]
 
 
 def timing_hooks(groups: dict[str, list], totals: dict) -> list:
@@ -411,6 +457,7 @@ def timing_hooks(groups: dict[str, list], totals: dict) -> list:
     for kind, modules in groups.items():
         totals.update({kind: 0.0, kind + "_calls": 0})
         for m in modules:
+
             def pre(module, args):
                 starts[id(module)] = time.perf_counter()
 
@@ -440,9 +487,13 @@ def site_host_times(model, prefill, steps: int) -> dict:
         for h in handles:
             h.remove()
     per_step = 1e6 / steps
-    return {"step_us": wall * per_step, "sites_us": totals["site"] * per_step,
-            "sublayers_us": totals["sublayer"] * per_step, "sites_per_step": len(sites),
-            "site_overhead_us_per_call": (totals["site"] - totals["sublayer"]) * per_step / len(sites)}
+    return {
+        "step_us": wall * per_step,
+        "sites_us": totals["site"] * per_step,
+        "sublayers_us": totals["sublayer"] * per_step,
+        "sites_per_step": len(sites),
+        "site_overhead_us_per_call": (totals["site"] - totals["sublayer"]) * per_step / len(sites),
+    }
 
 
 def profile(model, args, cfg) -> dict:
@@ -455,35 +506,50 @@ def profile(model, args, cfg) -> dict:
     decode()
     step_us = (time.perf_counter() - t0) * 1e6 / steps
     hooks = site_host_times(model, prefill, steps)
-    print(f"\nEager mHC decode, batch {batch}, {steps} steps after a prefill: {step_us:.0f} µs per step. With timing "
-          f"hooks: {hooks['step_us']:.0f} µs per step, its {hooks['sites_per_step']} sites {hooks['sites_us']:.0f} "
-          "µs "
-          f"of which their sublayers (norms, attention, MLP) {hooks['sublayers_us']:.0f} µs: "
-          f"{hooks['site_overhead_us_per_call']:.1f} µs host time per site call beyond its sublayers")
+    print(
+        f"\nEager mHC decode, batch {batch}, {steps} steps after a prefill: {step_us:.0f} µs per step. With timing "
+        f"hooks: {hooks['step_us']:.0f} µs per step, its {hooks['sites_per_step']} sites {hooks['sites_us']:.0f} "
+        "µs "
+        f"of which their sublayers (norms, attention, MLP) {hooks['sublayers_us']:.0f} µs: "
+        f"{hooks['site_overhead_us_per_call']:.1f} µs host time per site call beyond its sublayers"
+    )
 
     kinds = torch.profiler.ProfilerActivity
     activities = [kinds.CPU, kinds.CUDA] if args.device == "cuda" else [kinds.CPU]
     decode = prefill()
     with torch.profiler.profile(activities=activities) as prof:
         decode()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.profile_top]
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[
+        : args.profile_top
+    ]
     print(f"\ntorch.profiler, {steps} decode steps: top {len(events)} ops by self CPU time, per step")
     print(f"  {'op':60} {'calls':>7} {'self CPU µs':>12} {'CPU total µs':>13}")
     ops = []
     for e in events:
-        row = {"op": e.key, "calls": e.count / steps, "self_cpu_us": e.self_cpu_time_total / steps,
-               "cpu_total_us": e.cpu_time_total / steps}
+        row = {
+            "op": e.key,
+            "calls": e.count / steps,
+            "self_cpu_us": e.self_cpu_time_total / steps,
+            "cpu_total_us": e.cpu_time_total / steps,
+        }
         ops.append(row)
         print(f"  {e.key[:60]:60} {row['calls']:7.1f} {row['self_cpu_us']:12.1f} {row['cpu_total_us']:13.1f}")
-    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
-                     key=lambda e: e.self_device_time_total, reverse=True)
+    kernels = sorted(
+        (e for e in prof.key_averages() if e.self_device_time_total > 0),
+        key=lambda e: e.self_device_time_total,
+        reverse=True,
+    )
     gpu_us = sum(e.self_device_time_total for e in kernels) / steps
-    print(f"\nGPU kernels, {steps} decode steps: {gpu_us:.0f} µs of kernel time per step (a step whose kernels take "
-          "far less than its wall time waits on the host); top by device time, per step")
+    print(
+        f"\nGPU kernels, {steps} decode steps: {gpu_us:.0f} µs of kernel time per step (a step whose kernels take "
+        "far less than its wall time waits on the host); top by device time, per step"
+    )
     print(f"  {'kernel':60} {'calls':>7} {'device µs':>10} {'µs a call':>10}")
     for e in kernels[: args.profile_top]:
         per_step = e.self_device_time_total / steps
-        print(f"  {e.key[:60]:60} {e.count / steps:7.1f} {per_step:10.1f} {e.self_device_time_total / e.count:10.2f}")
+        print(
+            f"  {e.key[:60]:60} {e.count / steps:7.1f} {per_step:10.1f} {e.self_device_time_total / e.count:10.2f}"
+        )
 
     decode = prefill()
     profiler = cProfile.Profile()
@@ -494,30 +560,54 @@ def profile(model, args, cfg) -> dict:
     stats.sort_stats("cumulative").print_stats(args.profile_top)
     print(f"\ncProfile of {steps} decode steps (totals, not per step):")
     print(text.getvalue())
-    return {"batch": batch, "steps": steps, "step_us": step_us, "hooks": hooks, "ops": ops, "gpu_kernels_us": gpu_us}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_us": step_us,
+        "hooks": hooks,
+        "ops": ops,
+        "gpu_kernels_us": gpu_us,
+    }
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated, from: " + ", ".join(MODES))
-    ap.add_argument("--models", default="residual,mhc",
-                    help="comma-separated, from: residual, mhc, mhc-unlinked, mhc-norms, mhc-torch (fused=False) "
-                         "(default residual,mhc)")
+    ap.add_argument(
+        "--models",
+        default="residual,mhc",
+        help="comma-separated, from: residual, mhc, mhc-unlinked, mhc-norms, mhc-torch (fused=False) "
+        "(default residual,mhc)",
+    )
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; --tiny 8)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
+    ap.add_argument(
+        "--new-tokens", type=int, default=None, help="tokens decoded per call (default 128; --tiny 6)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed generate() calls per round (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-32 Llama instead of the 134M one")
-    ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; on the CPU eager)")
-    ap.add_argument("--compile-mode", default="reduce-overhead",
-                    help="torch.compile mode for the inductor backend (default reduce-overhead, transformers')")
-    ap.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a graph break fails)")
+    ap.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor; on the CPU eager)"
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default="reduce-overhead",
+        help="torch.compile mode for the inductor backend (default reduce-overhead, transformers')",
+    )
+    ap.add_argument(
+        "--fullgraph", action="store_true", help="compile with fullgraph=True (a graph break fails)"
+    )
     ap.add_argument("--profile", action="store_true", help="profile eager mHC decode steps (see above)")
-    ap.add_argument("--step-times", action="store_true",
-                    help="also every model's prefill and raw decode step (host and wall), at each --batches")
+    ap.add_argument(
+        "--step-times",
+        action="store_true",
+        help="also every model's prefill and raw decode step (host and wall), at each --batches",
+    )
     ap.add_argument("--profile-batch", type=int, default=1, help="batch of the profiled decode (default 1)")
     ap.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled (default 10)")
     ap.add_argument("--profile-top", type=int, default=30, help="rows of each profile table (default 30)")
@@ -552,13 +642,19 @@ def main(argv=None) -> None:
     env = common.environment()
     env.update(transformers=transformers.__version__, commit=commit())
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"# {now:%Y-%m-%d %H:%M UTC}  {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
-          f"commit {env['commit']}\n# command: python {' '.join(sys.argv)}", flush=True)
+    print(
+        f"# {now:%Y-%m-%d %H:%M UTC}  {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
+        f"commit {env['commit']}\n# command: python {' '.join(sys.argv)}",
+        flush=True,
+    )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     seq = args.prompt + args.new_tokens
     cfg = tiny_llama(seq) if args.tiny else common.llama_134m(seq)
-    compile_config = CompileConfig(fullgraph=args.fullgraph, backend=args.backend,
-                                   mode=args.compile_mode if args.backend == "inductor" else None)
+    compile_config = CompileConfig(
+        fullgraph=args.fullgraph,
+        backend=args.backend,
+        mode=args.compile_mode if args.backend == "inductor" else None,
+    )
     if args.device != "cuda":
         compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     print(f"  compile config (mode compiled): {compile_config.to_dict()}", flush=True)
@@ -577,17 +673,22 @@ def main(argv=None) -> None:
     for mode in args.modes:
         for batch in args.batches:
             try:
-                results[f"{mode} {batch}"] = run_mode(mode, batch, models, spies, skips, args, cfg,
-                                                        compile_config)
+                results[f"{mode} {batch}"] = run_mode(
+                    mode, batch, models, spies, skips, args, cfg, compile_config
+                )
             except Exception:
                 print(f"  {mode} batch {batch}: failed:", flush=True)
                 traceback.print_exc()
 
-    print(f"\nGreedy decode, {'tiny Llama' if args.tiny else 'Llama 134M'}, {str(dtype)[6:]}, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens; tok/s = batch x new tokens / generate() wall time, best of "
-          f"{args.rounds} interleaved medians of {args.steps}")
-    print(f"  {'mode':9} {'batch':>5} {'model':12} {'tok/s':>9} {'x residual':>11} {'first call s':>13}   "
-          "round medians (tok/s)")
+    print(
+        f"\nGreedy decode, {'tiny Llama' if args.tiny else 'Llama 134M'}, {str(dtype)[6:]}, prompt {args.prompt}, "
+        f"{args.new_tokens} new tokens; tok/s = batch x new tokens / generate() wall time, best of "
+        f"{args.rounds} interleaved medians of {args.steps}"
+    )
+    print(
+        f"  {'mode':9} {'batch':>5} {'model':12} {'tok/s':>9} {'x residual':>11} {'first call s':>13}   "
+        "round medians (tok/s)"
+    )
     for key, info in results.items():
         mode, batch = key.split()
         residual = info.get("residual", {}).get("tok_s")

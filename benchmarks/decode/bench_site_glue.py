@@ -48,8 +48,14 @@ class Pass(nn.Module):
 
 
 def cheap_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     model = LlamaForCausalLM(cfg)
     for layer in model.model.layers:
         layer.self_attn, layer.mlp = PassAttention(), Pass()
@@ -83,10 +89,17 @@ def mock_extension_calls() -> None:
 
 def layer_call(layer: nn.Module, hidden: torch.Tensor, calls: int) -> float:
     """µs per call of ``layer(hidden, **decode inputs)``, over ``calls`` calls."""
-    cache = "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
-    inputs = {"attention_mask": None, "position_ids": torch.zeros(1, 1, dtype=torch.long), cache: None,
-              "use_cache": True, "cache_position": torch.zeros(1, dtype=torch.long),
-              "position_embeddings": (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))}
+    cache = (
+        "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
+    )
+    inputs = {
+        "attention_mask": None,
+        "position_ids": torch.zeros(1, 1, dtype=torch.long),
+        cache: None,
+        "use_cache": True,
+        "cache_position": torch.zeros(1, dtype=torch.long),
+        "position_embeddings": (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)),
+    }
     t0 = time.perf_counter()
     for _ in range(calls):
         layer(hidden, **inputs)
@@ -116,8 +129,10 @@ def main(argv=None) -> None:
             best["residual"] = min(best["residual"], layer_call(residual, h_residual, args.calls))
             best["mhc"] = min(best["mhc"], layer_call(layer, h_mhc, args.calls))
     per_site = (best["mhc"] - best["residual"]) / len(layer.site_names)
-    print(f"decoder layer, one token, pass-through sublayers, best of {args.rounds} rounds of {args.calls} calls: "
-          f"residual {best['residual']:.2f} µs, mHC {best['mhc']:.2f} µs; {per_site:.2f} µs more a site")
+    print(
+        f"decoder layer, one token, pass-through sublayers, best of {args.rounds} rounds of {args.calls} calls: "
+        f"residual {best['residual']:.2f} µs, mHC {best['mhc']:.2f} µs; {per_site:.2f} µs more a site"
+    )
     if args.profile:
         profiler = cProfile.Profile()
         with torch.no_grad():

@@ -36,7 +36,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
 import common  # noqa: E402
 import torch
-
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import mhc
@@ -59,16 +58,23 @@ def rows_for(tokens: int, C: int, n: int, dtype: torch.dtype) -> dict:
     norm = (rms_norm.weight.detach(), rms_norm.variance_epsilon)
     tol_eff = mhc.projection.effective_tol(block.tol, n, torch.float32)
     _, _, h, h_res = fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER)
-    a, b = torch.randn(tokens, C, device="cuda", dtype=dtype), torch.randn(tokens, C, device="cuda", dtype=dtype)
+    a, b = (
+        torch.randn(tokens, C, device="cuda", dtype=dtype),
+        torch.randn(tokens, C, device="cuda", dtype=dtype),
+    )
     return {
         "site": lambda: block(x),
         "pre": lambda: fused_tokens.pre_no_grad(x, *params, block.norm_eps, block.tol),
         "post": lambda: fused_tokens.post_no_grad(xs, u, mix),
         "post_pre": lambda: fused_tokens.post_pre_no_grad(xs, u, mix, *params, block.norm_eps, block.tol),
-        "post_pre_norm": lambda: fused_tokens.post_pre_no_grad(xs, u, mix, *params, block.norm_eps, block.tol, norm),
+        "post_pre_norm": lambda: fused_tokens.post_pre_no_grad(
+            xs, u, mix, *params, block.norm_eps, block.tol, norm
+        ),
         "rms_norm": lambda: rms_norm(u),
         "linked": lambda: second(first(x)),
-        "pre_grad": lambda: fused_tokens.pre(x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER),
+        "pre_grad": lambda: fused_tokens.pre(
+            x, *params, block.norm_eps, tol_eff, mhc.projection.NEWTON_MAX_ITER
+        ),
         "post_grad": lambda: fused_tokens.post(x, u, h, h_res),
         "add": lambda: torch.add(a, b),
         "empty": lambda: torch.empty(tokens, C, device="cuda", dtype=dtype),
@@ -84,7 +90,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
     args = ap.parse_args()
     common.require_cuda("bench_site_host.py")
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  C={args.hidden} n={args.streams} bf16")
+    print(
+        f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  C={args.hidden} n={args.streams} bf16"
+    )
     print(f"  {'tokens':>6} {'call':>6} {'host µs':>9} {'wall µs':>9}")
     with torch.no_grad():
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -52,11 +52,15 @@ def main() -> int:
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0  # µs
 
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {torch.cuda.get_device_name()}  "
-          f"torch {torch.__version__}  command: python {' '.join(sys.argv)}")
-    hdr = (f"{'n':>2} {'N':>8} | {'ours fwd':>9} {'copy fwd':>9} {'x copy':>6} | {'ours f+b':>9} {'copy f+b':>9} "
-           f"{'x copy':>6} | {'newton fwd':>10} {'newton f+b':>10} | {'sk20 fwd':>9} {'sk20 f+b':>9} | "
-           f"{'max err':>9} {'sk20 err':>9} {'grad rel':>9}")
+    print(
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {torch.cuda.get_device_name()}  "
+        f"torch {torch.__version__}  command: python {' '.join(sys.argv)}"
+    )
+    hdr = (
+        f"{'n':>2} {'N':>8} | {'ours fwd':>9} {'copy fwd':>9} {'x copy':>6} | {'ours f+b':>9} {'copy f+b':>9} "
+        f"{'x copy':>6} | {'newton fwd':>10} {'newton f+b':>10} | {'sk20 fwd':>9} {'sk20 f+b':>9} | "
+        f"{'max err':>9} {'sk20 err':>9} {'grad rel':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -83,7 +87,7 @@ def main() -> int:
             src5 = torch.empty(5 * nbytes // 8, device=dev)
             dst5 = torch.empty_like(src5)
             t_copy_fb = bench(lambda: dst5.copy_(src5))
-            del src1, dst1, src5, dst5
+            src1 = dst1 = src5 = dst5 = None  # freed (the step closures above read these names)
 
             T = fwd()
             err = mhc.marginal_error(T)
@@ -111,28 +115,49 @@ def main() -> int:
             t_sk_fb = float("nan")
             if N <= args.sk_bwd_max:
                 Rs = R.clone().requires_grad_(True)
-                t_sk_fb = bench(lambda: torch.autograd.grad(mhc.birkhoff_project(Rs, method="sinkhorn", iters=20),
-                                                            Rs, G))
+                t_sk_fb = bench(
+                    lambda: torch.autograd.grad(mhc.birkhoff_project(Rs, method="sinkhorn", iters=20), Rs, G)
+                )
                 del Rs
 
             grad_rel = float("nan")
             if N <= args.grad_max:
                 dR = torch.ops.mhc.birkhoff_backward(T, G)
-                T64 = torch.cat([
-                    P.birkhoff_project_reference(c, tol=1e-10, max_iter=200)
-                    for c in R.double().split(1 << 18)
-                ])
+                T64 = torch.cat(
+                    [
+                        P.birkhoff_project_reference(c, tol=1e-10, max_iter=200)
+                        for c in R.double().split(1 << 18)
+                    ]
+                )
                 dR64 = P.birkhoff_backward(T64, G.double())
                 grad_rel = float((dR.double() - dR64).norm() / dR64.norm())
                 del T64, dR64, dR
 
-            row = (n, N, t_fwd, t_copy_fwd, t_fwd / t_copy_fwd, t_fb, t_copy_fb, t_fb / t_copy_fb, t_ref_f,
-                   t_ref_fb, t_sk_f, t_sk_fb, max_err, sk_err, grad_rel)
+            row = (
+                n,
+                N,
+                t_fwd,
+                t_copy_fwd,
+                t_fwd / t_copy_fwd,
+                t_fb,
+                t_copy_fb,
+                t_fb / t_copy_fb,
+                t_ref_f,
+                t_ref_fb,
+                t_sk_f,
+                t_sk_fb,
+                max_err,
+                sk_err,
+                grad_rel,
+            )
             rows.append(row)
-            print(f"{n:>2} {N:>8} | {t_fwd:9.1f} {t_copy_fwd:9.1f} {t_fwd / t_copy_fwd:6.2f} | {t_fb:9.1f} "
-                  f"{t_copy_fb:9.1f} {t_fb / t_copy_fb:6.2f} | {t_ref_f:10.1f} {t_ref_fb:10.1f} | {t_sk_f:9.1f} "
-                  f"{t_sk_fb:9.1f} | {max_err:9.2e} {sk_err:9.2e} {grad_rel:9.2e}", flush=True)
-            del R, G, T, err
+            print(
+                f"{n:>2} {N:>8} | {t_fwd:9.1f} {t_copy_fwd:9.1f} {t_fwd / t_copy_fwd:6.2f} | {t_fb:9.1f} "
+                f"{t_copy_fb:9.1f} {t_fb / t_copy_fb:6.2f} | {t_ref_f:10.1f} {t_ref_fb:10.1f} | {t_sk_f:9.1f} "
+                f"{t_sk_fb:9.1f} | {max_err:9.2e} {sk_err:9.2e} {grad_rel:9.2e}",
+                flush=True,
+            )
+            R = G = T = err = None  # freed (the step closures above read these names)
             torch.cuda.empty_cache()
 
     # Small-batch latency through the public entry point.
@@ -155,8 +180,10 @@ def main() -> int:
             for _ in range(reps):
                 mhc.birkhoff_project(x)
         t_graph = bench(g.replay) / reps
-        print(f"n={n} N=8192: op {t_op:.1f} µs, birkhoff_project {t_api:.1f} µs (no_grad {t_api_ng:.1f} µs), "
-              f"CUDA-graph replay {t_graph:.1f} µs per call")
+        print(
+            f"n={n} N=8192: op {t_op:.1f} µs, birkhoff_project {t_api:.1f} µs (no_grad {t_api_ng:.1f} µs), "
+            f"CUDA-graph replay {t_graph:.1f} µs per call"
+        )
     # Cost per Newton iteration: forward time against the input scale (iterations grow with sigma).
     print()
     for n in ns:
@@ -166,8 +193,10 @@ def main() -> int:
             t = bench(lambda: torch.ops.mhc.birkhoff_forward(x, tol_eff, 100))
             y, it, _ = torch.ops.mhc.birkhoff_forward_info(x, tol_eff, 100)
             it = it.view(-1, 32).float()
-            print(f"n={n} N=1M N(0,{sigma:g}^2): fwd {t:.1f} µs; max err {float(mhc.marginal_error(y).max()):.2e}; "
-                  f"iterations mean {it.mean():.2f}, mean of per-warp max {it.amax(1).mean():.2f}")
+            print(
+                f"n={n} N=1M N(0,{sigma:g}^2): fwd {t:.1f} µs; max err {float(mhc.marginal_error(y).max()):.2e}; "
+                f"iterations mean {it.mean():.2f}, mean of per-warp max {it.amax(1).mean():.2f}"
+            )
     print(f"unconverged matrices counted on device during the run: {projection_cuda.unconverged_count()}")
     return 0
 

@@ -107,9 +107,8 @@ def chained_protocol(sizes: list[int], calls: int = 100, rounds: int = 5) -> dic
     """
     import statistics
 
-    from torch.profiler import ProfilerActivity, profile
-
     from bench_projection_peers import Clock
+    from torch.profiler import ProfilerActivity, profile
 
     clock = Clock(torch.device("cuda"))
     setups = {N: chained_systems(N) for N in sizes}
@@ -126,10 +125,17 @@ def chained_protocol(sizes: list[int], calls: int = 100, rounds: int = 5) -> dic
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 clock.chained_us(step, x0, calls, warmup=0)
             # Device-side events, less the restart's clone and the counter's copies.
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                       and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))]
-            out[N][name] = (min(times[N][name]), statistics.median(times[N][name]),
-                            sum(e.time_range.elapsed_us() for e in kernels) / calls)
+            kernels = [
+                e
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+                and not any(word in e.name.lower() for word in ("copy", "memcpy", "memset"))
+            ]
+            out[N][name] = (
+                min(times[N][name]),
+                statistics.median(times[N][name]),
+                sum(e.time_range.elapsed_us() for e in kernels) / calls,
+            )
     return out
 
 
@@ -138,16 +144,23 @@ def main() -> None:
     ap.add_argument("--sizes", default="512,32768", help="comma-separated batch sizes N (default 512,32768)")
     ap.add_argument("--calls", type=int, default=300, help="calls per timing (default 300)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, the best kept (default 5)")
-    ap.add_argument("--chained-sizes", default="512,2048,8192,32768,131072",
-                    help="N for the chained protocol with kernel times (default 512,...,131072; empty: none)")
-    ap.add_argument("--chained-rounds", type=int, default=5, help="interleaved rounds of the chained protocol")
+    ap.add_argument(
+        "--chained-sizes",
+        default="512,2048,8192,32768,131072",
+        help="N for the chained protocol with kernel times (default 512,...,131072; empty: none)",
+    )
+    ap.add_argument(
+        "--chained-rounds", type=int, default=5, help="interleaved rounds of the chained protocol"
+    )
     args = ap.parse_args()
     common.require_cuda("bench_projection_host.py")
     if not projection_cuda.available():
         raise SystemExit("the CUDA projection extension is unavailable (python -m mhc.cuda_build shows why)")
     tol, max_iter = 1e-6, mhc.projection.NEWTON_MAX_ITER
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  n=4 fp32 tol={tol:g}"
-          f"  peer: {'mHC-proj' if peer_forward() else 'not installed'}")
+    print(
+        f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  n=4 fp32 tol={tol:g}"
+        f"  peer: {'mHC-proj' if peer_forward() else 'not installed'}"
+    )
     print(f"  {'N':>7} {'call':>15} {'host µs':>9} {'wall µs':>9}")
     with torch.no_grad():
         for N in (int(s) for s in args.sizes.split(",")):
@@ -155,12 +168,18 @@ def main() -> None:
             best = common.best_host_and_wall_us(rows, args.calls, args.rounds)
             for name, (host, wall) in best.items():
                 print(f"  {N:7d} {name:>15} {host:9.2f} {wall:9.2f}")
-    print(f"# mHC-proj's chained protocol, {args.chained_rounds} interleaved rounds: events µs per call, best /"
-          " median, then mean kernel µs per call (torch.profiler)")
+    print(
+        f"# mHC-proj's chained protocol, {args.chained_rounds} interleaved rounds: events µs per call, best /"
+        " median, then mean kernel µs per call (torch.profiler)"
+    )
     sizes = [int(s) for s in args.chained_sizes.split(",") if s]
     for N, cells in chained_protocol(sizes, rounds=args.chained_rounds).items():
-        print(f"  {N:7d} " + "  ".join(f"{name} {best:6.2f} / {med:6.2f} / {k:5.2f}"
-                                        for name, (best, med, k) in cells.items()))
+        print(
+            f"  {N:7d} "
+            + "  ".join(
+                f"{name} {best:6.2f} / {med:6.2f} / {k:5.2f}" for name, (best, med, k) in cells.items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,20 @@ from mhc import projection as P
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SIZES = "512,2048,8192,32768,131072,1048576"
 N_STREAMS = 4
-COLUMNS = ("ours fwd", "ours ag", "ours op", "proj fwd", "proj op", "proj ag",
-           "sk fwd", "sk op", "sk ag", "copy fwd", "copy f+b", "mul ag")
+COLUMNS = (
+    "ours fwd",
+    "ours ag",
+    "ours op",
+    "proj fwd",
+    "proj op",
+    "proj ag",
+    "sk fwd",
+    "sk op",
+    "sk ag",
+    "copy fwd",
+    "copy f+b",
+    "mul ag",
+)
 # What each verdict compares: ours against the best of these peer columns. "f+b" is the strict
 # one (our autograd path against the peers' op level too); "ag" and "op" are like for like.
 VERDICTS = (
@@ -80,11 +92,21 @@ def number_list(kind: type, low: float, text: str) -> list:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python benchmarks/projection/bench_projection_peers.py", description=(
-        "n=4 Birkhoff projection: ours against mHC-proj and mHC.cu, fwd and f+b, two protocols."))
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: only the ours columns, on the PyTorch path (checks the logic)")
-    ap.add_argument("--sizes", type=partial(number_list, int, 0), default=DEFAULT_SIZES, help="N, comma-separated")
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/projection/bench_projection_peers.py",
+        description=(
+            "n=4 Birkhoff projection: ours against mHC-proj and mHC.cu, fwd and f+b, two protocols."
+        ),
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: only the ours columns, on the PyTorch path (checks the logic)",
+    )
+    ap.add_argument(
+        "--sizes", type=partial(number_list, int, 0), default=DEFAULT_SIZES, help="N, comma-separated"
+    )
     ap.add_argument("--sigma", type=float, default=10.0, help="timing inputs are sigma * randn")
     ap.add_argument("--calls", type=int, default=None, help="timed chained calls (default 100; cpu 3)")
     ap.add_argument("--warmup", type=int, default=None, help="chained warm-up calls (default 100; cpu 1)")
@@ -93,20 +115,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds; each cell keeps the best")
     ap.add_argument("--tol", type=float, default=1e-6, help="Newton tolerance (ours and mHC-proj)")
     ap.add_argument("--sk-iters", type=int, default=20, help="mHC.cu Sinkhorn iterations")
-    ap.add_argument("--acc-size", type=int, default=None, help="matrices per sigma for the accuracy (default 1M; cpu 4K)")
+    ap.add_argument(
+        "--acc-size", type=int, default=None, help="matrices per sigma for the accuracy (default 1M; cpu 4K)"
+    )
     ap.add_argument("--acc-sigmas", type=partial(number_list, float, 0), default="1,3,10,30")
     ap.add_argument("--seed", type=int, default=123)
-    ap.add_argument("--commit", default=None, help="commit to print (default: git rev-parse, if there is git)")
+    ap.add_argument(
+        "--commit", default=None, help="commit to print (default: git rev-parse, if there is git)"
+    )
     ap.add_argument("--json", default=None, help="also write every number and reason to this file")
     args = ap.parse_args(argv)
     cpu = args.device == "cpu"  # the PyTorch path on a CPU takes ~10-100 ms a call: defaults that finish
-    for name, gpu_default, cpu_default in (("calls", 100, 3), ("warmup", 100, 1), ("acc_size", 1 << 20, 4096)):
+    for name, gpu_default, cpu_default in (
+        ("calls", 100, 3),
+        ("warmup", 100, 1),
+        ("acc_size", 1 << 20, 4096),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, cpu_default if cpu else gpu_default)
     for name in ("calls", "repeats", "sk_iters", "acc_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or args.bench_warmup_ms < 0 or args.bench_rep_ms <= 0 or not args.tol > 0 or not args.sigma > 0:
+    if (
+        args.warmup < 0
+        or args.bench_warmup_ms < 0
+        or args.bench_rep_ms <= 0
+        or not args.tol > 0
+        or not args.sigma > 0
+    ):
         ap.error("--warmup and --bench-warmup-ms must be >= 0; --bench-rep-ms, --tol and --sigma > 0")
     if not cpu and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu to check the logic)")
@@ -168,11 +204,20 @@ def load_peers(device: torch.device) -> tuple[object | None, str]:
         from mhc_proj.module import MHCProjectionN4Function, MHCSinkhornN4Function
 
         ext = mhc_proj.torch
-        for name in ("birkhoff_proj_n4", "birkhoff_proj_n4_backward", "sinkhorn_knopp_n4", "sinkhorn_knopp_n4_backward"):
+        for name in (
+            "birkhoff_proj_n4",
+            "birkhoff_proj_n4_backward",
+            "sinkhorn_knopp_n4",
+            "sinkhorn_knopp_n4_backward",
+        ):
             getattr(ext, name)
     except Exception as exc:  # noqa: BLE001 - any import problem means "peer not built here"
         return None, f"mhc_proj not importable: {type(exc).__name__}: {exc}"
-    return (ext, MHCProjectionN4Function, MHCSinkhornN4Function), f"mhc_proj from {Path(mhc_proj.__file__).parent}"
+    return (
+        ext,
+        MHCProjectionN4Function,
+        MHCSinkhornN4Function,
+    ), f"mhc_proj from {Path(mhc_proj.__file__).parent}"
 
 
 def autograd_step(project: Callable[[Tensor], Tensor], G: Tensor) -> Step:
@@ -199,9 +244,13 @@ def no_grad_step(project: Callable[[Tensor], Tensor]) -> Step:
 def ours_extension_problem() -> str | None:
     """Why our CUDA operators are not loaded (None if they are); builds the extension on first call."""
     try:
-        from mhc.projection import cuda as projection_cuda  # imported here: without it only the "ours op" column is lost
+        from mhc.projection import (
+            cuda as projection_cuda,
+        )  # imported here: without it only the "ours op" column is lost
 
-        return None if projection_cuda.available() else "mhc CUDA extension unavailable (see the warning above)"
+        return (
+            None if projection_cuda.available() else "mhc CUDA extension unavailable (see the warning above)"
+        )
     except Exception as exc:  # noqa: BLE001
         return reason(exc)
 
@@ -286,7 +335,8 @@ def reference_steps(N: int, device: torch.device, G: Tensor) -> dict[str, Step]:
     one = N * N_STREAMS * N_STREAMS
     steps: dict[str, Step] = {
         name: partial(copy_step, torch.empty(numel, device=device), torch.empty(numel, device=device))
-        for name, numel in (("copy fwd", one), ("copy f+b", 5 * one // 2))}
+        for name, numel in (("copy fwd", one), ("copy f+b", 5 * one // 2))
+    }
     steps["mul ag"] = autograd_step(lambda x: x * 1.0, G)
     return steps
 
@@ -302,8 +352,11 @@ def measure_size(N: int, args, device, clock: Clock, peers, why: str) -> dict[st
     gen = torch.Generator(device=device).manual_seed(args.seed + N)
     x0 = args.sigma * torch.randn(N, N_STREAMS, N_STREAMS, device=device, generator=gen)
     G = torch.randn(N, N_STREAMS, N_STREAMS, device=device, generator=gen)
-    steps = {**ours_steps(device, G, args.tol), **peer_steps(peers, why, G, args.tol, args.sk_iters),
-             **reference_steps(N, device, G)}
+    steps = {
+        **ours_steps(device, G, args.tol),
+        **peer_steps(peers, why, G, args.tol, args.sk_iters),
+        **reference_steps(N, device, G),
+    }
     cells: dict[str, dict[str, float | str]] = {"chained": {}, "do_bench": {}}
     failed: dict[str, str] = {}
 
@@ -334,7 +387,9 @@ def measure_size(N: int, args, device, clock: Clock, peers, why: str) -> dict[st
                     if protocol == "chained":
                         t = clock.chained_us(step, x0, args.calls, args.warmup)
                     else:
-                        t = clock.median_us(partial(step, inputs[name]), args.bench_warmup_ms, args.bench_rep_ms)
+                        t = clock.median_us(
+                            partial(step, inputs[name]), args.bench_warmup_ms, args.bench_rep_ms
+                        )
                 except Exception as exc:  # noqa: BLE001
                     drop(name, exc, protocol)
                     continue
@@ -353,7 +408,10 @@ def accuracy(args, device, peers, why: str) -> dict[str, dict[str, dict[str, flo
     systems: dict[str, Callable[[Tensor], Tensor] | Unavailable] = {
         "ours": mhc.birkhoff_project,
         "mHC-proj": (lambda x: ext.birkhoff_proj_n4(x, args.tol)["T"]) if ext else Unavailable(why),
-        "mHC.cu": (lambda x: ext.sinkhorn_knopp_n4(torch.exp(x), args.sk_iters)["T"]) if ext else Unavailable(why)}
+        "mHC.cu": (lambda x: ext.sinkhorn_knopp_n4(torch.exp(x), args.sk_iters)["T"])
+        if ext
+        else Unavailable(why),
+    }
     for sigma in args.acc_sigmas:
         gen = torch.Generator(device=device).manual_seed(args.seed + int(sigma * 1000))
         x = sigma * torch.randn(args.acc_size, N_STREAMS, N_STREAMS, device=device, generator=gen)
@@ -365,8 +423,10 @@ def accuracy(args, device, peers, why: str) -> dict[str, dict[str, dict[str, flo
                 with torch.no_grad():
                     err = mhc.marginal_error(project(x))
                 finite = err[err.isfinite()]
-                row[name] = {"max_err": float(finite.max()) if finite.numel() else float("nan"),
-                             "nonfinite": int(err.numel() - finite.numel())}
+                row[name] = {
+                    "max_err": float(finite.max()) if finite.numel() else float("nan"),
+                    "nonfinite": int(err.numel() - finite.numel()),
+                }
             except Exception as exc:  # noqa: BLE001
                 if name == "ours" and not isinstance(exc, Unavailable):
                     traceback.print_exception(exc, file=sys.stderr)
@@ -426,8 +486,16 @@ def verdicts(rows: dict[int, dict[str, float | str]]) -> list[dict[str, object]]
                 out.append({"N": N, "what": what, "ahead": None})
                 continue
             best = min(peers, key=peers.get)
-            out.append({"N": N, "what": what, "ours": ours, "best_peer": best, "peer_us": peers[best],
-                        "ahead": ours < peers[best]})
+            out.append(
+                {
+                    "N": N,
+                    "what": what,
+                    "ours": ours,
+                    "best_peer": best,
+                    "peer_us": peers[best],
+                    "ahead": ours < peers[best],
+                }
+            )
     return out
 
 
@@ -454,10 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         header["device"] = "cpu"
     for k, v in header.items():
         print(f"# {k}: {v}")
-    print(f"# n={N_STREAMS} fp32, timing inputs {args.sigma:g}*randn, G=randn, tol={args.tol:g}, "
-          f"sk iters={args.sk_iters}; chained {args.warmup}+{args.calls} calls; do_bench warmup "
-          f"{args.bench_warmup_ms:g} ms rep {args.bench_rep_ms:g} ms; best of {args.repeats} interleaved rounds; µs/call",
-          flush=True)
+    print(
+        f"# n={N_STREAMS} fp32, timing inputs {args.sigma:g}*randn, G=randn, tol={args.tol:g}, "
+        f"sk iters={args.sk_iters}; chained {args.warmup}+{args.calls} calls; do_bench warmup "
+        f"{args.bench_warmup_ms:g} ms rep {args.bench_rep_ms:g} ms; best of {args.repeats} interleaved rounds; µs/call",
+        flush=True,
+    )
 
     tables: dict[str, dict[int, dict[str, float | str]]] = {"chained": {}, "do_bench": {}}
     for N in args.sizes:
@@ -471,14 +541,22 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     print()
-    for protocol, title in (("chained", "chained protocol (mHC-proj's runtime.py): µs per call"),
-                            ("do_bench", f"{'triton.testing.do_bench' if clock.cuda else 'cpu per-call'} median: µs/call")):
+    for protocol, title in (
+        ("chained", "chained protocol (mHC-proj's runtime.py): µs per call"),
+        ("do_bench", f"{'triton.testing.do_bench' if clock.cuda else 'cpu per-call'} median: µs/call"),
+    ):
         print("\n".join(format_table(title, tables[protocol])))
         judged = verdicts(tables[protocol])
         for v in judged:
-            print(f"  N={v['N']:>8} {v['what']:>3}: " + ("no comparison (ours or every peer n/a)" if v["ahead"] is None else
-                  f"ours {v['ours']:.1f} vs {v['best_peer']} {v['peer_us']:.1f} -> "
-                  f"{'ahead' if v['ahead'] else 'BEHIND'} ({v['ours'] / v['peer_us']:.2f}x)"))
+            print(
+                f"  N={v['N']:>8} {v['what']:>3}: "
+                + (
+                    "no comparison (ours or every peer n/a)"
+                    if v["ahead"] is None
+                    else f"ours {v['ours']:.1f} vs {v['best_peer']} {v['peer_us']:.1f} -> "
+                    f"{'ahead' if v['ahead'] else 'BEHIND'} ({v['ours'] / v['peer_us']:.2f}x)"
+                )
+            )
         for what, ours_col, peer_columns in VERDICTS:
             found = [v["ahead"] for v in judged if v["what"] == what]
             answer = "no comparison" if all(a is None for a in found) else "yes" if all(found) else "NO"
@@ -487,26 +565,41 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     acc = accuracy(args, device, peers, why)
-    print(f"max marginal error over {args.acc_size} matrices of sigma*randn ({time.perf_counter() - t0:.1f} s); "
-          f"ours must be <= {ACCURACY_BOUND:g}")
+    print(
+        f"max marginal error over {args.acc_size} matrices of sigma*randn ({time.perf_counter() - t0:.1f} s); "
+        f"ours must be <= {ACCURACY_BOUND:g}"
+    )
     for sigma, row in acc.items():
-        print(f"  sigma={sigma:>4}: " + "; ".join(
-            f"{name} {r['error']}" if "error" in r else
-            f"{name} {r['max_err']:.2e}" + (f" ({r['nonfinite']} non-finite)" if r["nonfinite"] else "")
-            for name, r in row.items()))
+        print(
+            f"  sigma={sigma:>4}: "
+            + "; ".join(
+                f"{name} {r['error']}"
+                if "error" in r
+                else f"{name} {r['max_err']:.2e}"
+                + (f" ({r['nonfinite']} non-finite)" if r["nonfinite"] else "")
+                for name, r in row.items()
+            )
+        )
     ours_errs = [r["ours"].get("max_err", float("nan")) for r in acc.values()]
     ours_nonfinite = sum(r["ours"].get("nonfinite", 0) for r in acc.values())
     accurate = all(e <= ACCURACY_BOUND for e in ours_errs) and ours_nonfinite == 0
-    print(f"ours accuracy: {'OK' if accurate else 'FAILED'} (worst {max(ours_errs):.2e}, {ours_nonfinite} non-finite)")
+    print(
+        f"ours accuracy: {'OK' if accurate else 'FAILED'} (worst {max(ours_errs):.2e}, {ours_nonfinite} non-finite)"
+    )
     print(f"total {time.perf_counter() - started:.1f} s")
 
     if args.json:
-        common.write_json(args.json, {
-            "header": header, "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "tables": {p: {str(N): c for N, c in rows.items()} for p, rows in tables.items()},
-            "verdicts": {p: verdicts(rows) for p, rows in tables.items()},
-            "accuracy": acc, "ours_accurate": accurate,
-        })
+        common.write_json(
+            args.json,
+            {
+                "header": header,
+                "config": {k: v for k, v in vars(args).items() if k != "json"},
+                "tables": {p: {str(N): c for N, c in rows.items()} for p, rows in tables.items()},
+                "verdicts": {p: verdicts(rows) for p, rows in tables.items()},
+                "accuracy": acc,
+                "ours_accurate": accurate,
+            },
+        )
         print(f"wrote {args.json}")
     return 0
 

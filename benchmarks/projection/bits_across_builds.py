@@ -47,8 +47,10 @@ def dump(path: str) -> None:
             fwd = triton.testing.do_bench(lambda: mhc.birkhoff_project(R))
             Rg = R.clone().requires_grad_()
             both = triton.testing.do_bench(lambda: torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G))
-            print(f"time n={n} {str(dtype)[6:]} 32768 matrices: forward {fwd * 1e3:.1f} us, "
-                  f"forward+backward {both * 1e3:.1f} us")
+            print(
+                f"time n={n} {str(dtype)[6:]} 32768 matrices: forward {fwd * 1e3:.1f} us, "
+                f"forward+backward {both * 1e3:.1f} us"
+            )
 
 
 def compare(a_path: str, b_path: str) -> int:

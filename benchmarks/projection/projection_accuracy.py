@@ -42,8 +42,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(args.seed)
 
-    print(f"{'n':>2} {'distribution':<11} {'mean err':>9} {'median':>9} {'max err':>9} "
-          f"{'max it':>6} {'unconv':>6} {'time s':>7} {'grad rel':>9}")
+    print(
+        f"{'n':>2} {'distribution':<11} {'mean err':>9} {'median':>9} {'max err':>9} "
+        f"{'max it':>6} {'unconv':>6} {'time s':>7} {'grad rel':>9}"
+    )
     for n in (4, 8):
         for name, draw in DISTRIBUTIONS.items():
             R = draw((args.count, n, n)).to(args.device)
@@ -54,9 +56,11 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             err = marginal_error(T)
             grad = gradient_error(R, args.grad_count)
-            print(f"{n:>2} {name:<11} {err.mean():9.2e} {err.median():9.2e} {err.max():9.2e} "
-                  f"{int(info.iterations.max()):>6} {info.num_unconverged:>6} {elapsed:7.2f} {grad:9.2e}",
-                  flush=True)
+            print(
+                f"{n:>2} {name:<11} {err.mean():9.2e} {err.median():9.2e} {err.max():9.2e} "
+                f"{int(info.iterations.max()):>6} {info.num_unconverged:>6} {elapsed:7.2f} {grad:9.2e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

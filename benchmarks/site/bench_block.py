@@ -114,8 +114,10 @@ def block_table(n: int = 4, B: int = 4, S: int = 4096) -> dict:
     copy = common.copy_gbps()
     print(f"device copy: {copy:.0f} GB/s")
     rows = []
-    hdr = (f"{'branch':7} {'C':>5} {'impl':11} | {'fwd ms':>7} {'x res':>6} | {'f+b ms':>7} {'x res':>6} | "
-           f"{'peak MB':>8} {'kept B/tok':>11} | {'non-F GB/s':>10} {'x copy':>6}")
+    hdr = (
+        f"{'branch':7} {'C':>5} {'impl':11} | {'fwd ms':>7} {'x res':>6} | {'f+b ms':>7} {'x res':>6} | "
+        f"{'peak MB':>8} {'kept B/tok':>11} | {'non-F GB/s':>10} {'x copy':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for C in (1024, 2048, 4096):
@@ -140,8 +142,17 @@ def block_table(n: int = 4, B: int = 4, S: int = 4096) -> dict:
                 base = base or (fwd, fb)
                 peak = _peak_mb(mod, x, g)
                 kept = _kept_bytes(mod, x) / (B * S)
-                row = dict(branch=bname, C=C, impl=name, fwd_ms=fwd, fwd_x_res=fwd / base[0], fwd_bwd_ms=fb,
-                           fwd_bwd_x_res=fb / base[1], peak_mb=peak, kept_bytes_per_token=kept)
+                row = dict(
+                    branch=bname,
+                    C=C,
+                    impl=name,
+                    fwd_ms=fwd,
+                    fwd_x_res=fwd / base[0],
+                    fwd_bwd_ms=fb,
+                    fwd_bwd_x_res=fb / base[1],
+                    peak_mb=peak,
+                    kept_bytes_per_token=kept,
+                )
                 extra = ""
                 if name == "mhc fused":
                     moved = sum(_fused_bytes(B * S, n, C))
@@ -149,9 +160,11 @@ def block_table(n: int = 4, B: int = 4, S: int = 4096) -> dict:
                     extra = f"{gbps:10.0f} {gbps / copy:6.2f}"
                     row.update(non_f_gbps=gbps, x_copy=gbps / copy)
                 rows.append(row)
-                print(f"{bname:7} {C:5d} {name:11} | {fwd:7.3f} {fwd / base[0]:6.2f} | {fb:7.3f} {fb / base[1]:6.2f} | "
-                      f"{peak:8.0f} {kept:11.0f} | {extra}")
-            del impls, branch, x1, xs
+                print(
+                    f"{bname:7} {C:5d} {name:11} | {fwd:7.3f} {fwd / base[0]:6.2f} | {fb:7.3f} {fb / base[1]:6.2f} | "
+                    f"{peak:8.0f} {kept:11.0f} | {extra}"
+                )
+            impls = branch = x1 = xs = None  # freed (the step closures above read these names)
             torch.cuda.empty_cache()
     return {"copy_gbps": copy, "rows": rows}
 
@@ -169,15 +182,27 @@ def model_step(batch: int = 8, seq: int = 2048, torch_path: bool = True, rounds:
     del models, steps
     torch.cuda.empty_cache()
     t_res = results["residual"].ms
-    print(f"\nLlama {n_params / 1e6:.0f}M, bf16, batch {batch} x seq {seq}: training step (fwd+loss+bwd+AdamW), "
-          f"best of {rounds} interleaved medians of 10")
+    print(
+        f"\nLlama {n_params / 1e6:.0f}M, bf16, batch {batch} x seq {seq}: training step (fwd+loss+bwd+AdamW), "
+        f"best of {rounds} interleaved medians of 10"
+    )
     for name, m in results.items():
         medians = " ".join(f"{ms:.2f}" for ms in m.round_medians)
         print(f"  {name:14} {m.ms:8.2f} ms  {m.ms / t_res:5.3f}x residual   (round medians {medians})")
     return {
-        "params_m": n_params / 1e6, "batch": batch, "seq": seq, "rounds": rounds,
-        "models": {name: {"ms": m.ms, "x_residual": m.ms / t_res, "round_medians": m.round_medians, "steps_ms": m.times}
-                   for name, m in results.items()},
+        "params_m": n_params / 1e6,
+        "batch": batch,
+        "seq": seq,
+        "rounds": rounds,
+        "models": {
+            name: {
+                "ms": m.ms,
+                "x_residual": m.ms / t_res,
+                "round_medians": m.round_medians,
+                "steps_ms": m.times,
+            }
+            for name, m in results.items()
+        },
     }
 
 
@@ -188,8 +213,12 @@ def main() -> None:
     ap.add_argument("--skip-torch", action="store_true", help="model step: leave out the PyTorch mHC path")
     ap.add_argument("--batch", type=int, default=8, help="model step: sequences per batch (default 8)")
     ap.add_argument("--seq", type=int, default=2048, help="model step: sequence length (default 2048)")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="model step: interleaved rounds, the best median kept (default 2)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="model step: interleaved rounds, the best median kept (default 2)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures printed to PATH as JSON")
     args = ap.parse_args()
     common.require_cuda("bench_block.py")
@@ -199,7 +228,9 @@ def main() -> None:
     if not args.skip_block:
         figures["block_table"] = block_table()
     if not args.skip_model:
-        figures["model_step"] = model_step(args.batch, args.seq, torch_path=not args.skip_torch, rounds=args.rounds)
+        figures["model_step"] = model_step(
+            args.batch, args.seq, torch_path=not args.skip_torch, rounds=args.rounds
+        )
     if args.json:
         common.write_json(args.json, figures)
 

@@ -20,7 +20,9 @@ import mhc
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     common.require_cuda("gpu_block_smoke.py")
     torch.manual_seed(0)
     C, n = 256, 4
@@ -47,8 +49,10 @@ def main() -> None:
         if not name.startswith("branch")
     )
     H = gpu.coefficients(x_gpu)[2]
-    print(f"block cuda bf16 vs cpu fp32: out rel {rel:.2e}  dx rel {grel:.2e}  coeff-param grad rel (max) {prel:.2e}  "
-          f"H_res dtype {H.dtype}  max marginal err {mhc.marginal_error(H).max().item():.2e}")
+    print(
+        f"block cuda bf16 vs cpu fp32: out rel {rel:.2e}  dx rel {grel:.2e}  coeff-param grad rel (max) {prel:.2e}  "
+        f"H_res dtype {H.dtype}  max marginal err {mhc.marginal_error(H).max().item():.2e}"
+    )
     assert rel < 2e-2 and grel < 5e-2 and prel < 5e-2
 
 

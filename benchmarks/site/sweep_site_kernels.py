@@ -74,7 +74,10 @@ DOT_KERNELS = ("coeff_partial", "stream_grad", "phi_grad")  # the kernels with a
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Shapes (C, T): the 134M step (batch 8 x 2048) and the 1.1B step (batch 4 x 2048); for float32 also
 # the small_gpu preset's (batch 32 x 512 at hidden 512), which issue #49's profile was taken at.
-DEFAULT_SHAPES = {"bfloat16": ((768, 16384), (2048, 8192)), "float32": ((512, 16384), (768, 16384), (2048, 8192))}
+DEFAULT_SHAPES = {
+    "bfloat16": ((768, 16384), (2048, 8192)),
+    "float32": ((512, 16384), (768, 16384), (2048, 8192)),
+}
 DEFAULT_KERNELS = {"bfloat16": KERNELS, "float32": ("coeff_partial", "stream_grad", "phi_grad", "coeff_bwd")}
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 SMEM_BYTES = 232448  # the H200's shared memory a block may take (227 KB)
@@ -84,17 +87,23 @@ REL_FLOOR = 1e-6  # float64 reference: a max rel this small is fp32-accurate wha
 COMPILE_S, SCREEN_S, FULL_S = 3.0, 0.06, 0.2
 
 GRID = {  # bf16, as swept for the plan (notes/block_benchmarks.md)
-    "coeff_partial": dict(BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
+    "coeff_partial": dict(
+        BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
+    ),
     "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
     "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
     "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
     "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
-    "stream_grad": dict(BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256), num_warps=(4, 8), num_stages=(1, 2, 3)),
+    "stream_grad": dict(
+        BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256), num_warps=(4, 8), num_stages=(1, 2, 3)
+    ),
     "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16, 32), num_warps=(4, 8), num_stages=(2, 3, 4)),
 }
 GRID_FP32 = {  # float32 streams: a tile holds half the values of bf16's at the same bytes
     **GRID,
-    "coeff_partial": dict(BM=(32, 64, 128), BK=(32, 64, 128), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)),
+    "coeff_partial": dict(
+        BM=(32, 64, 128), BK=(32, 64, 128), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
+    ),
     "coeff_bwd": dict(BC=(128, 256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
     "phi_grad": dict(BT=(32, 64), BN=(64, 128, 256), splits=(8, 16, 32), num_warps=(4, 8), num_stages=(2, 3)),
 }
@@ -103,7 +112,10 @@ COARSE = {  # the --coarse precisions' grid (tf32: enough to show its error and 
     "stream_grad": dict(BM=(32, 64), BC=(32, 64), tokens=(256,), num_warps=(4,), num_stages=(1, 3)),
     "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16,), num_warps=(4,), num_stages=(3,)),
 }
-RUNTIME_PARAMS = ("splits", "tokens")  # launch arguments, not constexprs: variants that differ only here share a compile
+RUNTIME_PARAMS = (
+    "splits",
+    "tokens",
+)  # launch arguments, not constexprs: variants that differ only here share a compile
 
 
 def _expand(kernel: str, grid: dict, C: int, dtype: torch.dtype) -> list[dict]:
@@ -123,8 +135,14 @@ def _expand(kernel: str, grid: dict, C: int, dtype: torch.dtype) -> list[dict]:
     return out
 
 
-def _variants(kernel: str, C: int, dtype: torch.dtype = torch.bfloat16, precisions=(), coarse=(),
-              limit: int | None = None) -> list[dict]:
+def _variants(
+    kernel: str,
+    C: int,
+    dtype: torch.dtype = torch.bfloat16,
+    precisions=(),
+    coarse=(),
+    limit: int | None = None,
+) -> list[dict]:
     """The launch parameters tried for ``kernel`` (each a dict of constexprs and launch options).
 
     With ``precisions``, a kernel with a ``tl.dot`` gets each one as ``PRECISION`` (the ``coarse`` ones over
@@ -135,7 +153,10 @@ def _variants(kernel: str, C: int, dtype: torch.dtype = torch.bfloat16, precisio
         return _expand(kernel, grid, C, dtype)[:limit]
     out = []
     for p in precisions:
-        out += [dict(v, PRECISION=p) for v in _expand(kernel, COARSE[kernel] if p in coarse else grid, C, dtype)[:limit]]
+        out += [
+            dict(v, PRECISION=p)
+            for v in _expand(kernel, COARSE[kernel] if p in coarse else grid, C, dtype)[:limit]
+        ]
     return out
 
 
@@ -145,7 +166,21 @@ def _compile_key(kernel: str, params: dict) -> tuple:
 
 # Stream-sized tensors (the streams' dtype) and the coefficients (float32, or float64 for float64 streams).
 STREAM_TENSORS = ("x", "u", "y", "dout", "dy", "du")
-COEFF_TENSORS = ("phi", "alpha", "b_pre", "b_post", "b_res", "zr", "h", "H_res", "g_h", "g_res", "dR", "work", "part")
+COEFF_TENSORS = (
+    "phi",
+    "alpha",
+    "b_pre",
+    "b_post",
+    "b_res",
+    "zr",
+    "h",
+    "H_res",
+    "g_h",
+    "g_res",
+    "dR",
+    "work",
+    "part",
+)
 
 
 class Site:
@@ -156,8 +191,15 @@ class Site:
     without launching it.
     """
 
-    def __init__(self, C: int, T: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0,
-                 compute: bool = True):
+    def __init__(
+        self,
+        C: int,
+        T: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cuda",
+        seed: int = 0,
+        compute: bool = True,
+    ):
         from mhc.fused import plan as fused_plan
         from mhc.fused import steps as fused_steps
         from mhc.projection import birkhoff_backward
@@ -184,7 +226,8 @@ class Site:
         self.b_res = torch.randn((n, n), device=dev, generator=g)
         self.plan = plan = fused_plan.plan_for(self.x)
         self.u, self.zr, self.h, self.H_res = fused_steps.pre_forward(
-            plan, self.x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, 1e-6, 1e-5)
+            plan, self.x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, 1e-6, 1e-5
+        )
         self.y = torch.randn((T, C), device=dev, generator=g).to(dtype)
         self.dout = torch.randn((T, n, C), device=dev, generator=g).to(dtype)
         self.dy, self.g_h, self.g_res = fused_steps.post_backward(plan, self.dout, self.x, self.y, self.h)
@@ -193,8 +236,12 @@ class Site:
             self.dR = torch.ops.mhc.birkhoff_backward(self.H_res, self.g_res)
         else:
             self.dR = birkhoff_backward(self.H_res, self.g_res)
-        self.part = self.zr.new_empty((plan.coeff_splits, T, plan.ZP))  # the plan's partial sums, for coeff_fwd
-        self.launchers["coeff_partial"](plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split)
+        self.part = self.zr.new_empty(
+            (plan.coeff_splits, T, plan.ZP)
+        )  # the plan's partial sums, for coeff_fwd
+        self.launchers["coeff_partial"](
+            plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split
+        )
         (self.work,) = self._run("coeff_bwd", None)  # for stream_grad and phi_grad
 
     def float64(self) -> Site:
@@ -256,16 +303,40 @@ class Site:
             s = part.sum(0)
             return s[:, :Z], s[:, Z]  # x φᵀ and Σ x², each against its own scale
         if kernel == "coeff_fwd":
-            zr, h, R, u = torch.empty_like(self.zr), torch.empty_like(self.h), torch.empty_like(self.H_res), torch.empty_like(self.u)
-            go((cdiv(T, meta["BM"]),), self.part, self.x, self.alpha, self.b_pre, self.b_post, self.b_res,
-               zr, h, R, u, T, C, 1e-6, plan.coeff_splits)
+            zr, h, R, u = (
+                torch.empty_like(self.zr),
+                torch.empty_like(self.h),
+                torch.empty_like(self.H_res),
+                torch.empty_like(self.u),
+            )
+            go(
+                (cdiv(T, meta["BM"]),),
+                self.part,
+                self.x,
+                self.alpha,
+                self.b_pre,
+                self.b_post,
+                self.b_res,
+                zr,
+                h,
+                R,
+                u,
+                T,
+                C,
+                1e-6,
+                plan.coeff_splits,
+            )
             return None if self.compile_only else (zr, h, R, u)
         if kernel == "postmix_fwd":
             out = torch.empty_like(self.x)
             go((T, cdiv(C, meta["BC"])), self.x, self.y, self.h, self.H_res, out, C)
             return None if self.compile_only else (out,)
         if kernel == "postmix_bwd":
-            dy, g_h, g_res = torch.empty_like(self.dy), torch.empty_like(self.g_h), torch.empty_like(self.g_res)
+            dy, g_h, g_res = (
+                torch.empty_like(self.dy),
+                torch.empty_like(self.g_h),
+                torch.empty_like(self.g_res),
+            )
             go((T,), self.dout, self.x, self.y, self.h, dy, g_h, g_res, C)
             return None if self.compile_only else (dy, g_h, g_res)
         if kernel == "coeff_bwd":
@@ -275,8 +346,20 @@ class Site:
         if kernel == "stream_grad":
             tokens = tokens or plan.stream_tokens
             dx = torch.empty_like(self.x)
-            go((cdiv(C, meta["BC"]), cdiv(T, tokens)), self.dout, self.du, self.x, self.work, self.phi, self.h,
-               self.H_res, dx, T, C, tokens)
+            go(
+                (cdiv(C, meta["BC"]), cdiv(T, tokens)),
+                self.dout,
+                self.du,
+                self.x,
+                self.work,
+                self.phi,
+                self.h,
+                self.H_res,
+                dx,
+                T,
+                C,
+                tokens,
+            )
             return None if self.compile_only else (dx,)
         if kernel == "phi_grad":
             splits = splits or plan.phi_splits
@@ -320,7 +403,9 @@ def _bench(fn, device: str, rep: float, rounds: int) -> float:
         fn()
         return (time.perf_counter() - t0) * 1e6
     warmup = max(1, int(rep / 6))
-    return min(1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") for _ in range(rounds))
+    return min(
+        1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") for _ in range(rounds)
+    )
 
 
 def _copy_gbps(device: str) -> float:
@@ -362,35 +447,79 @@ def _compile_one(kernel: str, params: dict) -> tuple[bool, float, str]:
         for site in _WORKER["sites"]:
             site._run(kernel, params)
     except Exception as e:  # noqa: BLE001 (reported with the variant by the timing process)
-        return False, time.perf_counter() - t0, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return (
+            False,
+            time.perf_counter() - t0,
+            f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+        )
     return True, time.perf_counter() - t0, ""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the streams' dtype (default bfloat16)")
-    ap.add_argument("--shapes", help="CxT,... (n = 4); default 768x16384,2048x8192 for bfloat16 and "
-                                     "512x16384,768x16384,2048x8192 for float32")
-    ap.add_argument("--kernels", help="kernels in the order swept (default: every kernel for bfloat16; "
-                                      "coeff_partial,stream_grad,phi_grad,coeff_bwd for float32)")
-    ap.add_argument("--precisions", help="PRECISION values tried for the kernels with a tl.dot (Triton's input_precision; "
-                                         "default ieee,tf32x3,tf32 for float32, none (the plan's) for bfloat16)")
-    ap.add_argument("--coarse", default="tf32", help="precisions tried over the coarse grid only (default tf32)")
-    ap.add_argument("--reference", choices=("plan", "float64"),
-                    help="what the outputs are checked against (default plan for bfloat16, float64 for float32)")
-    ap.add_argument("--tol", type=float, help="largest max rel: from the plan's outputs (default 2e-2), or the cap "
-                                              "against float64 (default 1e-5)")
-    ap.add_argument("--rel-factor", type=float, default=4.0,
-                    help="against float64: largest max rel as a multiple of the plan's own (default 4)")
-    ap.add_argument("--jobs", type=int, default=8, help="worker processes that compile the variants (1: none)")
-    ap.add_argument("--screen", type=int, help="time every variant briefly, then the plan, each precision's fastest and "
-                                               "this many of the fastest correct ones in full (0: every variant in "
-                                               "full; default 0 for bfloat16, 8 for float32)")
-    ap.add_argument("--rep", type=float, default=60.0, help="do_bench's ms a full timing round (two rounds; a screen "
-                                                            "takes one of rep/6)")
-    ap.add_argument("--limit", type=int, help="at most this many variants of each kernel and precision (a smoke test)")
-    ap.add_argument("--budget", type=float, help="seconds: time no further variants after this (then the summary)")
-    ap.add_argument("--dry-run", action="store_true", help="print the variant counts and the estimate, and stop")
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="the streams' dtype (default bfloat16)"
+    )
+    ap.add_argument(
+        "--shapes",
+        help="CxT,... (n = 4); default 768x16384,2048x8192 for bfloat16 and "
+        "512x16384,768x16384,2048x8192 for float32",
+    )
+    ap.add_argument(
+        "--kernels",
+        help="kernels in the order swept (default: every kernel for bfloat16; "
+        "coeff_partial,stream_grad,phi_grad,coeff_bwd for float32)",
+    )
+    ap.add_argument(
+        "--precisions",
+        help="PRECISION values tried for the kernels with a tl.dot (Triton's input_precision; "
+        "default ieee,tf32x3,tf32 for float32, none (the plan's) for bfloat16)",
+    )
+    ap.add_argument(
+        "--coarse", default="tf32", help="precisions tried over the coarse grid only (default tf32)"
+    )
+    ap.add_argument(
+        "--reference",
+        choices=("plan", "float64"),
+        help="what the outputs are checked against (default plan for bfloat16, float64 for float32)",
+    )
+    ap.add_argument(
+        "--tol",
+        type=float,
+        help="largest max rel: from the plan's outputs (default 2e-2), or the cap "
+        "against float64 (default 1e-5)",
+    )
+    ap.add_argument(
+        "--rel-factor",
+        type=float,
+        default=4.0,
+        help="against float64: largest max rel as a multiple of the plan's own (default 4)",
+    )
+    ap.add_argument(
+        "--jobs", type=int, default=8, help="worker processes that compile the variants (1: none)"
+    )
+    ap.add_argument(
+        "--screen",
+        type=int,
+        help="time every variant briefly, then the plan, each precision's fastest and "
+        "this many of the fastest correct ones in full (0: every variant in "
+        "full; default 0 for bfloat16, 8 for float32)",
+    )
+    ap.add_argument(
+        "--rep",
+        type=float,
+        default=60.0,
+        help="do_bench's ms a full timing round (two rounds; a screen takes one of rep/6)",
+    )
+    ap.add_argument(
+        "--limit", type=int, help="at most this many variants of each kernel and precision (a smoke test)"
+    )
+    ap.add_argument(
+        "--budget", type=float, help="seconds: time no further variants after this (then the summary)"
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the variant counts and the estimate, and stop"
+    )
     ap.add_argument("--top", type=int, default=5, help="variants listed per kernel, fastest first")
     ap.add_argument("--json", help="also write every timing here (after each kernel and shape)")
     args = ap.parse_args(argv)
@@ -419,15 +548,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _plan_variants(args, dtype) -> dict:
     """``{kernel: {(C, T): [params, ...]}}`` in the order swept."""
-    return {kernel: {(C, T): _variants(kernel, C, dtype, args.precisions, args.coarse, args.limit) for C, T in args.shapes}
-            for kernel in args.kernels}
+    return {
+        kernel: {
+            (C, T): _variants(kernel, C, dtype, args.precisions, args.coarse, args.limit)
+            for C, T in args.shapes
+        }
+        for kernel in args.kernels
+    }
 
 
 def _announce(args, variants: dict) -> None:
     """Print the variant counts and a rough time estimate."""
-    say(f"{args.dtype} streams, n = {N_STREAMS}; shapes {', '.join(f'{c}x{t}' for c, t in args.shapes)}; "
+    say(
+        f"{args.dtype} streams, n = {N_STREAMS}; shapes {', '.join(f'{c}x{t}' for c, t in args.shapes)}; "
         f"outputs against {'float64' if args.reference == 'float64' else 'the plan'}; PRECISION of the dot kernels: "
-        f"{','.join(args.precisions) or 'the plan' + chr(39) + 's'}{f' ({chr(44).join(args.coarse)} coarse)' if args.precisions else ''}")
+        f"{','.join(args.precisions) or 'the plan' + chr(39) + 's'}{f' ({chr(44).join(args.coarse)} coarse)' if args.precisions else ''}"
+    )
     n_variants = n_timed = n_full = 0
     compiles, first = set(), None
     for kernel, per_shape in variants.items():
@@ -441,27 +577,44 @@ def _announce(args, variants: dict) -> None:
             by_p = {}
             for v in vs:
                 by_p[v.get("PRECISION")] = by_p.get(v.get("PRECISION"), 0) + 1
-            split = " (" + ", ".join(f"{p} {c}" for p, c in by_p.items()) + ")" if by_p and None not in by_p else ""
+            split = (
+                " (" + ", ".join(f"{p} {c}" for p, c in by_p.items()) + ")"
+                if by_p and None not in by_p
+                else ""
+            )
             counts.append(f"{C}x{T} {len(vs)}{split}")
         first = first if first is not None else len(compiles)
         say(f"  {kernel}: {sum(len(vs) for vs in per_shape.values())} variants: {'; '.join(counts)}")
     compile_s = len(compiles) * COMPILE_S / args.jobs
     time_s = (n_timed * SCREEN_S + n_full * FULL_S) if args.screen else n_timed * FULL_S
     total = time_s + (first * COMPILE_S / args.jobs if args.jobs > 1 else compile_s)
-    say(f"{n_variants} variants and {n_timed - n_variants} plan launches to time; {len(compiles)} distinct compiles "
+    say(
+        f"{n_variants} variants and {n_timed - n_variants} plan launches to time; {len(compiles)} distinct compiles "
         f"(splits and tokens are launch arguments). Estimate: compiles ~{compile_s:.0f} s in {args.jobs} process(es) "
         f"(~{COMPILE_S:.0f} s each), timing ~{time_s:.0f} s ({n_timed} x {SCREEN_S if args.screen else FULL_S} s"
         f"{f' + {n_full} full timings x {FULL_S} s' if args.screen else ''}); ~{total:.0f} s in all with the "
-        f"compiles {'overlapping the timing after the first kernel' if args.jobs > 1 else 'here'}")
+        f"compiles {'overlapping the timing after the first kernel' if args.jobs > 1 else 'here'}"
+    )
 
 
 def _summary_line(r: dict, plan_row: dict) -> str:
-    return (f"{r['us']:8.1f} us  {r['x_copy']:.2f}x copy  {plan_row['us'] / r['us']:.2f}x faster than plan  "
-            f"rel {r['max_rel']:.1e}  {r['params']}")
+    return (
+        f"{r['us']:8.1f} us  {r['x_copy']:.2f}x copy  {plan_row['us'] / r['us']:.2f}x faster than plan  "
+        f"rel {r['max_rel']:.1e}  {r['params']}"
+    )
 
 
-def _sweep(site, ref, kernel: str, variants: list, args, device: str, copy: float, deadline: float | None,
-           compile_errors: dict) -> tuple[list, bool]:
+def _sweep(
+    site,
+    ref,
+    kernel: str,
+    variants: list,
+    args,
+    device: str,
+    copy: float,
+    deadline: float | None,
+    compile_errors: dict,
+) -> tuple[list, bool]:
     """Time ``kernel``'s plan and variants at one shape: ``(rows, out_of_time)``."""
     C, T = site.C, site.T
     floor = common.site_kernel_bytes(T, N_STREAMS, C, site.x.element_size())[kernel]
@@ -498,13 +651,28 @@ def _sweep(site, ref, kernel: str, variants: list, args, device: str, copy: floa
             failures.append(f"{params}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
             continue
         p = dict(params) if params is not None else dict(plan_params)
-        row = dict(kernel=kernel, C=C, T=T, dtype=args.dtype, precision=p.get("PRECISION"), params=p,
-                   plan=params is None, us=us, screen_us=us if args.screen else None, full=not args.screen,
-                   x_copy=floor / us / 1e3 / copy, max_rel=err, bound=bound, ok=err <= bound)
+        row = dict(
+            kernel=kernel,
+            C=C,
+            T=T,
+            dtype=args.dtype,
+            precision=p.get("PRECISION"),
+            params=p,
+            plan=params is None,
+            us=us,
+            screen_us=us if args.screen else None,
+            full=not args.screen,
+            x_copy=floor / us / 1e3 / copy,
+            max_rel=err,
+            bound=bound,
+            ok=err <= bound,
+        )
         fns[len(rows)] = fn
         rows.append(row)
         if (i + 1) % 50 == 0:
-            say(f"  {kernel} {C}x{T}: {i + 1}/{len(variants) + 1} timed ({time.perf_counter() - t_start:.0f} s)")
+            say(
+                f"  {kernel} {C}x{T}: {i + 1}/{len(variants) + 1} timed ({time.perf_counter() - t_start:.0f} s)"
+            )
     if out_of_time and not rows:
         return rows, out_of_time
     if not rows or not rows[0]["plan"]:
@@ -526,23 +694,33 @@ def _sweep(site, ref, kernel: str, variants: list, args, device: str, copy: floa
     plan_row = rows[0]
     good = sorted((r for r in rows if r["ok"]), key=_rank)
     ref_name = "float64" if ref is not None else "the plan"
-    say(f"{args.dtype} C={C} T={T} {kernel}: plan {plan_row['us']:.1f} us ({plan_row['x_copy']:.2f}x copy, rel "
+    say(
+        f"{args.dtype} C={C} T={T} {kernel}: plan {plan_row['us']:.1f} us ({plan_row['x_copy']:.2f}x copy, rel "
         f"{plan_row['max_rel']:.1e} against {ref_name}) {plan_params}; {len(rows) - 1} variants timed "
-        f"({time.perf_counter() - t_start:.0f} s), correct: max rel <= {bound:.1e}")
+        f"({time.perf_counter() - t_start:.0f} s), correct: max rel <= {bound:.1e}"
+    )
     if sweep_precision:
         parts = []
         for p in dict.fromkeys(r["precision"] for r in rows):
             mine = [r for r in rows if r["precision"] == p]
             fastest = min(mine, key=lambda r: r["us"])
             ok = [r for r in mine if r["ok"]]
-            best_ok = f", best correct {min(ok, key=lambda r: r['us'])['us']:.1f} us" if ok and not fastest["ok"] else ""
-            parts.append(f"{p}: {fastest['us']:.1f} us rel {fastest['max_rel']:.1e}"
-                         f"{'' if fastest['ok'] else ' WRONG'} ({len(ok)}/{len(mine)} correct{best_ok})")
+            best_ok = (
+                f", best correct {min(ok, key=lambda r: r['us'])['us']:.1f} us"
+                if ok and not fastest["ok"]
+                else ""
+            )
+            parts.append(
+                f"{p}: {fastest['us']:.1f} us rel {fastest['max_rel']:.1e}"
+                f"{'' if fastest['ok'] else ' WRONG'} ({len(ok)}/{len(mine)} correct{best_ok})"
+            )
         say("    per precision (fastest): " + " | ".join(parts))
     for r in good[: args.top]:
         tag = " (plan)" if r["plan"] else ""
-        say(f"    {r['us']:8.1f} us  {r['x_copy']:.2f}x copy  {r['us'] / plan_row['us']:.3f}x plan  "
-            f"rel {r['max_rel']:.1e}  {r['params']}{tag}{'' if r['full'] else ' (screened)'}")
+        say(
+            f"    {r['us']:8.1f} us  {r['x_copy']:.2f}x copy  {r['us'] / plan_row['us']:.3f}x plan  "
+            f"rel {r['max_rel']:.1e}  {r['params']}{tag}{'' if r['full'] else ' (screened)'}"
+        )
     if good:
         say(f"    best: {_summary_line(good[0], plan_row)}")
     wrong = [r for r in rows if not r["ok"]]
@@ -574,11 +752,25 @@ def _best(results: list) -> dict:
 def _summary(results: list) -> list[dict]:
     out = []
     for (C, T, kernel), r in sorted(_best(results).items()):
-        plan = next((p for p in results if (p["C"], p["T"], p["kernel"]) == (C, T, kernel) and p["plan"]), None)
+        plan = next(
+            (p for p in results if (p["C"], p["T"], p["kernel"]) == (C, T, kernel) and p["plan"]), None
+        )
         if plan is None:
             continue
-        out.append(dict(C=C, T=T, kernel=kernel, plan_us=plan["us"], plan_x_copy=plan["x_copy"], best_us=r["us"],
-                        best_x_copy=r["x_copy"], speedup=plan["us"] / r["us"], max_rel=r["max_rel"], params=r["params"]))
+        out.append(
+            dict(
+                C=C,
+                T=T,
+                kernel=kernel,
+                plan_us=plan["us"],
+                plan_x_copy=plan["x_copy"],
+                best_us=r["us"],
+                best_x_copy=r["x_copy"],
+                speedup=plan["us"] / r["us"],
+                max_rel=r["max_rel"],
+                params=r["params"],
+            )
+        )
     return out
 
 
@@ -606,18 +798,26 @@ def main(argv=None) -> list[dict]:
         _ext.set_enabled(extension)
 
 
-def _main(args, device: str, dtype: torch.dtype, variants: dict, t_begin: float, deadline: float | None) -> list[dict]:
+def _main(
+    args, device: str, dtype: torch.dtype, variants: dict, t_begin: float, deadline: float | None
+) -> list[dict]:
 
     pool, pending = None, {}
     if args.jobs > 1:
-        pool = mp.get_context("spawn").Pool(args.jobs, initializer=_worker_init,
-                                            initargs=(args.shapes, args.dtype, device))
-        for kernel, per_shape in variants.items():  # in the order timed: the pool runs its tasks first come first
+        pool = mp.get_context("spawn").Pool(
+            args.jobs, initializer=_worker_init, initargs=(args.shapes, args.dtype, device)
+        )
+        for (
+            kernel,
+            per_shape,
+        ) in variants.items():  # in the order timed: the pool runs its tasks first come first
             distinct = {}
             for vs in per_shape.values():
                 for v in vs:
                     distinct.setdefault(_compile_key(kernel, v), v)
-            pending[kernel] = {key: pool.apply_async(_compile_one, (kernel, v)) for key, v in distinct.items()}
+            pending[kernel] = {
+                key: pool.apply_async(_compile_one, (kernel, v)) for key, v in distinct.items()
+            }
     copy = _copy_gbps(device)
     say(f"device copy: {copy:.0f} GB/s; {common.environment()}")
     sites = {}
@@ -632,12 +832,28 @@ def _main(args, device: str, dtype: torch.dtype, variants: dict, t_begin: float,
 
     def write(complete: bool) -> None:
         if args.json:
-            common.write_json(args.json, {
-                "copy_gbps": copy, "env": common.environment(), "dtype": args.dtype, "shapes": args.shapes,
-                "kernels": args.kernels, "precisions": list(args.precisions), "coarse": list(args.coarse),
-                "reference": args.reference, "tol": args.tol, "rel_factor": args.rel_factor, "screen": args.screen,
-                "rep_ms": args.rep, "compiles": compile_stats, "complete": complete,
-                "seconds": time.perf_counter() - t_begin, "summary": _summary(results), "rows": results})
+            common.write_json(
+                args.json,
+                {
+                    "copy_gbps": copy,
+                    "env": common.environment(),
+                    "dtype": args.dtype,
+                    "shapes": args.shapes,
+                    "kernels": args.kernels,
+                    "precisions": list(args.precisions),
+                    "coarse": list(args.coarse),
+                    "reference": args.reference,
+                    "tol": args.tol,
+                    "rel_factor": args.rel_factor,
+                    "screen": args.screen,
+                    "rep_ms": args.rep,
+                    "compiles": compile_stats,
+                    "complete": complete,
+                    "seconds": time.perf_counter() - t_begin,
+                    "summary": _summary(results),
+                    "rows": results,
+                },
+            )
 
     try:
         for kernel in args.kernels:
@@ -656,23 +872,33 @@ def _main(args, device: str, dtype: torch.dtype, variants: dict, t_begin: float,
                     secs = max(secs, s)
                     if not ok:
                         compile_errors[key] = err
-                compile_stats[kernel] = dict(distinct=len(pending[kernel]), done=done, failed=len(compile_errors),
-                                             slowest_s=secs, waited_s=time.perf_counter() - t0,
-                                             errors=sorted(set(compile_errors.values()))[:5])
-                say(f"{kernel}: {done}/{len(pending[kernel])} distinct variants compiled, {len(compile_errors)} failed "
+                compile_stats[kernel] = dict(
+                    distinct=len(pending[kernel]),
+                    done=done,
+                    failed=len(compile_errors),
+                    slowest_s=secs,
+                    waited_s=time.perf_counter() - t0,
+                    errors=sorted(set(compile_errors.values()))[:5],
+                )
+                say(
+                    f"{kernel}: {done}/{len(pending[kernel])} distinct variants compiled, {len(compile_errors)} failed "
                     f"(slowest {secs:.1f} s; waited {time.perf_counter() - t0:.0f} s, "
-                    f"{time.perf_counter() - t_begin:.0f} s in)")
+                    f"{time.perf_counter() - t_begin:.0f} s in)"
+                )
                 if compile_errors:
                     say(f"  e.g. {next(iter(compile_errors.values()))}")
-                if 2 * len(compile_errors) > len(pending[kernel]):  # the workers, not the variants: compile here
+                if 2 * len(compile_errors) > len(
+                    pending[kernel]
+                ):  # the workers, not the variants: compile here
                     say("  most failed: the variants compile in this process instead")
                     compile_errors = {}
             for C, T in args.shapes:
                 if out_of_time:
                     break
                 site, ref = sites[C, T]
-                rows, out_of_time = _sweep(site, ref, kernel, variants[kernel][C, T], args, device, copy, deadline,
-                                           compile_errors)
+                rows, out_of_time = _sweep(
+                    site, ref, kernel, variants[kernel][C, T], args, device, copy, deadline, compile_errors
+                )
                 results += rows
                 write(False)
             if out_of_time:
@@ -682,13 +908,17 @@ def _main(args, device: str, dtype: torch.dtype, variants: dict, t_begin: float,
             pool.terminate()
             pool.join()
     write(not out_of_time)
-    say(f"summary ({args.dtype}): best correct variant against the plan, per shape and kernel "
-        f"({time.perf_counter() - t_begin:.0f} s{', stopped by --budget' if out_of_time else ''})")
+    say(
+        f"summary ({args.dtype}): best correct variant against the plan, per shape and kernel "
+        f"({time.perf_counter() - t_begin:.0f} s{', stopped by --budget' if out_of_time else ''})"
+    )
     summary = _summary(results)
     for s in summary:
-        say(f"  {s['C']}x{s['T']} {s['kernel']:13s} plan {s['plan_us']:8.1f} us ({s['plan_x_copy']:.2f}x copy) -> "
+        say(
+            f"  {s['C']}x{s['T']} {s['kernel']:13s} plan {s['plan_us']:8.1f} us ({s['plan_x_copy']:.2f}x copy) -> "
             f"{s['best_us']:8.1f} us ({s['best_x_copy']:.2f}x copy, {s['speedup']:.2f}x faster, rel {s['max_rel']:.1e}) "
-            f"{s['params']}")
+            f"{s['params']}"
+        )
     return results
 
 

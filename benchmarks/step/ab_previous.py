@@ -52,8 +52,12 @@ def make_base(commit: str, out: Path) -> None:
     for path in target.rglob("*.py"):
         text = path.read_text()
         new = re.sub(r"\bmhc::fused_", "mhc_base::fused_", text)
-        new = re.sub(r"^(\s*)_register\(\)$", r"\1pass  # this process's newer mhc registers the extension's ops", new,
-                     flags=re.M)
+        new = re.sub(
+            r"^(\s*)_register\(\)$",
+            r"\1pass  # this process's newer mhc registers the extension's ops",
+            new,
+            flags=re.M,
+        )
         new = re.sub(r"\bfrom mhc\b", "from mhc_base", new)
         if new != text:
             path.write_text(new)
@@ -70,7 +74,9 @@ def block_pair(new_mhc, base_mhc, n: int, C: int, dtype, device: str, **options)
     for pkg in (new_mhc, base_mhc):
         cls = pkg.MHCBlock
         if device == "cpu":  # Triton's interpreter takes CPU tensors: force the fused backend
-            cls = type("Interpreted", (cls,), {"uses_fused": lambda self, x: self.fused and self.mode == "mhc"})
+            cls = type(
+                "Interpreted", (cls,), {"uses_fused": lambda self, x: self.fused and self.mode == "mhc"}
+            )
         torch.manual_seed(1)
         blocks.append(cls(branch, C, n, init="paper", **options).to(device))
     blocks[1].load_state_dict(blocks[0].state_dict())
@@ -97,13 +103,17 @@ def site_bits(new_mhc, base_mhc, device: str) -> bool:
         for n, C in ((4, 64), (8, 96)):
             for tokens in ((2, 33), (1, 3), (4, 100)):  # <= 128 tokens: the token kernels; 400: Triton
                 new, base = block_pair(new_mhc, base_mhc, n, C, dtype, device)
-                x = torch.randn(*tokens, n, C, device=device, generator=torch.Generator(device).manual_seed(7))
+                x = torch.randn(
+                    *tokens, n, C, device=device, generator=torch.Generator(device).manual_seed(7)
+                )
                 x = x.to(dtype)
                 outs = []
                 for block in (new, base):
                     xi = x.clone().requires_grad_()
                     out = block(xi)
-                    g = torch.randn(out.shape, generator=torch.Generator(device).manual_seed(8), device=device)
+                    g = torch.randn(
+                        out.shape, generator=torch.Generator(device).manual_seed(8), device=device
+                    )
                     out.backward(g.to(dtype))
                     with torch.no_grad():
                         out_ng = block(x)
@@ -112,8 +122,10 @@ def site_bits(new_mhc, base_mhc, device: str) -> bool:
         # keep_streams_every: linked sites recompute their input streams in backward
         chains = []
         for pkg_index in range(2):
-            blocks = [block_pair(new_mhc, base_mhc, 4, 64, dtype, device, keep_streams_every=2)[pkg_index]
-                      for _ in range(4)]
+            blocks = [
+                block_pair(new_mhc, base_mhc, 4, 64, dtype, device, keep_streams_every=2)[pkg_index]
+                for _ in range(4)
+            ]
             for a, b in zip(blocks, blocks[1:]):
                 a.set_next_site(b)
             chains.append(blocks)
@@ -181,8 +193,13 @@ def main() -> None:
         return model.train()
 
     residual, new, base = build(None), build(mhc), build(mhc_base)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(
+        0,
+        cfg.vocab_size,
+        (args.batch, args.seq),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(0),
+    )
     # The base model's own backward is not deterministic on CUDA by default (the embedding's gradient adds
     # with atomics): deterministic algorithms for this comparison, and this tree's model twice as a control.
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -202,22 +219,32 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=ids[:1, :32]).logits
-            out = model.generate(ids[:1, :16], max_new_tokens=8, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                ids[:1, :16],
+                max_new_tokens=8,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         decoded.append([logits, out.sequences, *out.logits])
         model.train()
     ok &= compare("decode: 32-token no-grad logits, generate(8 new tokens) ids and logits", *decoded)
     torch.cuda.synchronize()
 
-    steps = {"residual": common.training_step(residual, ids), "mhc new": common.training_step(new, ids),
-             "mhc base": common.training_step(base, ids)}
+    steps = {
+        "residual": common.training_step(residual, ids),
+        "mhc new": common.training_step(new, ids),
+        "mhc base": common.training_step(base, ids),
+    }
     for step in steps.values():  # warm-up: the first model a process runs is slower
         step()
     times = common.interleaved(steps, rounds=args.rounds)
     r = times["residual"].ms
     for name, m in times.items():
-        print(f"step {args.size} b{args.batch}x{args.seq} {name:9s} {m.ms:8.2f} ms  x{m.ms / r:.4f} residual  "
-              f"rounds {[round(v, 2) for v in m.round_medians]}")
+        print(
+            f"step {args.size} b{args.batch}x{args.seq} {name:9s} {m.ms:8.2f} ms  x{m.ms / r:.4f} residual  "
+            f"rounds {[round(v, 2) for v in m.round_medians]}"
+        )
     print(f"step new / base: {times['mhc new'].ms / times['mhc base'].ms:.4f}")
     raise SystemExit(0 if ok else 1)
 

@@ -39,7 +39,14 @@ import common  # noqa: E402
 import torch
 from torch._dynamo.utils import counters
 
-VARIANTS = ("residual eager", "residual compiled", "mhc eager", "mhc eager keep", "mhc compiled", "mhc compiled torch")
+VARIANTS = (
+    "residual eager",
+    "residual compiled",
+    "mhc eager",
+    "mhc eager keep",
+    "mhc compiled",
+    "mhc compiled torch",
+)
 
 
 def llama_1b(seq: int):
@@ -47,8 +54,14 @@ def llama_1b(seq: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-        intermediate_size=5632, vocab_size=32000, max_position_embeddings=seq, attn_implementation="sdpa",
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
     )
 
 
@@ -69,10 +82,16 @@ def main() -> None:
     ap.add_argument("--size", choices=("134m", "1b"), default="134m", help="model size (default 134m)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per batch (default 8)")
     ap.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)"
+    )
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS)
+    )
     ap.add_argument("--no-fullgraph", action="store_true", help="compile without fullgraph=True")
-    ap.add_argument("--keep-streams-every", type=int, default=5, help="the 'mhc eager keep' variant's (default 5)")
+    ap.add_argument(
+        "--keep-streams-every", type=int, default=5, help="the 'mhc eager keep' variant's (default 5)"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures printed to PATH as JSON")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -103,16 +122,20 @@ def main() -> None:
         first_step_s[name] = time.perf_counter() - t0
         step()
         torch.cuda.synchronize()
-        dynamo[name] = {"graph_breaks": sum(counters["graph_break"].values()),
-                        "unique_graphs": counters["stats"]["unique_graphs"]}
+        dynamo[name] = {
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+        }
         steps[name] = step
         models[name] = model
         print(f"  built {name:20} first step {first_step_s[name]:7.1f} s  dynamo {dynamo[name]}", flush=True)
 
     results = common.interleaved(steps, rounds=args.rounds, steps=10, warmup=3)
     base = {"eager": results.get("residual eager"), "compiled": results.get("residual compiled")}
-    print(f"\nLlama {args.size}, bf16, batch {args.batch} x seq {args.seq}: training step "
-          f"(fwd+loss+bwd+AdamW), best of {args.rounds} interleaved medians of 10")
+    print(
+        f"\nLlama {args.size}, bf16, batch {args.batch} x seq {args.seq}: training step "
+        f"(fwd+loss+bwd+AdamW), best of {args.rounds} interleaved medians of 10"
+    )
     figures = {"environment": env, "size": args.size, "batch": args.batch, "seq": args.seq, "models": {}}
     memory = {name: common.step_peak_memory(models[name], steps[name]) for name in steps}
     base_memory = {kind: memory.get(f"residual {kind}") for kind in ("eager", "compiled")}
@@ -123,11 +146,17 @@ def main() -> None:
         peak = memory[name]["peak_gb"]
         peak_ratio = f" ({peak / ref_memory['peak_gb']:.3f}x)" if ref_memory else ""
         medians = " ".join(f"{ms:.2f}" for ms in m.round_medians)
-        print(f"  {name:20} {m.ms:8.2f} ms  {ratio}   peak {peak:6.2f} GB{peak_ratio}   "
-              f"(round medians {medians}; first step {first_step_s[name]:.1f} s)")
+        print(
+            f"  {name:20} {m.ms:8.2f} ms  {ratio}   peak {peak:6.2f} GB{peak_ratio}   "
+            f"(round medians {medians}; first step {first_step_s[name]:.1f} s)"
+        )
         figures["models"][name] = {
-            "ms": m.ms, "x_residual": m.ms / ref.ms if ref else None, "round_medians": m.round_medians,
-            "first_step_s": first_step_s[name], "dynamo": dynamo[name], **memory[name],
+            "ms": m.ms,
+            "x_residual": m.ms / ref.ms if ref else None,
+            "round_medians": m.round_medians,
+            "first_step_s": first_step_s[name],
+            "dynamo": dynamo[name],
+            **memory[name],
             "peak_x_residual": peak / ref_memory["peak_gb"] if ref_memory else None,
         }
     if args.json:

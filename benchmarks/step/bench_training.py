@@ -113,7 +113,15 @@ MODELS = ("residual", "mhc")
 N_STREAMS = 4
 # batch x seq of each shape; the small_gpu preset's are read from its config (32 x 512), checked in the tests.
 LLAMA_SHAPES = {"134m": (8, 2048), "1b": (4, 2048)}
-TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 256, "batch": 2, "seq": 32}
+TINY = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "intermediate_size": 128,
+    "vocab": 256,
+    "batch": 2,
+    "seq": 32,
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -126,28 +134,53 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str, ap: argparse.Argume
     names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     unknown = [t for t in names if t not in allowed]
     if unknown or not names:
-        ap.error(f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {','.join(allowed)}")
+        ap.error(
+            f"{flag}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {','.join(allowed)}"
+        )
     return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)} (default all)")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {','.join(RECIPES)} (default all)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)} (default all)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)")
+    ap.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)} (default all)"
+    )
+    ap.add_argument(
+        "--recipes", default=",".join(RECIPES), help=f"comma-separated, of {','.join(RECIPES)} (default all)"
+    )
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)} (default all)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds, the best median kept (default 2)"
+    )
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each round's timed ones (default 3)")
-    ap.add_argument("--init", choices=("paper", "identity"), default="paper", help="the mHC models' init (default paper)")
-    ap.add_argument("--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps before each round's timed ones (default 3)"
+    )
+    ap.add_argument(
+        "--init", choices=("paper", "identity"), default="paper", help="the mHC models' init (default paper)"
+    )
+    ap.add_argument(
+        "--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)"
+    )
     ap.add_argument("--kernel-steps", type=int, default=3, help="steps profiled for --kernels (default 3)")
-    ap.add_argument("--compile-backend", default="inductor",
-                    help="torch.compile backend (default inductor, as mhc.train; eager or aot_eager to check on a CPU)")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (default inductor, as mhc.train; eager or aot_eager to check on a CPU)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny)")
-    ap.add_argument("--tiny", action="store_true", help="tiny models and batches of every shape (a check, not a figure)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny models and batches of every shape (a check, not a figure)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    ap.add_argument("--json", metavar="PATH", help="write every figure, the settings and the environment to PATH")
-    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse, else 'unknown')")
+    ap.add_argument(
+        "--json", metavar="PATH", help="write every figure, the settings and the environment to PATH"
+    )
+    ap.add_argument(
+        "--commit", default=None, help="the commit measured (default: git rev-parse, else 'unknown')"
+    )
     args = ap.parse_args(argv)
     args.shapes = _choices(args.shapes, SHAPES, "--shapes", ap)
     args.recipes = _choices(args.recipes, RECIPES, "--recipes", ap)
@@ -168,7 +201,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------
 
 
-def preset_config(kind: str, batch: int | None = None, seq: int | None = None, init: str = "paper", tiny: bool = False):
+def preset_config(
+    kind: str, batch: int | None = None, seq: int | None = None, init: str = "paper", tiny: bool = False
+):
     """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
 
     The mHC one gets ``mhc_options.init = init``; ``batch``/``seq`` replace the preset's (the Llama shapes'
@@ -180,8 +215,14 @@ def preset_config(kind: str, batch: int | None = None, seq: int | None = None, i
     if kind == "mhc":
         overrides["mhc_options"] = {"init": init}
     if tiny:
-        overrides.update(hidden_size=TINY["hidden_size"], num_layers=TINY["num_layers"], num_heads=TINY["num_heads"],
-                         intermediate_size=TINY["intermediate_size"], batch_size=TINY["batch"], seq_len=TINY["seq"])
+        overrides.update(
+            hidden_size=TINY["hidden_size"],
+            num_layers=TINY["num_layers"],
+            num_heads=TINY["num_heads"],
+            intermediate_size=TINY["intermediate_size"],
+            batch_size=TINY["batch"],
+            seq_len=TINY["seq"],
+        )
     if batch is not None:
         overrides["batch_size"] = batch
     if seq is not None:
@@ -196,9 +237,13 @@ def llama_config(shape: str, seq: int, tiny: bool):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=TINY["hidden_size"], num_hidden_layers=TINY["num_layers"], num_attention_heads=TINY["num_heads"],
+        hidden_size=TINY["hidden_size"],
+        num_hidden_layers=TINY["num_layers"],
+        num_attention_heads=TINY["num_heads"],
         num_key_value_heads=TINY["num_heads"] // 2 if shape == "1b" else TINY["num_heads"],
-        intermediate_size=TINY["intermediate_size"], vocab_size=TINY["vocab"], max_position_embeddings=seq,
+        intermediate_size=TINY["intermediate_size"],
+        vocab_size=TINY["vocab"],
+        max_position_embeddings=seq,
         attn_implementation="sdpa",
     )
 
@@ -207,15 +252,30 @@ def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
     """What a shape runs: batch, seq, hidden size, layers, vocabulary, and how its models are made."""
     if shape == "small_gpu":
         cfg = preset_config("mhc", init=init, tiny=tiny)
-        return {"batch": cfg.batch_size, "seq": cfg.seq_len, "hidden": cfg.hidden_size, "layers": cfg.num_layers,
-                "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads or cfg.num_heads,
-                "intermediate": cfg.intermediate_size, "vocab": TINY["vocab"] if tiny else cfg.bpe_vocab_size,
-                "built": "mhc.train.build_model(preset small_gpu_{residual,mhc}), float32 on the CPU, then .to(device)"}
+        return {
+            "batch": cfg.batch_size,
+            "seq": cfg.seq_len,
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_layers,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads or cfg.num_heads,
+            "intermediate": cfg.intermediate_size,
+            "vocab": TINY["vocab"] if tiny else cfg.bpe_vocab_size,
+            "built": "mhc.train.build_model(preset small_gpu_{residual,mhc}), float32 on the CPU, then .to(device)",
+        }
     batch, seq = (TINY["batch"], TINY["seq"]) if tiny else LLAMA_SHAPES[shape]
     cfg = llama_config(shape, seq, tiny)
-    return {"batch": batch, "seq": seq, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
-            "vocab": cfg.vocab_size, "built": f"LlamaForCausalLM on the device; mhc: convert_to_mhc(n_streams={N_STREAMS})"}
+    return {
+        "batch": batch,
+        "seq": seq,
+        "hidden": cfg.hidden_size,
+        "layers": cfg.num_hidden_layers,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "intermediate": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
+        "built": f"LlamaForCausalLM on the device; mhc: convert_to_mhc(n_streams={N_STREAMS})",
+    }
 
 
 def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> torch.nn.Module:
@@ -226,7 +286,9 @@ def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> tor
         from mhc.train.model import build_model
 
         cfg = preset_config(kind, init=args.init, tiny=args.tiny)
-        vocab = TINY["vocab"] if args.tiny else cfg.bpe_vocab_size  # the preset's BPE has bpe_vocab_size tokens
+        vocab = (
+            TINY["vocab"] if args.tiny else cfg.bpe_vocab_size
+        )  # the preset's BPE has bpe_vocab_size tokens
         model = build_model(cfg, vocab, eos_id=0).to(device, dtype)
     else:
         from transformers import LlamaForCausalLM
@@ -345,7 +407,10 @@ def peak_memory(model, step, device: torch.device) -> dict:
 def dynamo_counts() -> dict:
     from torch._dynamo.utils import counters
 
-    return {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"]}
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+    }
 
 
 def site_kernels(step, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
@@ -368,10 +433,18 @@ def kernel_figures(averages, steps: int, T: int, C: int, elt: int, copy: float) 
     all_us = sum(e.self_device_time_total for e in averages)
     site_us = sum(calls * us for _, calls, us, _, _ in rows)
     return {
-        "tokens": T, "n": N_STREAMS, "C": C, "stream_bytes": elt, "copy_gbps": copy, "profiled_steps": steps,
-        "kernels": [{"kernel": k, "calls_per_step": calls / steps, "us_per_call": us, "gbps": gbps, "x_copy": x}
-                    for k, calls, us, gbps, x in rows],
-        "site_ms_per_step": site_us / steps / 1e3, "kernel_ms_per_step": all_us / steps / 1e3,
+        "tokens": T,
+        "n": N_STREAMS,
+        "C": C,
+        "stream_bytes": elt,
+        "copy_gbps": copy,
+        "profiled_steps": steps,
+        "kernels": [
+            {"kernel": k, "calls_per_step": calls / steps, "us_per_call": us, "gbps": gbps, "x_copy": x}
+            for k, calls, us, gbps, x in rows
+        ],
+        "site_ms_per_step": site_us / steps / 1e3,
+        "kernel_ms_per_step": all_us / steps / 1e3,
         "site_share": site_us / all_us if all_us else None,
     }
 
@@ -383,13 +456,17 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_group(shape: str, recipe: str, mode: str, args, device: torch.device, copy: float | None, log) -> dict:
+def run_group(
+    shape: str, recipe: str, mode: str, args, device: torch.device, copy: float | None, log
+) -> dict:
     """Build both models, warm up (compile), time them interleaved, measure memory (and kernels); the group's figures."""
     plan = shape_plan(shape, args.tiny, args.init)
     B, S = plan["batch"], plan["seq"]
     torch.manual_seed(1)
     ids = torch.randint(0, plan["vocab"], (B, S), device=device)
-    cfg = preset_config("mhc", batch=B, seq=S, init=args.init, tiny=args.tiny)  # the autocast step's optimizer settings
+    cfg = preset_config(
+        "mhc", batch=B, seq=S, init=args.init, tiny=args.tiny
+    )  # the autocast step's optimizer settings
     from torch._dynamo.utils import counters
 
     models, steps, figures = {}, {}, {}
@@ -408,13 +485,19 @@ def run_group(shape: str, recipe: str, mode: str, args, device: torch.device, co
         first_s = time.perf_counter() - t0
         step()
         synchronize(device)
-        figures[kind] = {"params": count_parameters(model), "build_s": built_s, "first_step_s": first_s,
-                         "stream_dtype": str(model.get_input_embeddings().weight.dtype)}
+        figures[kind] = {
+            "params": count_parameters(model),
+            "build_s": built_s,
+            "first_step_s": first_s,
+            "stream_dtype": str(model.get_input_embeddings().weight.dtype),
+        }
         if mode == "compiled":
             figures[kind]["compile_s"] = first_s
             figures[kind]["dynamo"] = dynamo_counts()
-        log(f"  {kind:8} {figures[kind]['params'] / 1e6:8.1f}M params, built {built_s:5.1f} s, first step {first_s:6.1f} s"
-            + (f", dynamo {figures[kind]['dynamo']}" if mode == "compiled" else ""))
+        log(
+            f"  {kind:8} {figures[kind]['params'] / 1e6:8.1f}M params, built {built_s:5.1f} s, first step {first_s:6.1f} s"
+            + (f", dynamo {figures[kind]['dynamo']}" if mode == "compiled" else "")
+        )
 
     log(f"  timing: {args.rounds} interleaved rounds of {args.warmup} + {args.steps} steps each")
     graphs_before = counters["stats"]["unique_graphs"]
@@ -422,21 +505,32 @@ def run_group(shape: str, recipe: str, mode: str, args, device: torch.device, co
     recompiled = counters["stats"]["unique_graphs"] - graphs_before
     for kind in MODELS:
         m = results[kind]
-        figures[kind].update(ms=m.ms, tokens_per_s=B * S / (m.ms / 1e3), round_medians=m.round_medians, times=m.times)
+        figures[kind].update(
+            ms=m.ms, tokens_per_s=B * S / (m.ms / 1e3), round_medians=m.round_medians, times=m.times
+        )
         figures[kind].update(peak_memory(models[kind], steps[kind], device))
     kernels = None
     if args.kernels:
         model = models["mhc"]
-        kernels = site_kernels(steps["mhc"], args.kernel_steps, B * S, plan["hidden"], stream_element_size(model), copy)
+        kernels = site_kernels(
+            steps["mhc"], args.kernel_steps, B * S, plan["hidden"], stream_element_size(model), copy
+        )
     for kind in MODELS:
         figures[kind]["skipped_steps"] = steps[kind].counts["skipped"]
         figures[kind]["steps_run"] = steps[kind].counts["steps"] if recipe == "autocast" else None
     res, mhc_ = figures["residual"], figures["mhc"]
     group = {
-        "shape": shape, "recipe": recipe, "mode": mode, "batch": B, "seq": S, "tokens_per_step": B * S,
-        "models": figures, "ratio_ms": mhc_["ms"] / res["ms"],
+        "shape": shape,
+        "recipe": recipe,
+        "mode": mode,
+        "batch": B,
+        "seq": S,
+        "tokens_per_step": B * S,
+        "models": figures,
+        "ratio_ms": mhc_["ms"] / res["ms"],
         "ratio_peak": mhc_["peak_gb"] / res["peak_gb"] if res["peak_gb"] else None,
-        "recompiled_while_timing": recompiled if mode == "compiled" else None, "kernels": kernels,
+        "recompiled_while_timing": recompiled if mode == "compiled" else None,
+        "kernels": kernels,
     }
     del models, steps, model, run, step
     return group
@@ -483,11 +577,15 @@ def kernel_table(g: dict) -> str:
         "| kernel | calls/step | µs/call | GB/s | × copy |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {r['kernel']} | {r['calls_per_step']:g} | {r['us_per_call']:.1f} | {r['gbps']:.0f} | {r['x_copy']:.2f} |"
-              for r in k["kernels"]]
+    lines += [
+        f"| {r['kernel']} | {r['calls_per_step']:g} | {r['us_per_call']:.1f} | {r['gbps']:.0f} | {r['x_copy']:.2f} |"
+        for r in k["kernels"]
+    ]
     share = _f(None if k["site_share"] is None else 100 * k["site_share"], ".1f")
-    lines.append(f"\nsite kernels {k['site_ms_per_step']:.2f} ms of {k['kernel_ms_per_step']:.2f} ms kernel time "
-                 f"per step ({share} %), over {k['profiled_steps']} profiled steps")
+    lines.append(
+        f"\nsite kernels {k['site_ms_per_step']:.2f} ms of {k['kernel_ms_per_step']:.2f} ms kernel time "
+        f"per step ({share} %), over {k['profiled_steps']} profiled steps"
+    )
     return "\n".join(lines)
 
 
@@ -497,15 +595,23 @@ def group_line(g: dict) -> str:
         return f"[{g['shape']} {g['recipe']} {g['mode']}] FAILED: {g['error'][:500]}"
     r, m = g["models"]["residual"], g["models"]["mhc"]
     medians = lambda f: "/".join(f"{x:.2f}" for x in f["round_medians"])  # noqa: E731
-    return (f"[{g['shape']} {g['recipe']} {g['mode']}] residual {r['ms']:.2f} ms ({medians(r)}), mHC {m['ms']:.2f} ms "
-            f"({medians(m)}): {g['ratio_ms']:.3f}x; peak {_f(r['peak_gb'], '.2f')} / {_f(m['peak_gb'], '.2f')} GB "
-            f"({_f(g['ratio_peak'], '.3f')}x)" + (f"; skipped steps {r['skipped_steps']}/{m['skipped_steps']}"
-                                                 if r["skipped_steps"] or m["skipped_steps"] else ""))
+    return (
+        f"[{g['shape']} {g['recipe']} {g['mode']}] residual {r['ms']:.2f} ms ({medians(r)}), mHC {m['ms']:.2f} ms "
+        f"({medians(m)}): {g['ratio_ms']:.3f}x; peak {_f(r['peak_gb'], '.2f')} / {_f(m['peak_gb'], '.2f')} GB "
+        f"({_f(g['ratio_peak'], '.3f')}x)"
+        + (
+            f"; skipped steps {r['skipped_steps']}/{m['skipped_steps']}"
+            if r["skipped_steps"] or m["skipped_steps"]
+            else ""
+        )
+    )
 
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
@@ -516,12 +622,25 @@ def header(args, argv: list[str]) -> dict:
     return {
         "benchmark": "benchmarks/step/bench_training.py",
         "command": "python benchmarks/step/bench_training.py " + " ".join(argv),
-        "date": now.date().isoformat(), "time_utc": now.isoformat(timespec="seconds"),
-        "commit": args.commit or git_commit(), "environment": common.environment(),
-        "settings": {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "n_streams": N_STREAMS,
-                     "init": args.init, "compile": f"torch.compile(model) (mhc.train.distributed.wrap_model), backend "
-                     f"{args.compile_backend}", "device": args.device, "tiny": args.tiny,
-                     "shapes": args.shapes, "recipes": args.recipes, "modes": args.modes, "kernels": args.kernels},
+        "date": now.date().isoformat(),
+        "time_utc": now.isoformat(timespec="seconds"),
+        "commit": args.commit or git_commit(),
+        "environment": common.environment(),
+        "settings": {
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "n_streams": N_STREAMS,
+            "init": args.init,
+            "compile": f"torch.compile(model) (mhc.train.distributed.wrap_model), backend "
+            f"{args.compile_backend}",
+            "device": args.device,
+            "tiny": args.tiny,
+            "shapes": args.shapes,
+            "recipes": args.recipes,
+            "modes": args.modes,
+            "kernels": args.kernels,
+        },
         "shapes": {s: shape_plan(s, args.tiny, args.init) for s in args.shapes},
     }
 
@@ -537,11 +656,15 @@ def main(argv: list[str] | None = None) -> None:
     log = functools.partial(print, flush=True)
     report = header(args, argv)
     groups = [(s, r, m) for s in args.shapes for r in args.recipes for m in args.modes]
-    log(f"{report['environment']['device']}, torch {report['environment']['torch']}, commit {report['commit']}")
+    log(
+        f"{report['environment']['device']}, torch {report['environment']['torch']}, commit {report['commit']}"
+    )
     for s in args.shapes:
         p = report["shapes"][s]
-        log(f"  {s}: hidden {p['hidden']}, {p['layers']} layers, heads {p['heads']}/{p['kv_heads']}, intermediate "
-            f"{p['intermediate']}, vocab {p['vocab']}; batch {p['batch']} x {p['seq']}; {p['built']}")
+        log(
+            f"  {s}: hidden {p['hidden']}, {p['layers']} layers, heads {p['heads']}/{p['kv_heads']}, intermediate "
+            f"{p['intermediate']}, vocab {p['vocab']}; batch {p['batch']} x {p['seq']}; {p['built']}"
+        )
     log(f"{len(groups)} groups (shape, recipe, mode): " + ", ".join(" ".join(g) for g in groups))
     if args.dry_run:
         log("dry run: nothing built or measured")
@@ -566,21 +689,30 @@ def main(argv: list[str] | None = None) -> None:
         try:
             group = run_group(shape, recipe, mode, args, device, copy, log)
         except Exception as err:  # reported and left out, so that the other groups still run
-            group = {"shape": shape, "recipe": recipe, "mode": mode, "error": f"{type(err).__name__}: {str(err)[:2000]}",
-                     "traceback": traceback.format_exc()[-4000:]}
+            group = {
+                "shape": shape,
+                "recipe": recipe,
+                "mode": mode,
+                "error": f"{type(err).__name__}: {str(err)[:2000]}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             log(group["traceback"])
         free(device)
         group["group_s"] = time.perf_counter() - t0
         report["groups"].append(group)
-        left = f", {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated" if device.type == "cuda" else ""
+        left = (
+            f", {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated" if device.type == "cuda" else ""
+        )
         log(group_line(group) + f"  [{group['group_s']:.0f} s{left}]")
         if group.get("kernels"):
             log(kernel_table(group))
         if args.json:
             common.write_json(args.json, report)
     report["complete"] = True
-    log(f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved medians of "
-        f"{args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}")
+    log(
+        f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved medians of "
+        f"{args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}"
+    )
     log(table(report["groups"]))
     for g in report["groups"]:
         if g.get("kernels"):

@@ -67,13 +67,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--timeline", action="store_true", help="also host and GPU times at each layer of one step")
-    ap.add_argument("--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)")
-    ap.add_argument("--compile", action="store_true", help="compile both models (fullgraph); both kernel tables")
-    ap.add_argument("--keep-streams-every", type=int, default=0, metavar="K",
-                    help="also the mHC model with keep_streams_every=K, with its kernel table (default: not run)")
-    ap.add_argument("--host-table", action="store_true",
-                    help="also one step's ops by self CPU time, and the syncs of one step")
+    ap.add_argument(
+        "--timeline", action="store_true", help="also host and GPU times at each layer of one step"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=0, help="also list this many steps one by one (GPU and host ms)"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="compile both models (fullgraph); both kernel tables"
+    )
+    ap.add_argument(
+        "--keep-streams-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also the mHC model with keep_streams_every=K, with its kernel table (default: not run)",
+    )
+    ap.add_argument(
+        "--host-table",
+        action="store_true",
+        help="also one step's ops by self CPU time, and the syncs of one step",
+    )
     args = ap.parse_args()
     common.require_cuda("profile_step.py")
     cfg = common.llama_134m(max(2048, args.seq))
@@ -117,8 +131,10 @@ def main() -> None:
             step()
             torch.cuda.synchronize()
         gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-        print(f"{name:14} host {1e3 * sorted(hosts)[2]:7.2f} ms  wall {1e3 * sorted(walls)[2]:7.2f} ms  "
-              f"GPU kernels {gpu:7.2f} ms")
+        print(
+            f"{name:14} host {1e3 * sorted(hosts)[2]:7.2f} ms  wall {1e3 * sorted(walls)[2]:7.2f} ms  "
+            f"GPU kernels {gpu:7.2f} ms"
+        )
         if listed:
             print(f"{name}: one line per step, ms")
             print(listed)
@@ -130,10 +146,16 @@ def main() -> None:
             print(f"{name}: host enqueue and GPU arrival, ms from the step's start")
             print(timeline(model, step))
         if name != "residual" or args.compile:
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+            print(
+                prof.key_averages().table(
+                    sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70
+                )
+            )
         if streams:
-            print(site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, cfg.hidden_size, copy))
-        del model, opt
+            print(
+                site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, cfg.hidden_size, copy)
+            )
+        model = opt = None  # freed (the step closures above read these names)
         torch.cuda.empty_cache()
 
 
@@ -144,8 +166,10 @@ def site_kernel_table(averages, T: int, n: int, C: int, copy: float) -> str:
     kernel must move, so ``× copy`` is how near it runs to the memory floor (issue #22 asks 0.85).
     """
     rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C), copy)
-    lines = [f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
-             f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}"]
+    lines = [
+        f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
+        f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}",
+    ]
     lines += [f"  {k:12} {c:5d} {us:8.1f} {g:7.0f} {x:6.2f}" for k, c, us, g, x in rows]
     return "\n".join(lines)
 
@@ -175,7 +199,9 @@ def sync_report(step) -> str:
     messages = collections.Counter(str(w.message).splitlines()[0][:120] for w in caught)
     if not messages:
         return "0 syncs in one step"
-    return f"{sum(messages.values())} syncs in one step:\n" + "\n".join(f"  {c:4d} x {m}" for m, c in messages.most_common())
+    return f"{sum(messages.values())} syncs in one step:\n" + "\n".join(
+        f"  {c:4d} x {m}" for m, c in messages.most_common()
+    )
 
 
 def _marker(marks: list):
@@ -201,13 +227,17 @@ def per_step(step, steps: int) -> str:
         torch.cuda.synchronize()
         at = {label: (host, event) for label, host, event in marks}
         (h0, e0), (hf, ef), (hs, es) = at["start"], at["forward done"], at["optimizer done"]
-        lines.append(f"  {e0.elapsed_time(es):8.1f} {1e3 * (hs - h0):9.1f} {e0.elapsed_time(ef):8.1f} {1e3 * (hf - h0):8.1f}")
+        lines.append(
+            f"  {e0.elapsed_time(es):8.1f} {1e3 * (hs - h0):9.1f} {e0.elapsed_time(ef):8.1f} {1e3 * (hf - h0):8.1f}"
+        )
     return "\n".join(lines)
 
 
 def timeline(model, step) -> str:
     """One ``step(mark)``'s marks as lines of ``label, host ms, GPU ms, GPU - host``."""
-    layers = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList))
+    layers = next(
+        m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)
+    )
     marks = []
     mark = _marker(marks)
 

@@ -75,7 +75,8 @@ SITE, BRANCH, GLUE, OTHER = "mhc site", "branch", "layer glue", "other"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/step/saved_bytes.py", allow_abbrev=False,
+        prog="python benchmarks/step/saved_bytes.py",
+        allow_abbrev=False,
         description="Bytes autograd keeps for backward per token and per site: residual Llama vs its mHC conversion "
         "(fused site and fused=False). Runs on the CPU (fused kernels in Triton's interpreter) in seconds.",
     )
@@ -87,19 +88,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)"
+    )
     p.add_argument("--n-streams", type=int, default=4, help="mHC streams n (default 4)")
-    p.add_argument("--keep-streams-every", type=int, default=1,
-                   help="the mHC models' keep_streams_every (default 1: every site keeps its streams)")
-    p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation (default sdpa)")
+    p.add_argument(
+        "--keep-streams-every",
+        type=int,
+        default=1,
+        help="the mHC models' keep_streams_every (default 1: every site keeps its streams)",
+    )
+    p.add_argument(
+        "--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation (default sdpa)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0, help="weights' and inputs' seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="also write the header, totals and breakdowns to PATH")
     args = p.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = args.heads
-    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "n_streams",
-                 "keep_streams_every"):
+    for name in (
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "intermediate",
+        "vocab",
+        "batch",
+        "seq",
+        "n_streams",
+        "keep_streams_every",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -109,8 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device not in ("cpu", "cuda"):
         p.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--device cpu runs the fused kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
-                "(done automatically on a machine without CUDA)")
+        p.error(
+            "--device cpu runs the fused kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "(done automatically on a machine without CUDA)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device")
     return args
@@ -120,8 +141,15 @@ def _interpreted_uses_fused(block: mhc.MHCBlock):
     """``block.uses_fused`` without its ``x.is_cuda``: the fused kernels on CPU streams (Triton's interpreter)."""
 
     def uses_fused(x: torch.Tensor) -> bool:
-        return (block.fused and block.mode == "mhc" and block.projection == "newton" and block.pre_eps == 0
-                and x.dtype in fused.SUPPORTED_DTYPES and x.numel() > 0 and fused.available())
+        return (
+            block.fused
+            and block.mode == "mhc"
+            and block.projection == "newton"
+            and block.pre_eps == 0
+            and x.dtype in fused.SUPPORTED_DTYPES
+            and x.numel() > 0
+            and fused.available()
+        )
 
     return uses_fused
 
@@ -129,15 +157,25 @@ def _interpreted_uses_fused(block: mhc.MHCBlock):
 def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
     """``variant``: "residual", "mhc fused" or "mhc fused=False"; random weights from ``args.seed``, train mode."""
     cfg = LlamaConfig(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
-        max_position_embeddings=max(args.seq, 8), attn_implementation=args.attn,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 8),
+        attn_implementation=args.attn,
     )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg).to(args.device, DTYPES[args.dtype])
     if variant != "residual":
-        model = mhc.convert_to_mhc(model, n_streams=args.n_streams, init="paper", fused=variant == "mhc fused",
-                                   keep_streams_every=args.keep_streams_every if variant == "mhc fused" else 1)
+        model = mhc.convert_to_mhc(
+            model,
+            n_streams=args.n_streams,
+            init="paper",
+            fused=variant == "mhc fused",
+            keep_streams_every=args.keep_streams_every if variant == "mhc fused" else 1,
+        )
         if variant == "mhc fused" and args.device == "cpu":
             for block in model.modules():
                 if isinstance(block, mhc.MHCBlock):
@@ -148,7 +186,9 @@ def build(args: argparse.Namespace, variant: str) -> torch.nn.Module:
 def _shape_name(shape: torch.Size, batch: int, seq: int) -> str:
     if shape and shape[0] == batch * seq and batch > 1 and seq > 1:  # flattened tokens
         return "[" + ",".join(["T", *map(str, shape[1:])]) + "]"
-    dims = ["B" if i == 0 and d == batch else "S" if i == 1 and d == seq else str(d) for i, d in enumerate(shape)]
+    dims = [
+        "B" if i == 0 and d == batch else "S" if i == 1 and d == seq else str(d) for i, d in enumerate(shape)
+    ]
     return "[" + ",".join(dims) + "]"
 
 
@@ -201,7 +241,9 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     def enter(module, args) -> None:
         stack.append(module)
 
-    def leave(module, args, output) -> None:  # returns None: a forward hook's return value replaces the output
+    def leave(
+        module, args, output
+    ) -> None:  # returns None: a forward hook's return value replaces the output
         stack.pop()
 
     handles = []
@@ -216,9 +258,13 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
             h.remove()
     fused_nodes = _count_nodes(logits.grad_fn, ("SitePre", "PostMix"))
     del logits
-    return {"total": sum(seen.values()), "by_owner": dict(by_owner), "site_shapes": dict(site_shapes),
-            "branch_shapes": dict(branch_shapes),
-            "fused_nodes": fused_nodes}
+    return {
+        "total": sum(seen.values()),
+        "by_owner": dict(by_owner),
+        "site_shapes": dict(site_shapes),
+        "branch_shapes": dict(branch_shapes),
+        "fused_nodes": fused_nodes,
+    }
 
 
 def _count_nodes(root, name_parts: tuple[str, ...]) -> int:
@@ -236,8 +282,14 @@ def _count_nodes(root, name_parts: tuple[str, ...]) -> int:
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            check=False,
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
@@ -257,10 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit(),
         "command": "python " + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "model": f"Llama hidden {args.hidden}, {args.layers} layers ({sites} sites), "
-                 f"{args.heads} heads ({args.kv_heads} kv), "
-                 f"intermediate {args.intermediate}, vocab {args.vocab}, {args.attn}, {args.dtype}; "
-                 f"batch {args.batch} x seq {args.seq} = {tokens} tokens; mHC n={args.n_streams}, init=paper, "
-                 f"keep_streams_every={args.keep_streams_every} (fused)",
+        f"{args.heads} heads ({args.kv_heads} kv), "
+        f"intermediate {args.intermediate}, vocab {args.vocab}, {args.attn}, {args.dtype}; "
+        f"batch {args.batch} x seq {args.seq} = {tokens} tokens; mHC n={args.n_streams}, init=paper, "
+        f"keep_streams_every={args.keep_streams_every} (fused)",
     }
     results = {}
     for variant in ("residual", "mhc fused", "mhc fused=False"):
@@ -268,34 +320,50 @@ def main(argv: list[str] | None = None) -> int:
         results[variant] = measure(model, ids)
         del model
     if results["mhc fused"]["fused_nodes"] != 2 * sites:
-        raise SystemExit(f"the fused site did not run: {results['mhc fused']['fused_nodes']} fused autograd nodes, "
-                         f"expected {2 * sites}")
+        raise SystemExit(
+            f"the fused site did not run: {results['mhc fused']['fused_nodes']} fused autograd nodes, "
+            f"expected {2 * sites}"
+        )
     base = results["residual"]["total"]
     rows = {}
     for variant, r in results.items():
         per_site = r["total"] / tokens / sites
         extra = (r["total"] - base) / tokens / sites
         rows[variant] = {
-            "total_bytes": r["total"], "bytes_per_token": r["total"] / tokens, "bytes_per_token_per_site": per_site,
-            "C_per_token_per_site": per_site / c_bytes, "extra_bytes_per_token_per_site": extra,
+            "total_bytes": r["total"],
+            "bytes_per_token": r["total"] / tokens,
+            "bytes_per_token_per_site": per_site,
+            "C_per_token_per_site": per_site / c_bytes,
+            "extra_bytes_per_token_per_site": extra,
             "extra_C_per_token_per_site": extra / c_bytes,
-            "by_owner_C_per_token_per_site": {k: v / tokens / sites / c_bytes for k, v in r["by_owner"].items()},
-            "site_shapes_C_per_token_per_site": {k: v / tokens / sites / c_bytes for k, v in r["site_shapes"].items()},
+            "by_owner_C_per_token_per_site": {
+                k: v / tokens / sites / c_bytes for k, v in r["by_owner"].items()
+            },
+            "site_shapes_C_per_token_per_site": {
+                k: v / tokens / sites / c_bytes for k, v in r["site_shapes"].items()
+            },
             "branch_shapes_C_per_token_per_site": {
-                k: v / tokens / sites / c_bytes for k, v in r["branch_shapes"].items()},
+                k: v / tokens / sites / c_bytes for k, v in r["branch_shapes"].items()
+            },
             "fused_nodes": r["fused_nodes"],
         }
 
     for key, value in header.items():
         print(f"# {key}: {value}")
-    print(f"# C = {args.hidden} {args.dtype} elements = {c_bytes} bytes; sites = {sites}; tokens = {tokens}; "
-          "parameters excluded, each storage once")
-    print(f"{'variant':<17}{'saved bytes':>13}{'B/token':>10}{'B/token/site':>14}{'C/token/site':>14}"
-          f"{'vs residual':>13}")
+    print(
+        f"# C = {args.hidden} {args.dtype} elements = {c_bytes} bytes; sites = {sites}; tokens = {tokens}; "
+        "parameters excluded, each storage once"
+    )
+    print(
+        f"{'variant':<17}{'saved bytes':>13}{'B/token':>10}{'B/token/site':>14}{'C/token/site':>14}"
+        f"{'vs residual':>13}"
+    )
     for variant, row in rows.items():
-        print(f"{variant:<17}{row['total_bytes']:>13,}{row['bytes_per_token']:>10.0f}"
-              f"{row['bytes_per_token_per_site']:>14.1f}{row['C_per_token_per_site']:>14.2f}"
-              f"{row['extra_C_per_token_per_site']:>+11.2f} C")
+        print(
+            f"{variant:<17}{row['total_bytes']:>13,}{row['bytes_per_token']:>10.0f}"
+            f"{row['bytes_per_token_per_site']:>14.1f}{row['C_per_token_per_site']:>14.2f}"
+            f"{row['extra_C_per_token_per_site']:>+11.2f} C"
+        )
     for variant, row in rows.items():
         owners = ", ".join(f"{k} {v:.2f} C" for k, v in sorted(row["by_owner_C_per_token_per_site"].items()))
         print(f"\n{variant}: per token per site by owner: {owners}")
@@ -305,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             for shape, c in sorted(row["branch_shapes_C_per_token_per_site"].items(), key=lambda kv: -kv[1]):
                 print(f"  branch saves   {shape:<40} {c:6.3f} C")
     if args.json:
-        common.write_json(args.json, {"header": header, "c_bytes": c_bytes, "tokens": tokens, "sites": sites,
-                                      "variants": rows})
+        common.write_json(
+            args.json,
+            {"header": header, "c_bytes": c_bytes, "tokens": tokens, "sites": sites, "variants": rows},
+        )
     return 0
 
 

@@ -94,7 +94,12 @@ def load(verbose: bool = False):
         name=EXTENSION_NAME,
         sources=[str(csrc_dir() / s) for s in SOURCES],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-std=c++17", f"-DMHC_SOURCES={sources_digest()}"],
+        extra_cuda_cflags=[
+            "-O3",
+            "--expt-relaxed-constexpr",
+            "-std=c++17",
+            f"-DMHC_SOURCES={sources_digest()}",
+        ],
         is_python_module=True,
         verbose=verbose,
     )

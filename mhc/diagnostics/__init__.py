@@ -30,7 +30,14 @@ from .metrics import (
     suffix_backward_gain,
     token_gains,
 )
-from .report import DEFAULT_EPS, StabilityReport, plot_report, report_from_h_res, report_from_sites, stability_report
+from .report import (
+    DEFAULT_EPS,
+    StabilityReport,
+    plot_report,
+    report_from_h_res,
+    report_from_sites,
+    stability_report,
+)
 
 __all__ = [
     "CompositeGains",

@@ -47,12 +47,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Stability report of a saved mHC model: composite gains, marginal error, stream collapse, "
         "saturation and gradient gain per depth, as a table and a PNG.",
     )
-    p.add_argument("model_dir", type=Path, help="a from_pretrained folder (e.g. runs/tiny_cpu_mhc/model; a run dir means its model/)")
+    p.add_argument(
+        "model_dir",
+        type=Path,
+        help="a from_pretrained folder (e.g. runs/tiny_cpu_mhc/model; a run dir means its model/)",
+    )
     p.add_argument("--text", type=Path, help="a UTF-8 text file to run (default: a short built-in text)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens of the text to use (default 128)")
     p.add_argument("--out", type=Path, help="where the PNG goes (default MODEL_DIR/stability.png)")
     p.add_argument("--json", type=Path, help="also write the report's numbers here")
-    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help=f"saturation threshold (default {DEFAULT_EPS:g})")
+    p.add_argument(
+        "--eps", type=float, default=DEFAULT_EPS, help=f"saturation threshold (default {DEFAULT_EPS:g})"
+    )
     p.add_argument("--no-backward", action="store_true", help="forward only: no gradient ratio column")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     return p
@@ -84,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).to(device).eval()
     blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
     if not blocks:
-        raise ValueError(f"{model_dir} holds no mHC sites ({type(model).__name__}); convert it with mhc.convert_to_mhc")
+        raise ValueError(
+            f"{model_dir} holds no mHC sites ({type(model).__name__}); convert it with mhc.convert_to_mhc"
+        )
     ids, source = _token_ids(model_dir, text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or args.max_tokens
     ids = ids[: min(args.max_tokens, limit)]

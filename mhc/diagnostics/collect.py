@@ -109,7 +109,9 @@ def collect_sites(
                 y.register_hook(grad_norm_into(len(records), "out"))
         records.append(record)
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules() if isinstance(m, MHCBlock)]
+    handles = [
+        m.register_forward_hook(hook, with_kwargs=True) for m in model.modules() if isinstance(m, MHCBlock)
+    ]
     try:
         if loss_fn is None:
             with torch.no_grad():
@@ -120,7 +122,9 @@ def collect_sites(
                 recording[0] = False
                 loss = loss_fn(output)
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+                    raise ValueError(
+                        f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}"
+                    )
                 loss.backward()
     finally:
         for h in handles:

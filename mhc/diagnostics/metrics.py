@@ -98,10 +98,14 @@ def stack_h_res(h_res: Sequence[Tensor] | Tensor) -> Tensor:
             raise ValueError("composite mapping needs at least one site's H_res")
         for i, h in enumerate(h_res):
             if not isinstance(h, Tensor) or not h.is_floating_point():
-                raise TypeError(f"H_res of site {i} must be a floating-point tensor, got {getattr(h, 'dtype', type(h))}")
+                raise TypeError(
+                    f"H_res of site {i} must be a floating-point tensor, got {getattr(h, 'dtype', type(h))}"
+                )
         shapes = {tuple(h.shape) for h in h_res}
         if len(shapes) > 1:
-            raise ValueError(f"every site's H_res needs one shape [..., n, n] for a composite, got {sorted(shapes)}")
+            raise ValueError(
+                f"every site's H_res needs one shape [..., n, n] for a composite, got {sorted(shapes)}"
+            )
         stacked = torch.stack([h.detach() for h in h_res])
     if not stacked.is_floating_point():
         raise TypeError(f"H_res must be floating point, got {stacked.dtype}")
@@ -184,7 +188,9 @@ def composite_gains(h_res: Sequence[Tensor] | Tensor) -> CompositeGains:
     flat = P.flatten(1, -3) if P.dim() > 3 else P.unsqueeze(1)  # [L, B, n, n]
     spectral = torch.linalg.matrix_norm(flat, ord=2).amax(-1)
     return CompositeGains(
-        forward_gain=forward_gain(flat).amax(-1), backward_gain=backward_gain(flat).amax(-1), spectral_norm=spectral
+        forward_gain=forward_gain(flat).amax(-1),
+        backward_gain=backward_gain(flat).amax(-1),
+        spectral_norm=spectral,
     )
 
 
@@ -227,7 +233,9 @@ def stream_spread(x: Tensor) -> Tensor:
     x = x.detach().double()
     dev = (x - x.mean(-2, keepdim=True)).flatten(-2).norm(dim=-1)
     total = x.flatten(-2).norm(dim=-1)
-    return torch.where(total > 0, dev / total.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(total))
+    return torch.where(
+        total > 0, dev / total.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(total)
+    )
 
 
 def near_zero_or_one(values: Tensor, eps: float) -> Tensor:

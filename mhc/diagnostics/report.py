@@ -17,7 +17,14 @@ from ..projection import marginal_error
 from .collect import SiteRecord, collect_sites
 from .metrics import near_zero_or_one, one_hot_rows, stack_h_res, suffix_backward_gain, token_gains
 
-__all__ = ["DEFAULT_EPS", "StabilityReport", "stability_report", "report_from_h_res", "report_from_sites", "plot_report"]
+__all__ = [
+    "DEFAULT_EPS",
+    "StabilityReport",
+    "stability_report",
+    "report_from_h_res",
+    "report_from_sites",
+    "plot_report",
+]
 
 #: Saturation threshold: a value within this of 0 or 1 is saturated.
 DEFAULT_EPS = 1e-3
@@ -141,7 +148,10 @@ def _build(
     if records is not None:
         last_out = records[-1].grad_out_norm
         for d, r in enumerate(records):
-            spread_mean[d], spread_min[d] = float(r.spread.mean()), float(r.spread.min()) if r.spread.numel() else None
+            spread_mean[d], spread_min[d] = (
+                float(r.spread.mean()),
+                float(r.spread.min()) if r.spread.numel() else None,
+            )
             if r.mode == "mhc":
                 pre_sat[d] = _fraction(near_zero_or_one(r.h_pre, eps))
                 post_sat[d] = _fraction(near_zero_or_one(r.h_post / 2, eps))
@@ -162,10 +172,12 @@ def _build(
         marginal_error_token=err_tok,
         spread_mean=spread_mean,
         spread_min=spread_min,
-        h_res_saturated_entries=[_fraction(near_zero_or_one(h, eps)) if m in ("mhc", "?") else None
-                                 for h, m in zip(h_res, modes)],
-        h_res_saturated_rows=[_fraction(one_hot_rows(h, eps)) if m in ("mhc", "?") else None
-                              for h, m in zip(h_res, modes)],
+        h_res_saturated_entries=[
+            _fraction(near_zero_or_one(h, eps)) if m in ("mhc", "?") else None for h, m in zip(h_res, modes)
+        ],
+        h_res_saturated_rows=[
+            _fraction(one_hot_rows(h, eps)) if m in ("mhc", "?") else None for h, m in zip(h_res, modes)
+        ],
         pre_saturated=pre_sat,
         post_saturated=post_sat,
         grad_ratio=grad_ratio,
@@ -213,13 +225,19 @@ def report_from_sites(records: Sequence[SiteRecord], *, eps: float = DEFAULT_EPS
     if not records:
         raise ValueError("no site records")
     if not all(isinstance(r, SiteRecord) for r in records):
-        raise TypeError(f"records must be SiteRecord objects (collect_sites), got {[type(r).__name__ for r in records]}")
+        raise TypeError(
+            f"records must be SiteRecord objects (collect_sites), got {[type(r).__name__ for r in records]}"
+        )
     H = stack_h_res([r.h_res for r in records])
     return _build(H, [r.name for r in records], [r.mode for r in records], eps, list(records))
 
 
 def stability_report(
-    model: nn.Module, *args, loss_fn: Callable[[object], Tensor] | None = None, eps: float = DEFAULT_EPS, **kwargs
+    model: nn.Module,
+    *args,
+    loss_fn: Callable[[object], Tensor] | None = None,
+    eps: float = DEFAULT_EPS,
+    **kwargs,
 ) -> StabilityReport:
     """Run ``model(*args, **kwargs)`` (and ``loss_fn(output).backward()`` if given) and report on its sites.
 
@@ -270,7 +288,9 @@ def format_table(report: StabilityReport) -> str:
         ])  # fmt: skip
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     tokens = math.prod(report.batch_shape)
     last = report.depth - 1
@@ -331,7 +351,9 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     floor = 1e-16
     for label, (values, color, ls) in series.items():
         ax_gain.plot(depth, values, color=color, ls=ls, marker=".", label=label)
-        ax_dev.plot(depth, [max(abs(v - 1), floor) for v in values], color=color, ls=ls, marker=".", label=label)
+        ax_dev.plot(
+            depth, [max(abs(v - 1), floor) for v in values], color=color, ls=ls, marker=".", label=label
+        )
     ax_dev.plot(depth, [max(v, floor) for v in report.marginal_error_max], color="#7f7f7f", marker="x", ls="",
                 label="marginal error of H_res, max")  # fmt: skip
     gains = [v for values, _, _ in series.values() for v in values if math.isfinite(v)]
@@ -346,13 +368,15 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     ax_dev.set_ylabel("|gain - 1|")
     # The saturation fractions are often all 0 together: each line gets its own line style and a hollow
     # marker of its own shape and size, the larger drawn first, so lines lying on one another all show.
-    for i, (label, values, color, ls, marker, size) in enumerate((
-        ("stream spread (0 = collapsed)", report.spread_mean, "#2ca02c", "-", "o", 4),
-        ("H_res entries saturated", report.h_res_saturated_entries, "#d62728", "-", "o", 11),
-        ("H_res rows one-hot", report.h_res_saturated_rows, "#9467bd", "--", "s", 8),
-        ("H_pre saturated", report.pre_saturated, "#8c564b", "-.", "D", 5.5),
-        ("H_post saturated", report.post_saturated, "#e377c2", ":", "^", 3.5),
-    )):
+    for i, (label, values, color, ls, marker, size) in enumerate(
+        (
+            ("stream spread (0 = collapsed)", report.spread_mean, "#2ca02c", "-", "o", 4),
+            ("H_res entries saturated", report.h_res_saturated_entries, "#d62728", "-", "o", 11),
+            ("H_res rows one-hot", report.h_res_saturated_rows, "#9467bd", "--", "s", 8),
+            ("H_pre saturated", report.pre_saturated, "#8c564b", "-.", "D", 5.5),
+            ("H_post saturated", report.post_saturated, "#e377c2", ":", "^", 3.5),
+        )
+    ):
         points = [(d, v) for d, v in zip(depth, values) if v is not None]
         if points:
             if i and all(v == 0 for _, v in points):
@@ -366,7 +390,9 @@ def plot_report(report: StabilityReport, path: str | os.PathLike, *, title: str 
     ax_state.set_ylabel(f"stream spread; fraction saturated (within {report.eps:g} of 0/1)")
     points = [(d, v) for d, v in zip(depth, report.grad_ratio) if v is not None]
     if points:
-        ax_grad.plot(*zip(*points), color="#17becf", marker="o", label="measured ||dloss/dx_d|| / ||dloss/dx_L||")
+        ax_grad.plot(
+            *zip(*points), color="#17becf", marker="o", label="measured ||dloss/dx_d|| / ||dloss/dx_L||"
+        )
     ax_grad.plot(depth, report.predicted_backward_gain, color="#bcbd22", ls="--", marker=".",
                  label="predicted: backward gain of H_res^(L-1) ... H_res^d")  # fmt: skip
     ratios = [v for _, v in points if v > 0] + [v for v in report.predicted_backward_gain if v > 0]

@@ -30,19 +30,24 @@ Few nodes and little host time per launch matter as much as the kernels: at
 the width of a ~125M model the forward of a site is bound by its host time.
 """
 
-
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..options import check_options
 from .record import Backend, FusedSite, SiteLink, fused_backend
 
 __all__ = [
-    "available", "site_pre", "post_mix", "clear_plans", "compiled_variants", "SUPPORTED_DTYPES", "Backend",
-    "FusedSite", "fused_backend",
+    "available",
+    "site_pre",
+    "post_mix",
+    "clear_plans",
+    "compiled_variants",
+    "SUPPORTED_DTYPES",
+    "Backend",
+    "FusedSite",
+    "fused_backend",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -70,6 +75,7 @@ else:
         _KERNELS_ERROR = err
     else:
         _INTERPRETED = not isinstance(_k.coeff_fwd, triton.runtime.jit.JITFunction)
+
 
 def available() -> bool:
     """Whether the fused Triton path can run; ``False`` only where Triton is not importable.
@@ -114,7 +120,15 @@ def compiled_variants() -> dict[str, int]:
 
 
 def site_pre(
-    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, *, norm_eps: float, tol: float
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    *,
+    norm_eps: float,
+    tol: float,
 ) -> tuple[Tensor, tuple]:
     """The site's first step on the fused kernels: coefficients, ``H_res`` and the pre-mix.
 
@@ -156,20 +170,28 @@ def site_pre(
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused mHC site supports {SUPPORTED_DTYPES}, got {x.dtype}")
     if x.dim() < 2 or x.numel() == 0:
-        raise ValueError(f"fused mHC site needs streams [..., n, C] with at least one token, got {tuple(x.shape)}")
+        raise ValueError(
+            f"fused mHC site needs streams [..., n, C] with at least one token, got {tuple(x.shape)}"
+        )
     if x.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(f"fused mHC site needs CUDA streams (CPU ones only under TRITON_INTERPRET=1), got {x.device}")
+        raise ValueError(
+            f"fused mHC site needs CUDA streams (CPU ones only under TRITON_INTERPRET=1), got {x.device}"
+        )
     n, C = x.shape[-2:]
     shapes = {"phi": (n * n + 2 * n, n * C), "alpha": (3,), "b_pre": (n,), "b_post": (n,), "b_res": (n, n)}
     for (name, shape), p in zip(shapes.items(), (phi, alpha, b_pre, b_post, b_res)):
         if not isinstance(p, Tensor) or not p.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(p, 'dtype', type(p).__name__)}")
+            raise TypeError(
+                f"{name} must be a floating-point tensor, got {getattr(p, 'dtype', type(p).__name__)}"
+            )
         if p.shape != shape:
             raise ValueError(f"{name} must be {list(shape)} for streams [..., {n}, {C}], got {list(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"streams are on {x.device} but {name} is on {p.device}")
     scalars = check_options(norm_eps=norm_eps, tol=tol)
-    return _site.pre(fused_backend(x), x, phi, alpha, b_pre, b_post, b_res, scalars["norm_eps"], scalars["tol"])
+    return _site.pre(
+        fused_backend(x), x, phi, alpha, b_pre, b_post, b_res, scalars["norm_eps"], scalars["tol"]
+    )
 
 
 def post_mix(y: Tensor, site: FusedSite) -> Tensor:
@@ -199,7 +221,19 @@ def post_mix(y: Tensor, site: FusedSite) -> Tensor:
     return _site.post(y, site)
 
 
-def pre(backend: Backend, x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, streams=None, norm=None):
+def pre(
+    backend: Backend,
+    x,
+    phi,
+    alpha,
+    b_pre,
+    b_post,
+    b_res,
+    norm_eps: float,
+    tol: float,
+    streams=None,
+    norm=None,
+):
     """:func:`site_pre` on a chosen ``backend``, without checks, for :class:`mhc.MHCBlock` (:func:`mhc.fused.site.pre`)."""
     return _site.pre(backend, x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, streams, norm)
 

@@ -61,9 +61,19 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 @triton.jit
 def coeff_partial(
-    x_ptr, phi_ptr, part_ptr, T, C, k_per_split,
-    n: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ZP: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+    x_ptr,
+    phi_ptr,
+    part_ptr,
+    T,
+    C,
+    k_per_split,
+    n: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    ZP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     # One program: BM tokens over one split of the n·C columns. Its row of
     # part[split, t] holds x φᵀ in columns [0, Z) and Σ x² in column Z (ZP > Z always).
@@ -86,7 +96,9 @@ def coeff_partial(
         xf = xt.to(ACC)
         sq += xf * xf
         # φ is read as stored, [Z, K]: on the H200 this beat a zero-padded φᵀ (226 vs 293 µs).
-        w = tl.load(phi_ptr + rz[None, :] * K + rk[:, None], mask=k_ok[:, None] & (rz[None, :] < Z), other=0.0)
+        w = tl.load(
+            phi_ptr + rz[None, :] * K + rk[:, None], mask=k_ok[:, None] & (rz[None, :] < Z), other=0.0
+        )
         if PRECISION == "bf16x2":
             # bf16 streams: φ = φ_hi + φ_lo in two bf16 parts (16 significant bits, against
             # tf32's 11) on bf16 tensor cores, which take the streams as loaded. Products of
@@ -107,8 +119,21 @@ def coeff_partial(
 
 @triton.jit
 def store_coefficients(
-    acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
-    n: tl.constexpr, ZP: tl.constexpr, COMPILED: tl.constexpr,
+    acc,
+    rm,
+    row_ok,
+    alpha_ptr,
+    bpre_ptr,
+    bpost_ptr,
+    bres_ptr,
+    zr_ptr,
+    h_ptr,
+    res_ptr,
+    K,
+    eps,
+    n: tl.constexpr,
+    ZP: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     """From the summed ``[x φᵀ | Σ x²]`` rows ``acc [BM, ZP]`` of tokens ``rm``: store ``zr``, ``h`` and R's
     ``α·z + b``, and return ``h`` over the ZP columns (σ of H_pre's and H_post's; junk past 2n)."""
@@ -122,8 +147,11 @@ def store_coefficients(
     is_post = (col >= n) & (col < 2 * n)
     is_res = (col >= 2 * n) & (col < Z)
     a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
-    b = (tl.load(bpre_ptr + col, mask=is_pre, other=0.0) + tl.load(bpost_ptr + col - n, mask=is_post, other=0.0)
-         + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0))
+    b = (
+        tl.load(bpre_ptr + col, mask=is_pre, other=0.0)
+        + tl.load(bpost_ptr + col - n, mask=is_post, other=0.0)
+        + tl.load(bres_ptr + col - 2 * n, mask=is_res, other=0.0)
+    )
     v = z * a + b
     h = _sigmoid(v, COMPILED)
     tl.store(zr_ptr + rm[:, None] * (Z + 1) + col, z, mask=ok & (col < Z))
@@ -135,8 +163,26 @@ def store_coefficients(
 
 @triton.jit
 def coeff_fwd(
-    part_ptr, x_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, u_ptr, T, C, eps, splits,
-    n: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ZP: tl.constexpr, ACC: tl.constexpr, COMPILED: tl.constexpr,
+    part_ptr,
+    x_ptr,
+    alpha_ptr,
+    bpre_ptr,
+    bpost_ptr,
+    bres_ptr,
+    zr_ptr,
+    h_ptr,
+    res_ptr,
+    u_ptr,
+    T,
+    C,
+    eps,
+    splits,
+    n: tl.constexpr,
+    BM: tl.constexpr,
+    BC: tl.constexpr,
+    ZP: tl.constexpr,
+    ACC: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -146,9 +192,26 @@ def coeff_fwd(
     rows = rm.to(tl.int64) * K
     acc = tl.zeros((BM, ZP), dtype=ACC)
     for split in range(splits):
-        acc += tl.load(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0)
-    h = store_coefficients(acc, rm, row_ok, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, zr_ptr, h_ptr, res_ptr, K, eps,
-                           n, ZP, COMPILED)
+        acc += tl.load(
+            part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0
+        )
+    h = store_coefficients(
+        acc,
+        rm,
+        row_ok,
+        alpha_ptr,
+        bpre_ptr,
+        bpost_ptr,
+        bres_ptr,
+        zr_ptr,
+        h_ptr,
+        res_ptr,
+        K,
+        eps,
+        n,
+        ZP,
+        COMPILED,
+    )
     col = rz[None, :]
     is_pre = col < n
 
@@ -169,15 +232,25 @@ def coeff_fwd(
 
 @triton.jit
 def postmix_fwd(
-    x_ptr, y_ptr, h_ptr, hres_ptr, out_ptr, C,
-    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    hres_ptr,
+    out_ptr,
+    C,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    BC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     rj = tl.arange(0, NP)
     c_ok = rc < C
     base = x_ptr + t * n * C
-    xs = tl.load(base + rj[:, None] * C + rc[None, :], mask=(rj[:, None] < n) & c_ok[None, :], other=0.0).to(ACC)
+    xs = tl.load(base + rj[:, None] * C + rc[None, :], mask=(rj[:, None] < n) & c_ok[None, :], other=0.0).to(
+        ACC
+    )
     x0 = tl.load(base + rc, mask=c_ok, other=0.0).to(ACC)
     dev = xs - x0[None, :]
     y = tl.load(y_ptr + t * C + rc, mask=c_ok, other=0.0).to(ACC)
@@ -190,8 +263,18 @@ def postmix_fwd(
 
 @triton.jit
 def postmix_bwd(
-    dout_ptr, x_ptr, y_ptr, h_ptr, dy_ptr, gh_ptr, gres_ptr, C,
-    n: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+    dout_ptr,
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    dy_ptr,
+    gh_ptr,
+    gres_ptr,
+    C,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    BC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     # Everything is loaded straight into the 3-d layout of the [i, j, c]
     # products, so that no register layout has to be converted in the loop.
@@ -219,8 +302,20 @@ def postmix_bwd(
 
 @triton.jit
 def coeff_bwd(
-    du_ptr, x_ptr, h_ptr, dh_ptr, dres_ptr, zr_ptr, alpha_ptr, work_ptr, C,
-    n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+    du_ptr,
+    x_ptr,
+    h_ptr,
+    dh_ptr,
+    dres_ptr,
+    zr_ptr,
+    alpha_ptr,
+    work_ptr,
+    C,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    ZP: tl.constexpr,
+    BC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     Z: tl.constexpr = n * n + 2 * n
     t = tl.program_id(0).to(tl.int64)
@@ -229,7 +324,11 @@ def coeff_bwd(
     acc = tl.zeros((NP, BC), dtype=ACC)
     for c0 in range(0, C, BC):
         rc = c0 + tl.arange(0, BC)
-        xs = tl.load(x_ptr + t * n * C + ri[:, None] * C + rc[None, :], mask=i_ok[:, None] & (rc[None, :] < C), other=0.0)
+        xs = tl.load(
+            x_ptr + t * n * C + ri[:, None] * C + rc[None, :],
+            mask=i_ok[:, None] & (rc[None, :] < C),
+            other=0.0,
+        )
         du = tl.load(du_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
         acc += xs.to(ACC) * du[None, :]
     g_pre = tl.sum(acc, axis=1)  # ⟨du, x_i⟩
@@ -265,9 +364,24 @@ def coeff_bwd(
 
 @triton.jit
 def stream_grad(
-    dout_ptr, du_ptr, x_ptr, work_ptr, phi_ptr, h_ptr, hres_ptr, dx_ptr, T, C, tokens_per_prog,
-    n: tl.constexpr, NP: tl.constexpr, ZP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    dout_ptr,
+    du_ptr,
+    x_ptr,
+    work_ptr,
+    phi_ptr,
+    h_ptr,
+    hres_ptr,
+    dx_ptr,
+    T,
+    C,
+    tokens_per_prog,
+    n: tl.constexpr,
+    NP: tl.constexpr,
+    ZP: tl.constexpr,
+    BM: tl.constexpr,
+    BC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
     # block, for every stream, are loaded once and kept across its token loop
@@ -279,8 +393,11 @@ def stream_grad(
     rj = tl.arange(0, NP)
     c_ok = rc < C
     jc_ok = (rj[:, None] < n) & c_ok[None, :]
-    w = tl.load(phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
-                mask=(rz[:, None, None] < Z) & jc_ok[None, :, :], other=0.0)
+    w = tl.load(
+        phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
+        mask=(rz[:, None, None] < Z) & jc_ok[None, :, :],
+        other=0.0,
+    )
     w = tl.reshape(w, (ZP, NP * BC))
     t_begin = tl.program_id(1) * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
@@ -298,21 +415,37 @@ def stream_grad(
         acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
         # + h_pre[j] du
         row_j = m_ok[:, None] & (rj[None, :] < n)
-        du = tl.load(du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+        du = tl.load(
+            du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0
+        ).to(ACC)
         hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
         acc += hpre[:, :, None] * du[:, None, :]
         # + Σ_i h_res[i, j] dx'_i
         for i in tl.static_range(n):
             hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
-            di = tl.load(dout_ptr + tok[:, None] * K + i * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+            di = tl.load(
+                dout_ptr + tok[:, None] * K + i * C + rc[None, :],
+                mask=m_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
             acc += hi[:, :, None] * di.to(ACC)[:, None, :]
         tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
 
 
 @triton.jit
 def phi_grad(
-    work_ptr, x_ptr, out_ptr, T, K, Z, tokens_per_split,
-    ZP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    work_ptr,
+    x_ptr,
+    out_ptr,
+    T,
+    K,
+    Z,
+    tokens_per_split,
+    ZP: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
@@ -324,11 +457,18 @@ def phi_grad(
     for t0 in range(t_begin, t_end, BT):
         rt = t0 + tl.arange(0, BT)
         t_ok = rt < t_end
-        a = tl.load(work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
-                    mask=t_ok[None, :] & (rz[:, None] < Z), other=0.0)
-        xb = tl.load(x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        a = tl.load(
+            work_ptr + rt[None, :] * (2 * Z + 4) + rz[:, None],  # r·dz, the work rows' head
+            mask=t_ok[None, :] & (rz[:, None] < Z),
+            other=0.0,
+        )
+        xb = tl.load(
+            x_ptr + rt.to(tl.int64)[:, None] * K + rn[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0
+        )
         acc = tl.dot(a, xb.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
-    tl.store(out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :])
+    tl.store(
+        out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :]
+    )
 
 
 def acc_type(dtype: torch.dtype):

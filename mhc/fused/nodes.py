@@ -26,8 +26,16 @@ from . import steps as _steps
 from . import tokens as _tokens
 
 __all__ = [
-    "SiteState", "StreamsRecipe", "SitePre", "PostMix", "site_pre_node", "post_mix_node", "pre_forward",
-    "post_forward", "post_launch", "under_checkpoint",
+    "SiteState",
+    "StreamsRecipe",
+    "SitePre",
+    "PostMix",
+    "site_pre_node",
+    "post_mix_node",
+    "pre_forward",
+    "post_forward",
+    "post_launch",
+    "under_checkpoint",
 ]
 
 _dense = _steps.dense
@@ -47,7 +55,14 @@ class SiteState:
     __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams")
 
     def __init__(self, plan, eps: float, tol: float):
-        self.plan, self.eps, self.tol, self.d_out, self.switch_device, self.streams = plan, eps, tol, None, False, None
+        self.plan, self.eps, self.tol, self.d_out, self.switch_device, self.streams = (
+            plan,
+            eps,
+            tol,
+            None,
+            False,
+            None,
+        )
 
 
 class StreamsRecipe:

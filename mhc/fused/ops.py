@@ -28,10 +28,10 @@ import contextlib
 import torch
 from torch import Tensor
 
+from ..projection.common import NEWTON_MAX_ITER
 from . import plan as _plans
 from . import steps as _steps
 from . import tokens as _tokens
-from ..projection.common import NEWTON_MAX_ITER
 from .record import Backend, FusedSite
 
 __all__ = ["site_pre", "post_mix", "SitePre", "PostMix"]
@@ -48,7 +48,14 @@ def _coefficient_dtype(x: Tensor) -> torch.dtype:
 
 @torch.library.custom_op("mhc::fused_site_pre", mutates_args=())
 def _site_pre_op(
-    x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor, eps: float, tol: float
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    eps: float,
+    tol: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(u, zr, h, H_res)`` of :func:`mhc.fused.steps.pre_forward`."""
     x = _steps.dense(x)
@@ -75,8 +82,16 @@ def _site_pre_fake(x, phi, alpha, b_pre, b_post, b_res, eps, tol):
 
 @torch.library.custom_op("mhc::fused_site_pre_backward", mutates_args=())
 def _site_pre_backward_op(
-    d_out: Tensor, du: Tensor, d_h: Tensor, d_res: Tensor,
-    x: Tensor, phi: Tensor, alpha: Tensor, zr: Tensor, h: Tensor, H_res: Tensor,
+    d_out: Tensor,
+    du: Tensor,
+    d_h: Tensor,
+    d_res: Tensor,
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    zr: Tensor,
+    h: Tensor,
+    H_res: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dφ, dα, db_pre, db_post, db_res)`` of :func:`mhc.fused.steps.pre_backward`."""
     x = _steps.dense(x)
@@ -84,8 +99,19 @@ def _site_pre_backward_op(
     phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
     with _on_device(x):
         grads = _steps.pre_backward(
-            plan, d_out, du, d_h, d_res, x, phi, alpha, _steps.dense(zr), _steps.dense(h), _steps.dense(H_res),
-            True, True,
+            plan,
+            d_out,
+            du,
+            d_h,
+            d_res,
+            x,
+            phi,
+            alpha,
+            _steps.dense(zr),
+            _steps.dense(h),
+            _steps.dense(H_res),
+            True,
+            True,
         )
     # outputs of a custom op may not be views of one another
     return tuple(g.clone() if g._base is not None else g for g in grads)
@@ -96,8 +122,12 @@ def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
     n = x.shape[-2]
     cdt = _coefficient_dtype(x)
     return (
-        torch.empty_like(x), phi.new_empty(phi.shape, dtype=cdt), x.new_empty((3,), dtype=cdt),
-        x.new_empty((n,), dtype=cdt), x.new_empty((n,), dtype=cdt), x.new_empty((n, n), dtype=cdt),
+        torch.empty_like(x),
+        phi.new_empty(phi.shape, dtype=cdt),
+        x.new_empty((3,), dtype=cdt),
+        x.new_empty((n,), dtype=cdt),
+        x.new_empty((n,), dtype=cdt),
+        x.new_empty((n, n), dtype=cdt),
     )
 
 
@@ -123,7 +153,9 @@ def _post_mix_backward_op(dout: Tensor, x: Tensor, y: Tensor, h: Tensor) -> tupl
     """``(dy, dh, dH_res)`` of :func:`mhc.fused.steps.post_backward`."""
     x = _steps.dense(x)
     with _on_device(x):
-        return _steps.post_backward(_plans.plan_for(x), _steps.dense(dout), x, _steps.dense(y, x.dtype), _steps.dense(h))
+        return _steps.post_backward(
+            _plans.plan_for(x), _steps.dense(dout), x, _steps.dense(y, x.dtype), _steps.dense(h)
+        )
 
 
 @_post_mix_backward_op.register_fake
@@ -147,9 +179,16 @@ class SitePre(torch.autograd.Function):
         # d_link is dx' (what PostMix's backward returns for link), not a gradient of x itself.
         zeros = torch.zeros_like
         dx, dphi, d_alpha, db_pre, db_post, db_res = _site_pre_backward_op(
-            zeros(x) if d_link is None else d_link, zeros(x[..., 0, :]) if du is None else du,
-            zeros(h) if d_h is None else d_h, zeros(H_res) if d_res is None else d_res,
-            x, phi, alpha, zr, h, H_res,
+            zeros(x) if d_link is None else d_link,
+            zeros(x[..., 0, :]) if du is None else du,
+            zeros(h) if d_h is None else d_h,
+            zeros(H_res) if d_res is None else d_res,
+            x,
+            phi,
+            alpha,
+            zr,
+            h,
+            H_res,
         )
         return dx, dphi, d_alpha, db_pre, db_post, db_res, None, None
 

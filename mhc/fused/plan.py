@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels as _k
-from . import tokens as _tokens
 from ..projection import cuda as _projection_cuda
 from ..projection import effective_tol
+from . import kernels as _k
+from . import tokens as _tokens
 
 # Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -42,7 +42,7 @@ class Launcher:
         self.kernel = kernel
         self.variants = {}
 
-    def __call__(self, spec: "Launch", *args) -> None:
+    def __call__(self, spec: Launch, *args) -> None:
         # torch.compile traces Triton's own launch as a user-defined kernel.
         if not spec.cached or torch.compiler.is_compiling():
             self.kernel[spec.grid](*args, **spec.meta)
@@ -52,7 +52,7 @@ class Launcher:
             compiled = self.kernel[spec.grid](*args, **spec.meta)
             # Triton before its `knobs` module is not handled.
             if getattr(compiled, "function", None) is not None and hasattr(_k.triton, "knobs"):
-                constexprs = tuple(spec.meta[name] for name in self.kernel.arg_names[len(args):])
+                constexprs = tuple(spec.meta[name] for name in self.kernel.arg_names[len(args) :])
                 self.variants[spec.variant] = (compiled, compiled.run, constexprs)
             return
         compiled, run, constexprs = hit
@@ -93,7 +93,15 @@ class Launch:
 
 LAUNCHERS: dict[str, Launcher] = {
     name: Launcher(getattr(_k, name))
-    for name in ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
+    for name in (
+        "coeff_partial",
+        "coeff_fwd",
+        "postmix_fwd",
+        "postmix_bwd",
+        "coeff_bwd",
+        "stream_grad",
+        "phi_grad",
+    )
 }
 
 
@@ -149,12 +157,24 @@ class Plan:
         step_bytes = BK * (BM * dtype.itemsize + ZP * self.cdt.itemsize)
         self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
         self.coeff_partial = launch(
-            (_cdiv(T, BM), self.coeff_splits), (T, C, self.coeff_k_per_split),
-            n=n, BM=BM, BK=BK, ZP=ZP, **coeff_numerics, COMPILED=device.type == "cuda",
+            (_cdiv(T, BM), self.coeff_splits),
+            (T, C, self.coeff_k_per_split),
+            n=n,
+            BM=BM,
+            BK=BK,
+            ZP=ZP,
+            **coeff_numerics,
+            COMPILED=device.type == "cuda",
             num_stages=max(1, min(4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
         self.coeff_fwd = launch(
-            (_cdiv(T, 8),), (T, C, self.coeff_splits), n=n, BM=8, BC=min(256, _pow2(C, 16)), ZP=ZP, ACC=acc,
+            (_cdiv(T, 8),),
+            (T, C, self.coeff_splits),
+            n=n,
+            BM=8,
+            BC=min(256, _pow2(C, 16)),
+            ZP=ZP,
+            ACC=acc,
             COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
@@ -165,7 +185,9 @@ class Plan:
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
         self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
         # 1 warp, 256 columns: 42.6 / 52.2 µs at C = 768 / 2048 against 46.5 / 53.1 for 2 warps x 512.
-        self.coeff_bwd = launch((T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1)
+        self.coeff_bwd = launch(
+            (T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1
+        )
         # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
         # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
         # 32 over 128 with 3 stages (bf16, n=4, do_bench, sweep_site_kernels.py). Wider n keeps
@@ -176,14 +198,26 @@ class Plan:
         BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
         BM, self.stream_tokens, stages = (64, 256, 1) if NP <= 4 else (32, 128, 3)
         self.stream_grad = launch(
-            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)), (T, C, self.stream_tokens),
-            n=n, NP=NP, ZP=ZP, BM=BM, BC=BC, **numerics,
-            num_warps=4 if ZP * NP * BC <= 8192 else 8, num_stages=stages,
+            (_cdiv(C, BC), _cdiv(T, self.stream_tokens)),
+            (T, C, self.stream_tokens),
+            n=n,
+            NP=NP,
+            ZP=ZP,
+            BM=BM,
+            BC=BC,
+            **numerics,
+            num_warps=4 if ZP * NP * BC <= 8192 else 8,
+            num_stages=stages,
         )
         BT, BN = 32, 128
         self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
         self.phi_grad = launch(
-            (_cdiv(K, BN), self.phi_splits), (T, K, Z, self.phi_tokens), ZP=ZP, BT=BT, BN=BN, **numerics,
+            (_cdiv(K, BN), self.phi_splits),
+            (T, K, Z, self.phi_tokens),
+            ZP=ZP,
+            BT=BT,
+            BN=BN,
+            **numerics,
         )
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)

@@ -35,8 +35,17 @@ __all__ = ["pre", "post", "post_recording", "post_then_pre"]
 
 
 def pre(
-    backend: Backend, x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-    norm_eps: float, tol: float, streams: StreamsRecipe | None = None, norm: tuple[Tensor, float] | None = None,
+    backend: Backend,
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    norm_eps: float,
+    tol: float,
+    streams: StreamsRecipe | None = None,
+    norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, FusedSite]:
     """The first step: ``(u [..., C], site)`` on ``backend`` (not :attr:`~Backend.REFERENCE`).
 
@@ -65,7 +74,11 @@ def pre(
     step = site_pre_node if torch.is_grad_enabled() else pre_forward
     # The token kernels launch under the streams' device themselves (a CUDA guard in C++).
     device = plan.cuda_device
-    if not plan.tokens and device is not None and _k.triton.runtime.driver.active.get_current_device() != device:
+    if (
+        not plan.tokens
+        and device is not None
+        and _k.triton.runtime.driver.active.get_current_device() != device
+    ):
         # Triton launches on the current device (autograd's backward threads already set it).
         state.switch_device = True
         with torch.cuda.device(device):
@@ -109,12 +122,22 @@ def post_recording(y: Tensor, site: FusedSite, keep_every: int) -> tuple[Tensor,
     depth = 1 if state.streams is None else state.streams.depth + 1
     if depth >= keep_every:
         return out, None
-    return out, StreamsRecipe(x if state.streams is None else state.streams, y, site.h, site.h_res, state, depth)
+    return out, StreamsRecipe(
+        x if state.streams is None else state.streams, y, site.h, site.h_res, state, depth
+    )
 
 
 def post_then_pre(
-    y: Tensor, site: FusedSite, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-    norm_eps: float, tol: float, norm: tuple[Tensor, float] | None = None,
+    y: Tensor,
+    site: FusedSite,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    norm_eps: float,
+    tol: float,
+    norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor, FusedSite]:
     """:func:`post` and the next site's :func:`pre` (with its ``norm``) in one launch: ``(x', u', site')``.
 

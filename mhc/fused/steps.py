@@ -12,13 +12,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import plan as _plans
-from ..projection import cuda as _projection_cuda
 from ..projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
+from ..projection import cuda as _projection_cuda
+from . import plan as _plans
 
 __all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
 
-_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = _plans.LAUNCHERS.values()
+_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = (
+    _plans.LAUNCHERS.values()
+)
 
 
 def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -48,7 +50,9 @@ def pre_forward(plan, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: floa
     u = x.new_empty((*x.shape[:-2], C))
     part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
     _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
-    _coeff_fwd(plan.coeff_fwd, part, x, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps, plan.coeff_splits)
+    _coeff_fwd(
+        plan.coeff_fwd, part, x, alpha, b_pre, b_post, b_res, zr, h, R, u, T, C, eps, plan.coeff_splits
+    )
     if plan.cuda_projection:
         H_res = _projection_cuda.project_no_autograd(R, plan.projection_tol(tol), NEWTON_MAX_ITER)
     else:

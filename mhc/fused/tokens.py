@@ -24,7 +24,17 @@ from .. import _ext
 from ..projection import cuda as projection_cuda
 from ..projection.common import NEWTON_MAX_ITER
 
-__all__ = ["MAX_TOKENS", "takes", "takes_shape", "pre", "post", "pre_no_grad", "post_no_grad", "post_pre_no_grad", "unpack"]
+__all__ = [
+    "MAX_TOKENS",
+    "takes",
+    "takes_shape",
+    "pre",
+    "post",
+    "pre_no_grad",
+    "post_no_grad",
+    "post_pre_no_grad",
+    "unpack",
+]
 
 MAX_TOKENS = 128  # measured when coeff_fwd was one kernel of 64-token programs: a token's own blocks beat it up to here
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,14 +57,25 @@ def takes_shape(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     """:func:`takes` for streams of this shape, dtype and device (what :class:`mhc.fused.plan.Plan` records)."""
     global _extension
     n, C = shape[-2:]
-    if not (device.type == "cuda" and dtype in _DTYPES and n in (4, 8) and shape.numel() // (n * C) <= MAX_TOKENS):
+    if not (
+        device.type == "cuda" and dtype in _DTYPES and n in (4, 8) and shape.numel() // (n * C) <= MAX_TOKENS
+    ):
         return False
     _extension = _ext.extension()
     return _extension is not None
 
 
-def pre(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-        eps: float, tol_eff: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def pre(
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    eps: float,
+    tol_eff: float,
+    max_iter: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`mhc.fused.steps.pre_forward`'s ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
     Only for streams :func:`takes` accepted. ``x [..., n, C]`` dense, the
@@ -72,9 +93,17 @@ def post(x: Tensor, y: Tensor, h: Tensor, h_res: Tensor) -> Tensor:
     return _extension.site_post_tokens(x, y, h, h_res)
 
 
-def pre_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor, b_res: Tensor,
-                eps: float, tol: float, norm: tuple[Tensor, float] | None = None
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+def pre_no_grad(
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    eps: float,
+    tol: float,
+    norm: tuple[Tensor, float] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
     """The first step without grad (generation): ``(u [..., C], mix, x, normed)``, or ``None`` if these kernels do not run.
 
     One call into the extension, which decides (CUDA streams of float32 /
@@ -110,9 +139,19 @@ def post_no_grad(x: Tensor, y: Tensor, mix: Tensor) -> Tensor:
     return _extension.site_post_tokens_packed(x, y, mix)
 
 
-def post_pre_no_grad(x: Tensor, y: Tensor, mix: Tensor, phi: Tensor, alpha: Tensor, b_pre: Tensor, b_post: Tensor,
-                     b_res: Tensor, eps: float, tol: float, norm: tuple[Tensor, float] | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def post_pre_no_grad(
+    x: Tensor,
+    y: Tensor,
+    mix: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    eps: float,
+    tol: float,
+    norm: tuple[Tensor, float] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:func:`post_no_grad` and the next site's :func:`pre_no_grad` on its result in one launch: ``(x', u', mix', normed')``.
 
     ``x`` and ``mix`` from :func:`pre_no_grad` (so CUDA streams these kernels
@@ -130,4 +169,4 @@ def post_pre_no_grad(x: Tensor, y: Tensor, mix: Tensor, phi: Tensor, alpha: Tens
 def unpack(mix: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """``(h [T, 2n], H_res [T, n, n])``, views of :func:`pre_no_grad`'s ``mix``."""
     T = mix.numel() // (2 * n + n * n)
-    return mix[: T * 2 * n].view(T, 2 * n), mix[T * 2 * n:].view(T, n, n)
+    return mix[: T * 2 * n].view(T, 2 * n), mix[T * 2 * n :].view(T, n, n)

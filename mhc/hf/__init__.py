@@ -26,6 +26,11 @@ from .modeling import MHCDecoderLayer, MHCForCausalLM
 from .verify import NonFiniteWeightsError
 
 __all__ = [
-    "MHCConfig", "MHCForCausalLM", "MHCDecoderLayer", "MHC_FIELDS", "convert_to_mhc", "added_parameter_count",
+    "MHCConfig",
+    "MHCForCausalLM",
+    "MHCDecoderLayer",
+    "MHC_FIELDS",
+    "convert_to_mhc",
+    "added_parameter_count",
     "NonFiniteWeightsError",
 ]

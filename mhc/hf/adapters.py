@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 __all__ = [
     "Branch",
@@ -81,7 +81,9 @@ class Branch:
     layer_inputs: bool = False
 
     def module_names(self) -> tuple[str, ...]:
-        return tuple(name for name in (self.sublayer, self.norm, self.post_norm, self.dropout) if name is not None)
+        return tuple(
+            name for name in (self.sublayer, self.norm, self.post_norm, self.dropout) if name is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,7 @@ class Adapter:
     def from_dict(cls, data: dict[str, Any]) -> Adapter:
         """Inverse of :meth:`to_dict`; a ``ValueError`` naming what is wrong for a malformed dict."""
         try:
-            sites = tuple(
-                Site(s["name"], tuple(Branch(**b) for b in s["branches"])) for s in data["sites"]
-            )
+            sites = tuple(Site(s["name"], tuple(Branch(**b) for b in s["branches"])) for s in data["sites"])
             return cls(
                 layers=data["layers"],
                 final_norm=data["final_norm"],
@@ -180,7 +180,7 @@ class Adapter:
             raise ValueError(f"malformed mHC adapter description {data!r}: {err}") from None
 
 
-AdapterSpec = Union[Adapter, Callable[[Any], Adapter]]
+AdapterSpec = Adapter | Callable[[Any], Adapter]
 
 _LLAMA = Adapter.pre_norm()
 
@@ -188,7 +188,10 @@ _PHI3 = Adapter(
     layers="model.layers",
     final_norm="model.norm",
     sites=(
-        Site("attn", (Branch("self_attn", norm="input_layernorm", dropout="resid_attn_dropout", layer_inputs=True),)),
+        Site(
+            "attn",
+            (Branch("self_attn", norm="input_layernorm", dropout="resid_attn_dropout", layer_inputs=True),),
+        ),
         Site("mlp", (Branch("mlp", norm="post_attention_layernorm", dropout="resid_mlp_dropout"),)),
     ),
 )
@@ -198,9 +201,20 @@ _SANDWICH = Adapter(
     layers="model.layers",
     final_norm="model.norm",
     sites=(
-        Site("attn", (Branch("self_attn", norm="input_layernorm", post_norm="post_attention_layernorm",
-                             layer_inputs=True),)),
-        Site("mlp", (Branch("mlp", norm="pre_feedforward_layernorm", post_norm="post_feedforward_layernorm"),)),
+        Site(
+            "attn",
+            (
+                Branch(
+                    "self_attn",
+                    norm="input_layernorm",
+                    post_norm="post_attention_layernorm",
+                    layer_inputs=True,
+                ),
+            ),
+        ),
+        Site(
+            "mlp", (Branch("mlp", norm="pre_feedforward_layernorm", post_norm="post_feedforward_layernorm"),)
+        ),
     ),
 )
 
@@ -221,13 +235,16 @@ def _parallel(layers: str, final_norm: str, attn: Branch, mlp: Branch) -> Adapte
 
 # Cohere: x + attn(ln x) + mlp(ln x), one shared norm.
 _COHERE = _parallel(
-    "model.layers", "model.norm", Branch("self_attn", norm="input_layernorm", layer_inputs=True),
+    "model.layers",
+    "model.norm",
+    Branch("self_attn", norm="input_layernorm", layer_inputs=True),
     Branch("mlp", norm="input_layernorm"),
 )
 
 # Phi(-1/2): like Cohere, with one dropout module applied to both outputs.
 _PHI = _parallel(
-    "model.layers", "model.final_layernorm",
+    "model.layers",
+    "model.final_layernorm",
     Branch("self_attn", norm="input_layernorm", dropout="resid_dropout", layer_inputs=True),
     Branch("mlp", norm="input_layernorm", dropout="resid_dropout"),
 )
@@ -264,20 +281,26 @@ def _gpt_neox(config) -> Adapter:
     mlp = Branch("mlp", norm="post_attention_layernorm", dropout="post_mlp_dropout")
     if config.use_parallel_residual:
         return _parallel("gpt_neox.layers", "gpt_neox.final_layer_norm", attn, mlp)
-    return Adapter("gpt_neox.layers", "gpt_neox.final_layer_norm", (Site("attn", (attn,)), Site("mlp", (mlp,))))
+    return Adapter(
+        "gpt_neox.layers", "gpt_neox.final_layer_norm", (Site("attn", (attn,)), Site("mlp", (mlp,)))
+    )
 
 
 def _stablelm(config) -> Adapter:
     """Parallel with one shared norm when ``use_parallel_residual``, else pre-norm; dropout on the MLP output."""
     attn = Branch("self_attn", norm="input_layernorm", layer_inputs=True)
     if config.use_parallel_residual:
-        return _parallel("model.layers", "model.norm", attn, Branch("mlp", norm="input_layernorm", dropout="dropout"))
+        return _parallel(
+            "model.layers", "model.norm", attn, Branch("mlp", norm="input_layernorm", dropout="dropout")
+        )
     mlp = Branch("mlp", norm="post_attention_layernorm", dropout="dropout")
     return Adapter("model.layers", "model.norm", (Site("attn", (attn,)), Site("mlp", (mlp,))))
 
 
 ADAPTERS: dict[str, AdapterSpec] = {
-    **dict.fromkeys(["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "mixtral", "qwen3_moe"], _LLAMA),
+    **dict.fromkeys(
+        ["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "mixtral", "qwen3_moe"], _LLAMA
+    ),
     "phi3": _PHI3,
     "stablelm": _stablelm,
     "cohere": _COHERE,
@@ -314,7 +337,9 @@ def register_adapter(model_type: str, adapter: AdapterSpec) -> AdapterSpec | Non
     if not isinstance(model_type, str) or not model_type:
         raise TypeError(f"model_type must be a non-empty str, got {model_type!r}")
     if not (isinstance(adapter, Adapter) or callable(adapter)):
-        raise TypeError(f"adapter must be an Adapter or a function config -> Adapter, got {type(adapter).__name__}")
+        raise TypeError(
+            f"adapter must be an Adapter or a function config -> Adapter, got {type(adapter).__name__}"
+        )
     previous = ADAPTERS.get(model_type)
     ADAPTERS[model_type] = adapter
     return previous
@@ -337,6 +362,8 @@ def registered_adapter(config) -> Adapter | None:
         return spec
     adapter = spec(config)
     if not isinstance(adapter, Adapter):
-        raise TypeError(f"the adapter function for {config.model_type!r} returned {type(adapter).__name__}, "
-                        "not an Adapter")
+        raise TypeError(
+            f"the adapter function for {config.model_type!r} returned {type(adapter).__name__}, "
+            "not an Adapter"
+        )
     return adapter

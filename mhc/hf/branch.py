@@ -32,11 +32,15 @@ def is_llama_rms_norm(norm: nn.Module) -> bool:
 
         mine, llama = getattr(cls.forward, "__code__", None), LlamaRMSNorm.forward.__code__
         known = mine is not None and (mine.co_code, mine.co_names, mine.co_consts) == (
-            llama.co_code, llama.co_names, llama.co_consts
+            llama.co_code,
+            llama.co_names,
+            llama.co_consts,
         )
         _RMS_NORM_CLASSES[cls] = known
     return (
-        known and "forward" not in norm.__dict__ and not (norm._forward_hooks or norm._forward_pre_hooks)
+        known
+        and "forward" not in norm.__dict__
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
         and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
         and isinstance(norm._parameters.get("weight"), Tensor)
         and isinstance(norm.__dict__.get("variance_epsilon"), float)

@@ -18,8 +18,8 @@ except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as _BaseConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .adapters import Adapter, registered_adapter, supported_model_types
 from ..options import MHCOptions, check_options, close_option
+from .adapters import Adapter, registered_adapter, supported_model_types
 
 __all__ = ["MHCConfig", "MHC_FIELDS"]
 
@@ -27,8 +27,17 @@ __all__ = ["MHCConfig", "MHC_FIELDS"]
 # model's alone: PretrainedConfig validates them on the wrapper too, and transformers 5.17 reads
 # Gemma3's per-layer-type dict through the wrapper as a flat one (AttributeError at conversion).
 _NOT_DELEGATED = frozenset(
-    {"model_type", "architectures", "auto_map", "transformers_version", "quantization_config", "dtype", "torch_dtype",
-     "rope_parameters", "rope_scaling"}
+    {
+        "model_type",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "quantization_config",
+        "dtype",
+        "torch_dtype",
+        "rope_parameters",
+        "rope_scaling",
+    }
 )
 
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
@@ -36,8 +45,19 @@ _BLOCK_FIELDS = ("n_streams", *MHCOptions.fields())
 MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
 # Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
 _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
-    {"torch_dtype", "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-     "decoder_start_token_id", "use_cache", "tie_word_embeddings", "rope_parameters", "rope_scaling"}
+    {
+        "torch_dtype",
+        "name_or_path",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "use_cache",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_scaling",
+    }
 )
 
 
@@ -142,7 +162,9 @@ class MHCConfig(_BaseConfig):
         elif isinstance(base_config, dict):
             base_config = copy.deepcopy(dict(base_config))
         else:
-            raise TypeError(f"base_config must be a PretrainedConfig or a dict, got {type(base_config).__name__}")
+            raise TypeError(
+                f"base_config must be a PretrainedConfig or a dict, got {type(base_config).__name__}"
+            )
         base_config.pop("transformers_version", None)
         if base_config and not base_config.get("model_type"):
             raise ValueError("base_config needs its 'model_type' (e.g. 'llama')")
@@ -151,8 +173,16 @@ class MHCConfig(_BaseConfig):
         _reject_misspelled_fields(kwargs, base_config)
         n_streams = check_options(n_streams=n_streams)["n_streams"]
         opts = MHCOptions(
-            mode=mode, init=init, projection=projection, tol=tol, sinkhorn_iters=sinkhorn_iters, fused=fused,
-            recompute=recompute, keep_streams_every=keep_streams_every, alpha_init=alpha_init, norm_eps=norm_eps,
+            mode=mode,
+            init=init,
+            projection=projection,
+            tol=tol,
+            sinkhorn_iters=sinkhorn_iters,
+            fused=fused,
+            recompute=recompute,
+            keep_streams_every=keep_streams_every,
+            alpha_init=alpha_init,
+            norm_eps=norm_eps,
         )
         if expand != "copy":
             raise ValueError(f"expand must be 'copy', got {expand!r}")
@@ -167,7 +197,9 @@ class MHCConfig(_BaseConfig):
         if isinstance(adapter, dict):
             adapter = Adapter.from_dict(adapter)
         elif adapter is not None and not isinstance(adapter, Adapter):
-            raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}")
+            raise TypeError(
+                f"adapter must be an mhc.hf.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}"
+            )
         self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
 
@@ -199,7 +231,9 @@ class MHCConfig(_BaseConfig):
 
     def options(self) -> MHCOptions:
         """The site settings as an :class:`mhc.MHCOptions` (checked again: the fields are assignable)."""
-        return MHCOptions.from_dict({name: getattr(self, name) for name in MHCOptions.fields()}, owner="MHCConfig")
+        return MHCOptions.from_dict(
+            {name: getattr(self, name) for name in MHCOptions.fields()}, owner="MHCConfig"
+        )
 
     def get_base_config(self) -> _BaseConfig:
         """A fresh config object of the wrapped architecture, built from ``base_config``."""

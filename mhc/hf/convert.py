@@ -51,7 +51,11 @@ def _restore_layers(model: PreTrainedModel, adapter: Adapter, originals: list[nn
 
 
 def convert_to_mhc(
-    model: PreTrainedModel, n_streams: int = 4, *, adapter: Adapter | None = None, verify: bool | None = None,
+    model: PreTrainedModel,
+    n_streams: int = 4,
+    *,
+    adapter: Adapter | None = None,
+    verify: bool | None = None,
     **mhc_options,
 ) -> MHCForCausalLM:
     """Put mHC into an existing HF causal LM, keeping every one of its weights.
@@ -125,7 +129,9 @@ def convert_to_mhc(
         try:
             with identity_coefficients(mhc_model):
                 _, converted = reference_logits(mhc_model, probe_ids)
-            check_logits(reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})")
+            check_logits(
+                reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})"
+            )
         except Exception:
             _restore_layers(model, adapter, originals)
             mhc_model._final_norm_hook.remove()

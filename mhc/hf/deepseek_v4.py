@@ -36,7 +36,12 @@ from ..options import MHCOptions
 from ..projection import marginal_error
 
 __all__ = [
-    "DeepseekV4Site", "PARAMETER_NAMES", "read_hyper_connection", "deepseek_v4_settings", "truncation_gap", "gap_table",
+    "DeepseekV4Site",
+    "PARAMETER_NAMES",
+    "read_hyper_connection",
+    "deepseek_v4_settings",
+    "truncation_gap",
+    "gap_table",
 ]
 
 PARAMETER_NAMES = ("phi", "alpha", "b_pre", "b_post", "b_res")
@@ -123,10 +128,14 @@ def read_hyper_connection(hc: object) -> DeepseekV4Site:
     fn, base, scale = (_attribute(hc, name) for name in ("fn", "base", "scale"))
     for name, t in (("fn", fn), ("base", base), ("scale", scale)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"DeepseekV4HyperConnection.{name} must be a floating tensor, got {type(t).__name__}")
+            raise TypeError(
+                f"DeepseekV4HyperConnection.{name} must be a floating tensor, got {type(t).__name__}"
+            )
     rows = (2 + n) * n
     if fn.dim() != 2 or fn.shape[0] != rows or fn.shape[1] % n or fn.shape[1] == 0:
-        raise ValueError(f"DeepseekV4HyperConnection.fn must be [(2 + n)·n, n·C] = [{rows}, {n}·C], got {tuple(fn.shape)}")
+        raise ValueError(
+            f"DeepseekV4HyperConnection.fn must be [(2 + n)·n, n·C] = [{rows}, {n}·C], got {tuple(fn.shape)}"
+        )
     if tuple(base.shape) != (rows,) or tuple(scale.shape) != (3,):
         raise ValueError(
             f"DeepseekV4HyperConnection.base must be [{rows}] and scale [3], got {tuple(base.shape)} and {tuple(scale.shape)}"
@@ -184,11 +193,19 @@ def deepseek_v4_settings(hc: object, projection: str, options: dict) -> tuple[De
         raise ValueError(f"from_deepseek_v4: projection must be 'sinkhorn' or 'newton', got {projection!r}")
     clash = sorted(set(options) & set(_FIXED_BY_HC))
     if clash:
-        raise ValueError(f"from_deepseek_v4 takes {', '.join(clash)} from the hyper-connection; do not pass them")
+        raise ValueError(
+            f"from_deepseek_v4 takes {', '.join(clash)} from the hyper-connection; do not pass them"
+        )
     site = read_hyper_connection(hc)
     keywords = dict(
-        hidden_size=site.hidden_size, n_streams=site.n_streams, mode="mhc", projection=projection,
-        sinkhorn_iters=site.sinkhorn_iters, norm_eps=site.norm_eps, pre_eps=site.hc_eps, sinkhorn_eps=site.hc_eps,
+        hidden_size=site.hidden_size,
+        n_streams=site.n_streams,
+        mode="mhc",
+        projection=projection,
+        sinkhorn_iters=site.sinkhorn_iters,
+        norm_eps=site.norm_eps,
+        pre_eps=site.hc_eps,
+        sinkhorn_eps=site.hc_eps,
         **options,
     )
     return site, keywords
@@ -241,7 +258,10 @@ def gap_table(scales: tuple[float, ...] = (0.1, 1.0, 3.0, 10.0), seeds: int = 5)
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
     n, C = 4, 64
-    rows = ["| comb logit std | marginal error, 20 rounds (max) | ‖out_exact − out_sk20‖ / ‖out‖ (max) |", "|---|---|---|"]
+    rows = [
+        "| comb logit std | marginal error, 20 rounds (max) | ‖out_exact − out_sk20‖ / ‖out‖ (max) |",
+        "|---|---|---|",
+    ]
     for spread in scales:
         gaps = []
         for seed in range(seeds):

@@ -179,15 +179,19 @@ class _Layout:
         """The branch of sublayer ``call``, the tensor its input chain started from, and its output value."""
         call.used = True
         norm, start = None, call.inp
-        producer = next((c for c in reversed(self.calls[: self.calls.index(call)]) if _same(c.out, call.inp)), None)
+        producer = next(
+            (c for c in reversed(self.calls[: self.calls.index(call)]) if _same(c.out, call.inp)), None
+        )
         if producer is not None:
             if producer.kind != "norm":
-                raise self.fail(f"{call.name!r} reads the output of {producer.name!r} ({producer.kind}), not a norm's")
+                raise self.fail(
+                    f"{call.name!r} reads the output of {producer.name!r} ({producer.kind}), not a norm's"
+                )
             producer.used = True
             norm, start = producer.name, producer.inp
         post_norm = dropout = None
         value = call.out
-        for later in self.calls[self.calls.index(call) + 1:]:
+        for later in self.calls[self.calls.index(call) + 1 :]:
             if later.used or not _same(later.inp, value):
                 continue
             if later.kind == "norm" and post_norm is None and dropout is None:
@@ -198,37 +202,51 @@ class _Layout:
                 continue
             later.used = True
             value = later.out
-        return Branch(call.name, norm=norm, post_norm=post_norm, dropout=dropout, layer_inputs=layer_inputs), start, value
+        return (
+            Branch(call.name, norm=norm, post_norm=post_norm, dropout=dropout, layer_inputs=layer_inputs),
+            start,
+            value,
+        )
 
     def check_close(self, got: Tensor, want: Tensor, what: str) -> None:
         tol = _REL_TOL.get(want.dtype, 1e-5) * max(1.0, want.abs().max().item())
         diff = (got.float() - want.float()).abs().max().item()
         if diff > tol:
-            raise self.fail(f"{what} (max |difference| {diff:.3g}, tolerance {tol:.3g}); a scaled residual "
-                            "(e.g. residual_multiplier) or a computation outside the sublayers needs its own adapter")
+            raise self.fail(
+                f"{what} (max |difference| {diff:.3g}, tolerance {tol:.3g}); a scaled residual "
+                "(e.g. residual_multiplier) or a computation outside the sublayers needs its own adapter"
+            )
 
     def sites(self) -> tuple[Site, ...]:
         sublayers = [c for c in self.calls if c.kind == "sublayer"]
         if len(sublayers) != 2 or sublayers[0].name == sublayers[1].name:
-            raise self.fail(f"it calls the sublayers {[c.name for c in sublayers]}; the generic adapter knows "
-                            "one attention followed by one MLP (a submodule counts as a norm if its class name "
-                            "contains 'Norm', as a dropout if it is an nn.Dropout, else as a sublayer)")
+            raise self.fail(
+                f"it calls the sublayers {[c.name for c in sublayers]}; the generic adapter knows "
+                "one attention followed by one MLP (a submodule counts as a norm if its class name "
+                "contains 'Norm', as a dropout if it is an nn.Dropout, else as a sublayer)"
+            )
         attn_call, mlp_call = sublayers
         attn, attn_start, a = self.branch(attn_call, layer_inputs=True)
         if not _same(attn_start, self.x):
-            raise self.fail(f"the attention {attn_call.name!r} does not read the layer input (or a norm of it)")
+            raise self.fail(
+                f"the attention {attn_call.name!r} does not read the layer input (or a norm of it)"
+            )
         mlp, mlp_start, m = self.branch(mlp_call, layer_inputs=False)
         if _same(mlp_start, self.x):  # parallel residual: both read x
             self.check_close(self.x + a + m, self.out, "its output is not x + attn + mlp")
             sites = (Site("parallel", (attn, mlp)),)
         else:
-            self.check_close(mlp_start, self.x + a, "the MLP's input is neither x (parallel) nor x + attn (sequential)")
+            self.check_close(
+                mlp_start, self.x + a, "the MLP's input is neither x (parallel) nor x + attn (sequential)"
+            )
             self.check_close(mlp_start + m, self.out, "its output is not h + mlp with h = x + attn")
             sites = (Site("attn", (attn,)), Site("mlp", (mlp,)))
         unused = [c.name for c in self.calls if not c.used]
         if unused:
-            raise self.fail(f"submodule(s) {unused} run, but not as a norm, post-norm or dropout of the attention "
-                            "or the MLP")
+            raise self.fail(
+                f"submodule(s) {unused} run, but not as a norm, post-norm or dropout of the attention "
+                "or the MLP"
+            )
         return sites
 
 
@@ -247,7 +265,9 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
     if not isinstance(num_layers, int) or num_layers < 1:
         raise UnsupportedLayoutError(f"{type(model).__name__}'s config has no num_hidden_layers")
     if any(p.is_meta for p in model.parameters()):
-        raise UnsupportedLayoutError("the generic adapter runs the model once, and this one has weights on 'meta'")
+        raise UnsupportedLayoutError(
+            "the generic adapter runs the model once, and this one has weights on 'meta'"
+        )
     layers_path, layers = find_layers(model, num_layers)
     recorder = _Recorder(model, layers)
     try:
@@ -258,15 +278,22 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
     layer_name = type(layers[0]).__name__
     io = recorder.layer_io
     if any(t is None for pair in io for t in pair):
-        raise UnsupportedLayoutError(f"not every {layer_name} in {layers_path!r} ran on a hidden-state tensor")
+        raise UnsupportedLayoutError(
+            f"not every {layer_name} in {layers_path!r} ran on a hidden-state tensor"
+        )
     for i in range(num_layers - 1):
         if not _same(io[i][1], io[i + 1][0]):
-            raise UnsupportedLayoutError(f"the model changes the hidden state between decoder layers {i} and {i + 1}")
+            raise UnsupportedLayoutError(
+                f"the model changes the hidden state between decoder layers {i} and {i + 1}"
+            )
     sites = _Layout(recorder.calls, io[0][0], io[0][1], layer_name).sites()
 
     last = io[-1][1]
-    after = [(order, name) for order, name, inp in recorder.outer_norms
-             if order > recorder.last_layer_order and _same(inp, last)]
+    after = [
+        (order, name)
+        for order, name, inp in recorder.outer_norms
+        if order > recorder.last_layer_order and _same(inp, last)
+    ]
     if not after:
         raise UnsupportedLayoutError(f"no norm outside the layers reads the last {layer_name}'s output")
     return Adapter(layers=layers_path, final_norm=min(after)[1], sites=sites)
@@ -322,10 +349,14 @@ def check_adapter_fits(model: nn.Module, adapter: Adapter) -> None:
                 problem = f"has no {adapter.final_norm!r} (the adapter's final norm)"
             if problem is None and len(layers):
                 names = [n for site in adapter.sites for b in site.branches for n in b.module_names()]
-                missing = [n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)]
+                missing = [
+                    n for n in dict.fromkeys(names) if not isinstance(getattr(layers[0], n, None), nn.Module)
+                ]
                 if missing:
-                    problem = (f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
-                               f"{', '.join(map(repr, missing))} (which the adapter's sites use)")
+                    problem = (
+                        f"has decoder layers ({type(layers[0]).__name__}) with no submodule "
+                        f"{', '.join(map(repr, missing))} (which the adapter's sites use)"
+                    )
     if problem is None:
         return
     config = getattr(model, "config", None)

@@ -65,22 +65,24 @@ except ImportError:  # pragma: no cover - very old transformers
     GradientCheckpointingLayer = nn.Module
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .adapters import Adapter
-from .generic import check_adapter_fits
 from ..block import MHCBlock
+from ..streams import StreamReduce, expand_streams
+from .adapters import Adapter
+from .branch import SiteBranch
 from .config import MHCConfig
 from .custom_code import AUTO_MAP, CODE_FILE, write_code_file
-from .branch import SiteBranch
+from .generic import check_adapter_fits
 from .verify import (
     check_finite_weights,
 )
-from ..streams import StreamReduce, expand_streams
 
 __all__ = ["MHCForCausalLM", "MHCDecoderLayer"]
 
 _MISSING = object()
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
-_SAVE_HAS_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
+_SAVE_HAS_ORIGINAL_FORMAT = (
+    "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
+)
 
 
 def _positional_names(fn) -> tuple[str, ...]:
@@ -108,12 +110,16 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
     # (mhc.hf.branch.SiteBranch.fusable_input_norm): a decode step's norms cost host time, not GPU time.
     fuse_input_norm: bool = True
 
-    def __init__(self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool):
+    def __init__(
+        self, layer: nn.Module, adapter: Adapter, config: MHCConfig, layer_idx: int, expand_input: bool
+    ):
         super().__init__()
         for site in adapter.sites:
             for name in (n for b in site.branches for n in b.module_names()):
                 if not isinstance(getattr(layer, name, None), nn.Module):
-                    raise ValueError(f"{type(layer).__name__} has no submodule {name!r}; the mHC adapter does not fit it")
+                    raise ValueError(
+                        f"{type(layer).__name__} has no submodule {name!r}; the mHC adapter does not fit it"
+                    )
             if hasattr(layer, site.module_name):
                 raise ValueError(f"{type(layer).__name__} already has an attribute {site.module_name!r}")
         for name, child in layer.named_children():
@@ -124,7 +130,11 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
             self.register_buffer(name, b, persistent=name not in layer._non_persistent_buffers_set)
         for key, value in vars(layer).items():  # plain attributes (e.g. attention_type) the loop may read
             # (not callables: transformers 4.x can leave a bound `forward` behind in a layer's __dict__)
-            if not key.startswith("_") and key not in ("training", "gradient_checkpointing") and not callable(value):
+            if (
+                not key.startswith("_")
+                and key not in ("training", "gradient_checkpointing")
+                and not callable(value)
+            ):
                 setattr(self, key, value)
         self.train(layer.training)
 
@@ -143,10 +153,14 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         opts = config.options()
         k = len(adapter.sites)
         for j, site in enumerate(adapter.sites):
-            block = MHCBlock(SiteBranch(self, j), hidden, config.n_streams, layer_index=k * layer_idx + j, options=opts)
+            block = MHCBlock(
+                SiteBranch(self, j), hidden, config.n_streams, layer_index=k * layer_idx + j, options=opts
+            )
             self.add_module(site.module_name, block)
 
-    def site_branch(self, index: int, u: Tensor, normed_input: Tensor | None = None, **layer_inputs) -> Tensor:
+    def site_branch(
+        self, index: int, u: Tensor, normed_input: Tensor | None = None, **layer_inputs
+    ) -> Tensor:
         """The residual update of site ``index`` from its pre-mixed input ``u: [B, S, C]`` (the block's branch).
 
         The sum over the site's branches of ``scale * dropout(post_norm(sublayer(norm(u))))``; branches
@@ -175,14 +189,18 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if args:  # (HF's loops pass everything after hidden_states by keyword)
             if len(args) > len(self._input_names):
-                raise TypeError(f"{self.wrapped_class} takes at most {len(self._input_names) + 1} positional arguments")
+                raise TypeError(
+                    f"{self.wrapped_class} takes at most {len(self._input_names) + 1} positional arguments"
+                )
             inputs = dict(zip(self._input_names, args))
             inputs.update(kwargs)
         else:
             inputs = kwargs
         for name in self._unsupported:
             if inputs.pop(name, None) is not None:
-                raise NotImplementedError(f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}")
+                raise NotImplementedError(
+                    f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}"
+                )
         x = expand_streams(hidden_states, self.n_streams) if self.expand_input else hidden_states
         modules = self._modules  # (as in site_branch)
         for name, takes_inputs in zip(self.site_names, self._site_takes_inputs):
@@ -282,7 +300,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         """
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if check_finite:
-            check_finite_weights(loaded[0] if isinstance(loaded, tuple) else loaded, pretrained_model_name_or_path)
+            check_finite_weights(
+                loaded[0] if isinstance(loaded, tuple) else loaded, pretrained_model_name_or_path
+            )
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -303,7 +323,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         main = args[0] if args else kwargs.get("is_main_process", True)
         if os.path.isfile(save_directory):  # transformers' own error for this case
             return super().save_pretrained(save_directory, *args, **kwargs)
-        if main and not getattr(self, "_hf_peft_config_loaded", False):  # (adapter-only saves write no config)
+        if main and not getattr(
+            self, "_hf_peft_config_loaded", False
+        ):  # (adapter-only saves write no config)
             write_code_file(save_directory)
         config = self.config
         before = config.__dict__.get("auto_map", _MISSING)
@@ -358,7 +380,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         they are initialised here first, then everything else as usual.
         """
         for module in self.modules():
-            if isinstance(module, (MHCBlock, StreamReduce)) and not getattr(module, "_is_hf_initialized", False):
+            if isinstance(module, (MHCBlock, StreamReduce)) and not getattr(
+                module, "_is_hf_initialized", False
+            ):
                 self._init_weights(module)
                 module._is_hf_initialized = True
         super().initialize_weights()

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .generic import probe_input_ids
 from ..block import MHCBlock
+from .generic import probe_input_ids
 
 __all__ = [
     "VERIFY_AUTO_MAX_PARAMETERS",
@@ -137,7 +137,9 @@ def _checked_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """
     seen: set[int] = set()
     for prefix, module in model.named_modules():
-        persistent = ((n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set)
+        persistent = (
+            (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set
+        )
         for name, t in (*module._parameters.items(), *persistent):
             if t is None or id(t) in seen:
                 continue
@@ -217,7 +219,11 @@ def check_finite_weights(model: nn.Module, source: Any = None, max_listed: int =
     listed = "; ".join(f"{name} ({_describe(tensors[name])})" for name in bad[:max_listed])
     if len(bad) > max_listed:
         listed += f"; and {len(bad) - max_listed} more"
-    where = f"{type(model).__name__}.from_pretrained({str(source)!r})" if source is not None else type(model).__name__
+    where = (
+        f"{type(model).__name__}.from_pretrained({str(source)!r})"
+        if source is not None
+        else type(model).__name__
+    )
     raise NonFiniteWeightsError(
         f"{where}: {len(bad)} of {len(tensors)} loaded tensors hold NaN or Inf, so the model would compute "
         f"NaN: {listed}. The weights file is damaged (an interrupted download or copy, a failing disk) or "

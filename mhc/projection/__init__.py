@@ -116,10 +116,21 @@ def birkhoff_project(
     # The common call (CUDA kernels, plain options) in a few exact type tests that imply every
     # check of check_arguments, then projection_cuda.project_fast's call made inline: at small
     # batches this wrapper's host time is the call's cost, and a Python frame a visible part of it.
-    if type(logits) is Tensor and method is _NEWTON and return_info is False and (
-        tol is _TOL and max_iter is _MAX_ITER and iters is _ITERS
-        or type(tol) is float and 0.0 < tol < math.inf and type(max_iter) is int and max_iter >= 0
-        and type(iters) is int and iters >= 1
+    if (
+        type(logits) is Tensor
+        and method is _NEWTON
+        and return_info is False
+        and (
+            tol is _TOL
+            and max_iter is _MAX_ITER
+            and iters is _ITERS
+            or type(tol) is float
+            and 0.0 < tol < math.inf
+            and type(max_iter) is int
+            and max_iter >= 0
+            and type(iters) is int
+            and iters >= 1
+        )
     ):
         forward = projection_cuda.fast_forward  # None until the extension loads, or when switched off
         if forward is not None and not _is_compiling():  # dynamo traces the op instead

@@ -116,7 +116,9 @@ def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
     if not (math.isfinite(tol) and tol > 0):
         raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {tol!r}")
     if not _is_int(max_iter):
-        raise TypeError(f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}")
+        raise TypeError(
+            f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}"
+        )
     if max_iter < 0:
         # 0 is allowed: the initial Sinkhorn sweep only, reported honestly as unconverged.
         raise ValueError(f"birkhoff_project: max_iter must be >= 0, got {max_iter}")
@@ -179,7 +181,13 @@ def warn_unconverged(error: Tensor, tol: float, max_iter: int) -> int:
 
 
 def newton_report(
-    iterations: Tensor, error: Tensor, tol: float, max_iter: int, batch_shape: torch.Size, *, warn: bool = True
+    iterations: Tensor,
+    error: Tensor,
+    tol: float,
+    max_iter: int,
+    batch_shape: torch.Size,
+    *,
+    warn: bool = True,
 ) -> ProjectionInfo:
     """Build the :class:`ProjectionInfo` of a Newton solve (``iterations``, ``error``: flat ``[B]``).
 

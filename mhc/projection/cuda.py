@@ -45,8 +45,18 @@ from .common import ConvergenceWarning, effective_tol, newton_report
 from .reference import birkhoff_backward
 
 __all__ = [
-    "available", "extension", "fast_forward", "supports", "project", "project_fast", "project_no_autograd", "poll",
-    "unconverged_count", "check_convergence", "reset_convergence_tracking", "set_enabled",
+    "available",
+    "extension",
+    "fast_forward",
+    "supports",
+    "project",
+    "project_fast",
+    "project_no_autograd",
+    "poll",
+    "unconverged_count",
+    "check_convergence",
+    "reset_convergence_tracking",
+    "set_enabled",
 ]
 
 SUPPORTED_N = (4, 8)

@@ -415,7 +415,10 @@ def _permutation_union(rows: list[list[bool]]) -> list[list[bool]] | None:
         for a in range(n):
             if reach[a] & bit:
                 reach[a] |= reach[k]
-    return [[rows[i][j] and (row_of[j] == i or bool(reach[row_of[j]] >> i & 1)) for j in range(n)] for i in range(n)]
+    return [
+        [rows[i][j] and (row_of[j] == i or bool(reach[row_of[j]] >> i & 1)) for j in range(n)]
+        for i in range(n)
+    ]
 
 
 def _sinkhorn(R: Tensor, iters: int) -> Tensor:
@@ -489,7 +492,9 @@ def project_unchecked(
         else:
             T, iterations, error = _newton_op(R, tol, max_iter)
         # the op itself warned about missed tolerances, at run time also under torch.compile
-        info = newton_report(iterations, error, tol, max_iter, shape[:-2], warn=False) if return_info else None
+        info = (
+            newton_report(iterations, error, tol, max_iter, shape[:-2], warn=False) if return_info else None
+        )
 
     T = T.reshape(shape).to(logits.dtype)
     return (T, info) if return_info else T

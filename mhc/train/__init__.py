@@ -57,10 +57,24 @@ from .distributed import resolve_device
 from .loop import TrainingStoppedError, train
 from .model import build_model, lr_lambda
 from .reporting import plot_run, read_metrics
-from .resume import RESUME_FIXED, RESUME_OVERRIDABLE, RESUME_SESSION, check_resume_changes, config_changes, resume_config
+from .resume import (
+    RESUME_FIXED,
+    RESUME_OVERRIDABLE,
+    RESUME_SESSION,
+    check_resume_changes,
+    config_changes,
+    resume_config,
+)
 from .rng import rng_state, set_rng_state
 from .run_dir import RunDirLock, RunDirLockedError, RunDirSetupError
-from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, load_gpt2_tokenizer, load_tokenizer, save_hf_tokenizer
+from .tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    build_tokenizer,
+    load_gpt2_tokenizer,
+    load_tokenizer,
+    save_hf_tokenizer,
+)
 
 __all__ = [
     # settings

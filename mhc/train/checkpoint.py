@@ -75,7 +75,9 @@ MODEL_CONFIG = "config.json"
 # What the loader reads: a manifest without any of these is not a checkpoint.
 REQUIRED_FILES = frozenset({MODEL_CONFIG, MODEL_WEIGHTS, TRAINER_STATE, TRAINER_TENSORS})
 # Written beside them for from_pretrained / AutoTokenizer users; never read when resuming.
-TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer_mhc.json", "special_tokens_map.json"})
+TOKENIZER_FILES = frozenset(
+    {"tokenizer.json", "tokenizer_config.json", "tokenizer_mhc.json", "special_tokens_map.json"}
+)
 # mHC models' loader for transformers' Auto classes without `import mhc` (mhc.hf.custom_code); never run here.
 LOADER_FILE = "modeling_mhc.py"
 ALLOWED_FILES = REQUIRED_FILES | TOKENIZER_FILES | {LOADER_FILE}
@@ -122,7 +124,9 @@ def encode_tree(obj: Any) -> tuple[Any, dict[str, Tensor]]:
             if all(isinstance(k, int) and not isinstance(k, bool) for k in x):
                 return {"__int_keys__": {str(k): enc(v) for k, v in x.items()}}
             raise TypeError(f"state dict keys must be all str or all int, got {sorted(map(repr, x))[:5]}")
-        raise TypeError(f"cannot store a {type(x).__name__} in a checkpoint's trainer state (JSON + tensors only)")
+        raise TypeError(
+            f"cannot store a {type(x).__name__} in a checkpoint's trainer state (JSON + tensors only)"
+        )
 
     return enc(obj), tensors
 
@@ -137,7 +141,9 @@ def decode_tree(tree: Any, tensors: dict[str, Tensor]) -> Any:
             if "__tensor__" in x:
                 key = x["__tensor__"]
                 if key not in tensors:
-                    raise CheckpointError(f"the trainer state refers to tensor {key!r}, which {TRAINER_TENSORS} lacks")
+                    raise CheckpointError(
+                        f"the trainer state refers to tensor {key!r}, which {TRAINER_TENSORS} lacks"
+                    )
                 return tensors[key]
             if "__tuple__" in x:
                 return tuple(dec(v) for v in x["__tuple__"])
@@ -219,7 +225,11 @@ def _dedup_shared(sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, s
     """Drop tensors that alias an earlier one (tied weights): safetensors refuses shared storage."""
     out, aliases, seen = {}, {}, {}
     for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
+        key = (
+            (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
+            if v.numel()
+            else None
+        )
         if key is not None and key in seen:
             aliases[k] = seen[key]
             continue
@@ -229,7 +239,9 @@ def _dedup_shared(sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, s
     return out, aliases
 
 
-def write_model_dir(directory: Path, model_config, state_dict: dict[str, Tensor], tok, after_file=None) -> dict[str, str]:
+def write_model_dir(
+    directory: Path, model_config, state_dict: dict[str, Tensor], tok, after_file=None
+) -> dict[str, str]:
     """``config.json`` + ``model.safetensors`` (+ tokenizer files): a ``from_pretrained`` folder.
 
     Returns the aliases (tied weights) that were left out of ``model.safetensors``.
@@ -289,7 +301,9 @@ def save_checkpoint(
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    aliases = write_model_dir(tmp, model_config, model_sd, tok, after_file=lambda k: _kill_point(step, f"file:{k}"))
+    aliases = write_model_dir(
+        tmp, model_config, model_sd, tok, after_file=lambda k: _kill_point(step, f"file:{k}")
+    )
     tree, tensors = encode_tree(trainer_state)
     save_file(tensors, str(tmp / TRAINER_TENSORS))
     _kill_point(step, "file:4")
@@ -378,7 +392,9 @@ def _latest_named(ckpt_root: Path) -> Path | None:
     """The folder ``ckpt_root/latest`` names (checked to be a plain ``step_*`` name), or None."""
     latest = ckpt_root / "latest"
     if latest.is_symlink():
-        raise CheckpointError(f"{latest} is a symlink; it must be a file naming a checkpoint folder in {ckpt_root}")
+        raise CheckpointError(
+            f"{latest} is a symlink; it must be a file naming a checkpoint folder in {ckpt_root}"
+        )
     if not latest.exists():
         return None
     if not latest.is_file():
@@ -394,7 +410,9 @@ def _latest_named(ckpt_root: Path) -> Path | None:
 
 def _check_inside(ckpt_root: Path, path: Path) -> None:
     if path.is_symlink():
-        raise CheckpointError(f"checkpoint {path} is a symlink; checkpoints must be real folders inside {ckpt_root}")
+        raise CheckpointError(
+            f"checkpoint {path} is a symlink; checkpoints must be real folders inside {ckpt_root}"
+        )
     if path.exists() and path.resolve().parent != ckpt_root.resolve():
         raise CheckpointError(f"checkpoint {path} resolves outside {ckpt_root}")
 
@@ -436,7 +454,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     if (path / "trainer_state.pt").exists() and not mf.is_file():
         raise _old_format(path)
     if not mf.is_file() or mf.is_symlink():
-        raise CheckpointError(f"checkpoint {path} is partial: it has no manifest.json (the write did not finish)")
+        raise CheckpointError(
+            f"checkpoint {path} is partial: it has no manifest.json (the write did not finish)"
+        )
     try:
         manifest = json.loads(mf.read_text())
         fmt, files = manifest["format"], manifest["files"]
@@ -445,7 +465,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     if fmt != CHECKPOINT_FORMAT:
         if isinstance(fmt, int) and fmt < CHECKPOINT_FORMAT:
             raise _old_format(path, fmt)
-        raise CheckpointError(f"checkpoint {path} has format {fmt!r}; this mhc reads format {CHECKPOINT_FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt!r}; this mhc reads format {CHECKPOINT_FORMAT}"
+        )
     if not isinstance(files, dict) or not files:
         raise CheckpointError(f"checkpoint {path} is corrupt: manifest.json lists no files")
     missing_entries = sorted(REQUIRED_FILES - set(files))
@@ -453,11 +475,15 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path} is corrupt: manifest.json does not list {missing_entries}")
     unknown = sorted(set(files) - ALLOWED_FILES)
     if unknown:
-        raise CheckpointError(f"checkpoint {path} is refused: manifest.json lists files a checkpoint does not hold: {unknown}")
+        raise CheckpointError(
+            f"checkpoint {path} is refused: manifest.json lists files a checkpoint does not hold: {unknown}"
+        )
     on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
     extra = sorted(on_disk - set(files))
     if extra:
-        raise CheckpointError(f"checkpoint {path} is refused: it holds {extra}, which manifest.json does not list")
+        raise CheckpointError(
+            f"checkpoint {path} is refused: it holds {extra}, which manifest.json does not list"
+        )
     for name, meta in files.items():
         p = path / name
         if not p.exists():
@@ -467,11 +493,17 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         try:
             size, digest = int(meta["size"]), str(meta["sha256"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path} is corrupt: manifest.json entry of {name} is unreadable ({e!r})") from e
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: manifest.json entry of {name} is unreadable ({e!r})"
+            ) from e
         if p.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {p.stat().st_size} bytes, the manifest says {size}")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has {p.stat().st_size} bytes, the manifest says {size}"
+            )
         if sha256_file(p) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in manifest.json")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in manifest.json"
+            )
     return manifest
 
 
@@ -513,7 +545,8 @@ def load_checkpoint_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], d
     state = _read_trainer_state(path)
     for alias, target in manifest.get("aliases", {}).items():
         if target not in sd:
-            raise CheckpointError(f"checkpoint {path} is corrupt: alias {alias} -> {target}, which is not in {MODEL_WEIGHTS}")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: alias {alias} -> {target}, which is not in {MODEL_WEIGHTS}"
+            )
         sd[alias] = sd[target]
     return sd, state
-

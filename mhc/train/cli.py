@@ -73,11 +73,15 @@ succeeding (max_skipped_in_a_row skipped steps in a row).
 
 def parse_train_args(argv=None, prog: str = "mhc-train") -> argparse.Namespace:
     """The arguments of ``mhc-train``: ``--config``, ``--set``, the run flags, and one flag per config key."""
-    p = argparse.ArgumentParser(prog=prog, description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=DEFAULT_PRESET,
                    help="a YAML config file, or a preset's name (default: %(default)s; see --list-presets)")  # fmt: skip
     p.add_argument("--list-presets", action="store_true", help="print the presets shipped with mhc and exit")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -117,7 +121,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     overrides = _overrides(args)
     if not args.resume:
         return load_config(args.config, overrides)
-    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip().replace("-", "_") == "run_dir"]
+    given = [
+        o.split("=", 1)[1].strip()
+        for o in overrides
+        if o.split("=", 1)[0].strip().replace("-", "_") == "run_dir"
+    ]
     run_dir = given[-1] if given else load_config(args.config).run_dir  # the config only names the run
     saved = resume_config(run_dir, overrides)
     if saved is None:  # nothing saved yet: train() says so and starts from step 0
@@ -137,7 +145,9 @@ def train_main(argv=None, prog: str = "mhc-train") -> int:
         if args.resume_override and not args.resume:
             raise ValueError("--resume-override only applies with --resume")
         cfg = build_config(args)
-        resolve_device(cfg.device, int(os.environ.get("WORLD_SIZE", "1")))  # a device that is not here stops now
+        resolve_device(
+            cfg.device, int(os.environ.get("WORLD_SIZE", "1"))
+        )  # a device that is not here stops now
     except (CheckpointError, ValueError, TypeError, KeyError) as e:  # bad settings: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -183,13 +193,17 @@ def _child_env() -> dict[str, str]:
     """
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
-    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
+    installed = {
+        str(Path(p).resolve()) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+    }
     try:
         installed.update(str(Path(p).resolve()) for p in site.getsitepackages())
     except AttributeError:  # virtualenv's old site.py
         pass
     if root not in installed:
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
     return env
 
 
@@ -202,7 +216,12 @@ def _launch(config: str, run_dir: Path, sets: list[str], device: str | None, log
         env["CUDA_VISIBLE_DEVICES"] = device
     log_path.parent.mkdir(parents=True, exist_ok=True)
     f = open(log_path, "w")
-    f.write("$ " + " ".join(shlex.quote(c) for c in cmd) + (f"  # CUDA_VISIBLE_DEVICES={device}" if device else "") + "\n")
+    f.write(
+        "$ "
+        + " ".join(shlex.quote(c) for c in cmd)
+        + (f"  # CUDA_VISIBLE_DEVICES={device}" if device else "")
+        + "\n"
+    )
     f.flush()
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), f, cmd
 
@@ -216,7 +235,10 @@ def run_all(jobs: list[tuple[str, str, Path, list[str]]], devices: list[str | No
             label, cfg, rd, sets = pending.pop(0)
             dev = free.pop(0)
             proc, fh, cmd = _launch(cfg, rd, sets, dev, rd.parent / f"{rd.name}.log")
-            print(f"[{time.strftime('%H:%M:%S')}] start {label} on {dev or 'default device'}: log {rd.parent / (rd.name + '.log')}", flush=True)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] start {label} on {dev or 'default device'}: log {rd.parent / (rd.name + '.log')}",
+                flush=True,
+            )
             running[label] = (proc, fh, dev)
         time.sleep(1.0)
         for label, (proc, fh, dev) in list(running.items()):
@@ -231,20 +253,47 @@ def run_all(jobs: list[tuple[str, str, Path, list[str]]], devices: list[str | No
 
 def compare_main(argv=None, prog: str = "mhc-compare") -> int:
     """``mhc-compare`` (and ``scripts/compare.py``): train the variants, then write the comparison; the exit status."""
-    p = argparse.ArgumentParser(prog=prog, description=_COMPARE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny_cpu", help="the presets <preset>_<variant> (default: %(default)s)")
-    p.add_argument("--configs", nargs="*", default=None, help="config files or preset names instead of --preset")
-    p.add_argument("--variants", default="residual,hc,mhc",
-                   help=f"which of the preset's variants to run, comma-separated, of {','.join(VARIANTS)} (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog=prog, description=_COMPARE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset", default="tiny_cpu", help="the presets <preset>_<variant> (default: %(default)s)"
+    )
+    p.add_argument(
+        "--configs", nargs="*", default=None, help="config files or preset names instead of --preset"
+    )
+    p.add_argument(
+        "--variants",
+        default="residual,hc,mhc",
+        help=f"which of the preset's variants to run, comma-separated, of {','.join(VARIANTS)} (default: %(default)s)",
+    )
     p.add_argument("--out", default=None, help="output folder (default: runs/compare_<preset>)")
-    p.add_argument("--tokens", type=int, default=0, help="token budget for every variant (default: the configs')")
-    p.add_argument("--target-s", type=float, default=0.0, help="calibrate: pick the token budget so the slowest variant trains ~this long")
+    p.add_argument(
+        "--tokens", type=int, default=0, help="token budget for every variant (default: the configs')"
+    )
+    p.add_argument(
+        "--target-s",
+        type=float,
+        default=0.0,
+        help="calibrate: pick the token budget so the slowest variant trains ~this long",
+    )
     p.add_argument("--calib-steps", type=int, default=30)
-    p.add_argument("--max-time-s", type=float, default=0.0, help="wall-clock cap per variant (a capped run is flagged in the table)")
+    p.add_argument(
+        "--max-time-s",
+        type=float,
+        default=0.0,
+        help="wall-clock cap per variant (a capped run is flagged in the table)",
+    )
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--devices", default="", help="comma-separated CUDA devices; variants run in parallel, one per device")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant")
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from OUT/<variant>/")
+    p.add_argument(
+        "--devices", default="", help="comma-separated CUDA devices; variants run in parallel, one per device"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant"
+    )
+    p.add_argument(
+        "--report-only", action="store_true", help="only rebuild the table and plot from OUT/<variant>/"
+    )
     args = p.parse_args(argv)
 
     if args.configs:
@@ -254,11 +303,15 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in names if v not in VARIANTS]
         if unknown:
-            p.error(f"unknown variant(s) {', '.join(map(repr, unknown))} in --variants; known: {', '.join(VARIANTS)}")
+            p.error(
+                f"unknown variant(s) {', '.join(map(repr, unknown))} in --variants; known: {', '.join(VARIANTS)}"
+            )
         cfgs = [f"{args.preset}_{v}" for v in names]
         missing = [c for c in cfgs if c not in list_presets()]
         if missing:
-            p.error(f"no preset {', '.join(map(repr, missing))} for --preset {args.preset!r}; presets: {', '.join(list_presets())}")
+            p.error(
+                f"no preset {', '.join(map(repr, missing))} for --preset {args.preset!r}; presets: {', '.join(list_presets())}"
+            )
         labels = names
     out = Path(args.out or f"runs/compare_{args.preset}")
     run_dirs = {lab: out / lab for lab in labels}
@@ -281,7 +334,22 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
         print(f"data ready in {time.time() - t0:.0f} s", flush=True)
         tokens = args.tokens
         if args.target_s > 0:
-            cal = [(lab, c, out / "calibration" / lab, base_sets + [f"max_steps={args.calib_steps}", "eval_interval=0", "ckpt_interval=0", "plots=false", "max_time_s=0"]) for lab, c in zip(labels, cfgs)]
+            cal = [
+                (
+                    lab,
+                    c,
+                    out / "calibration" / lab,
+                    base_sets
+                    + [
+                        f"max_steps={args.calib_steps}",
+                        "eval_interval=0",
+                        "ckpt_interval=0",
+                        "plots=false",
+                        "max_time_s=0",
+                    ],
+                )
+                for lab, c in zip(labels, cfgs)
+            ]
             run_all(cal, devices)
             tps = {}
             for lab, _, rd, _ in cal:
@@ -291,8 +359,13 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
             cfg0 = load_config(cfgs[0], args.set)
             per_step = cfg0.batch_size * cfg0.grad_accum * cfg0.seq_len
             tokens = int(slowest * args.target_s) // per_step * per_step
-            print(f"calibration tokens/s: {json.dumps({k: round(v) for k, v in tps.items()})} -> token budget {tokens:,}", flush=True)
-            (out / "calibration.json").write_text(json.dumps({"tokens_per_s": tps, "target_s": args.target_s, "tokens": tokens}) + "\n")
+            print(
+                f"calibration tokens/s: {json.dumps({k: round(v) for k, v in tps.items()})} -> token budget {tokens:,}",
+                flush=True,
+            )
+            (out / "calibration.json").write_text(
+                json.dumps({"tokens_per_s": tps, "target_s": args.target_s, "tokens": tokens}) + "\n"
+            )
         sets = base_sets + ([f"tokens={tokens}", "max_steps=0"] if tokens else [])
         codes = run_all([(lab, c, run_dirs[lab], sets) for lab, c in zip(labels, cfgs)], devices)
         failed = {k: v for k, v in codes.items() if v}
@@ -301,7 +374,15 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
     else:
         failed = {}
     # merge every variant found in OUT (also those of earlier invocations with other --variants)
-    found = {d.name: d for d in sorted(out.iterdir()) if (d / "summary.json").is_file() and d.name != "calibration"} if out.is_dir() else {}
+    found = (
+        {
+            d.name: d
+            for d in sorted(out.iterdir())
+            if (d / "summary.json").is_file() and d.name != "calibration"
+        }
+        if out.is_dir()
+        else {}
+    )
     order = [v for v in VARIANTS if v in found] + [k for k in found if k not in VARIANTS]
     merged = {k: found[k] for k in order} or run_dirs
     cmd = f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

@@ -56,7 +56,11 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "residual": {"mode": "residual"},
     "hc": {"mode": "hc"},
     "mhc": {"mode": "mhc"},  # exact Newton projection by default; mhc_options may choose another
-    "mhc-sk20": {"mode": "mhc", "projection": "sinkhorn", "sinkhorn_iters": 20},  # the paper's / DeepSeek's recipe
+    "mhc-sk20": {
+        "mode": "mhc",
+        "projection": "sinkhorn",
+        "sinkhorn_iters": 20,
+    },  # the paper's / DeepSeek's recipe
     "mhc-lite": {"mode": "mhc", "projection": "lite"},  # convex combination of the n! permutations
 }
 TOKENIZERS = ("byte", "bpe", "gpt2")
@@ -113,7 +117,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     max_time_s: float = 0.0  # stop early by wall clock (0: never); the summary says so
-    max_skipped_in_a_row: int = 20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
+    max_skipped_in_a_row: int = (
+        20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
+    )
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
@@ -166,11 +172,17 @@ class TrainConfig:
         if not (self.spike_threshold > 0 and math.isfinite(self.spike_threshold)):
             raise ValueError(f"spike_threshold must be a finite number > 0, got {self.spike_threshold}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
         if self.num_kv_heads and self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
-            raise ValueError(f"bpe_vocab_size must be >= 258 (256 bytes, end-of-text, one merge), got {self.bpe_vocab_size}")
+            raise ValueError(
+                f"bpe_vocab_size must be >= 258 (256 bytes, end-of-text, one merge), got {self.bpe_vocab_size}"
+            )
         mhc_config_options(self)
 
     @property
@@ -218,7 +230,11 @@ class ConfigKeyError(KeyError, ValueError):
 def unknown_key_error(name: str, known, what: str = "config key") -> ConfigKeyError:
     """A :class:`ConfigKeyError` for ``name``, suggesting up to three close names of ``known``."""
     close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    hint = (
+        f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        if close
+        else f"; known keys: {', '.join(sorted(known))}"
+    )
     return ConfigKeyError(f"unknown {what} {name!r}{hint}")
 
 
@@ -298,7 +314,11 @@ def _coerce(name: str, value: Any) -> Any:
         return bool(value)
     if kind is int:
         if isinstance(value, str):
-            value = float(value.replace("_", "")) if any(c in value for c in ".eE") else int(value.replace("_", ""))
+            value = (
+                float(value.replace("_", ""))
+                if any(c in value for c in ".eE")
+                else int(value.replace("_", ""))
+            )
         if isinstance(value, float):
             if not value.is_integer():
                 raise ValueError(f"{name} needs an integer, got {value}")
@@ -404,7 +424,9 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
             try:
                 base_path = preset_path(str(base))
             except ConfigNotFoundError as e:
-                raise ConfigNotFoundError(f"{path}: base {base!r} is neither a file beside it nor a preset ({e})") from None
+                raise ConfigNotFoundError(
+                    f"{path}: base {base!r} is neither a file beside it nor a preset ({e})"
+                ) from None
         merged.update(read_yaml(base_path, seen + (path,)))
     for k, v in raw.items():
         if k == "mhc_options" and isinstance(v, dict):
@@ -414,7 +436,9 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merged
 
 
-def load_config(config: str | os.PathLike | None = None, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig:
+def load_config(
+    config: str | os.PathLike | None = None, overrides: dict[str, Any] | Sequence[str] = ()
+) -> TrainConfig:
     """Load a YAML config (following ``base:`` links), then apply overrides, then validate.
 
     Args:

@@ -130,7 +130,9 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = ()
     """Files under ``root`` in sorted order, hidden names and ``__pycache__`` left out."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip_dirs and d != "__pycache__")
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and d not in skip_dirs and d != "__pycache__"
+        )
         for fn in sorted(filenames):
             if fn.startswith("."):
                 continue
@@ -142,7 +144,9 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = ()
 
 def _python_sources(with_site_packages: bool) -> tuple[list[tuple[str, Path]], str]:
     root = stdlib_dir()
-    paths = [(p.relative_to(root).as_posix(), p) for p in _walk(root, (".py",), ("site-packages", "dist-packages"))]
+    paths = [
+        (p.relative_to(root).as_posix(), p) for p in _walk(root, (".py",), ("site-packages", "dist-packages"))
+    ]
     if not with_site_packages:
         return paths, f"stdlib:{root}"
     seen = set()
@@ -156,7 +160,11 @@ def _python_sources(with_site_packages: bool) -> tuple[list[tuple[str, Path]], s
 
 
 def _given_files(data: str, extensions: str) -> list[tuple[str, Path]]:
-    suffixes = tuple(s.strip() if s.strip().startswith(".") else "." + s.strip() for s in extensions.split(",") if s.strip())
+    suffixes = tuple(
+        s.strip() if s.strip().startswith(".") else "." + s.strip()
+        for s in extensions.split(",")
+        if s.strip()
+    )
     paths: list[tuple[str, Path]] = []
     for item in [s.strip() for s in data.split(",") if s.strip()]:
         p = Path(item).expanduser()
@@ -220,7 +228,9 @@ def _in_val(name: str, index: int, val_fraction: float) -> bool:
     return int.from_bytes(h, "little") / 2.0**64 < val_fraction
 
 
-def split_corpus(corpus: Corpus, val_fraction: float = 0.05, chunk_chars: int = 8192) -> dict[str, list[list[str]]]:
+def split_corpus(
+    corpus: Corpus, val_fraction: float = 0.05, chunk_chars: int = 8192
+) -> dict[str, list[list[str]]]:
     """Deterministic train/validation split.
 
     Every document is cut into chunks of ``chunk_chars`` characters; a chunk goes
@@ -349,7 +359,9 @@ def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer
     splits = split_corpus(corpus, cfg.val_fraction, cfg.split_chunk_chars)
     tok = build_tokenizer(cfg, _bpe_texts(splits, cfg.bpe_train_mb), corpus_id)
     arrays = {}
-    cache = cache_root(cfg) / f"tokens-{corpus_id}-{tok.fingerprint()}-{cfg.val_fraction}-{cfg.split_chunk_chars}"
+    cache = (
+        cache_root(cfg) / f"tokens-{corpus_id}-{tok.fingerprint()}-{cfg.val_fraction}-{cfg.split_chunk_chars}"
+    )
     for split in ("train", "val"):
         path = cache.with_name(cache.name + f"-{split}.npy")
         if tok.kind != "byte" and path.is_file():

@@ -64,12 +64,18 @@ def resolve_device(device: str, world: int = 1) -> torch.device | None:
     if kind == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: CUDA is not available here (torch {torch.__version__}); use device=cpu or auto")
+        raise ValueError(
+            f"device={device!r}: CUDA is not available here (torch {torch.__version__}); use device=cpu or auto"
+        )
     count = torch.cuda.device_count()
     if index is not None and index >= count:
-        raise ValueError(f"device={device!r} does not exist: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise ValueError(
+            f"device={device!r} does not exist: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
     if index is not None and world > 1:
-        raise ValueError(f"device={device!r}: under torchrun use device=cuda (every rank takes cuda:LOCAL_RANK)")
+        raise ValueError(
+            f"device={device!r}: under torchrun use device=cuda (every rank takes cuda:LOCAL_RANK)"
+        )
     if world > 1:
         return None
     return torch.device("cuda", index if index is not None else torch.cuda.current_device())
@@ -185,7 +191,9 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, info: DistInfo, device: torch
         fully_shard(model)
         train_model = model
     elif info.enabled:
-        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     else:
         train_model = model
     return torch.compile(train_model) if cfg.compile else train_model

@@ -82,10 +82,14 @@ class Counters:
     elapsed_s: float = 0.0  # training wall time, over all sessions of the run
     max_grad_norm: float = 0.0  # the largest finite gradient norm (before clipping) of a step taken
     skipped_steps: int = 0  # steps whose loss or gradient was not finite: no update
-    skipped_in_a_row: int = 0  # the skipped steps since the last step taken (cfg.max_skipped_in_a_row stops the run)
+    skipped_in_a_row: int = (
+        0  # the skipped steps since the last step taken (cfg.max_skipped_in_a_row stops the run)
+    )
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, resume_override: bool = False) -> dict:
+def train(
+    cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, resume_override: bool = False
+) -> dict:
     """Run (or resume) training as ``cfg`` says; return the summary (also written to ``summary.json``).
 
     Under ``torchrun`` with more than one process it trains with DDP
@@ -126,7 +130,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             torch.set_num_threads(cfg.threads)
 
         # ---- resume: the checkpoint to continue from, checked before the data (a refused resume stops at once) ----
-        point = load_resume_point(cfg, info.world, resume_override=resume_override, log=log) if resume else None
+        point = (
+            load_resume_point(cfg, info.world, resume_override=resume_override, log=log) if resume else None
+        )
         state = point.trainer_state if point else None
 
         # ---- data: rank 0 fills the tokenizer/token caches, the other ranks then read them ----
@@ -156,7 +162,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         if point is not None:
             missing, unexpected = model.load_state_dict(point.model_state, strict=False)
             if missing or unexpected:
-                raise CheckpointError(f"checkpoint {point.path} does not fit the model: missing {missing}, unexpected {unexpected}")
+                raise CheckpointError(
+                    f"checkpoint {point.path} does not fit the model: missing {missing}, unexpected {unexpected}"
+                )
         fsdp = info.enabled and cfg.dist == "fsdp"
         train_model = wrap_model(model, cfg, info, device)
         use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
@@ -169,7 +177,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         spikes = SpikeTracker(cfg.spike_threshold, cfg.warmup_steps)
         counters = Counters()
         if state is not None:
-            opt_state = shard_optimizer_state(optimizer, state["optimizer"], device) if fsdp else state["optimizer"]
+            opt_state = (
+                shard_optimizer_state(optimizer, state["optimizer"], device) if fsdp else state["optimizer"]
+            )
             restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
             spikes.load_state_dict(state["spikes"])
             counters = Counters(state["step"], state.get("elapsed_s", 0.0), state.get("max_grad_norm", 0.0),
@@ -206,7 +216,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         with bar, ConvergenceWarningCounter(bar.write, show=info.is_main) as projection_warnings:
             while counters.step < max_steps:
                 optimizer.zero_grad(set_to_none=True)
-                loss, gnorm = forward_backward(train_model, model, data, counters.step, cfg, info, device, autocast)
+                loss, gnorm = forward_backward(
+                    train_model, model, data, counters.step, cfg, info, device, autocast
+                )
                 finite = math.isfinite(gnorm) and math.isfinite(loss)
                 if finite:
                     optimizer.step()
@@ -232,10 +244,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                 if step % cfg.log_interval == 0 or step in (1, max_steps) or is_spike or not finite:
                     metrics.write(train_record(step, tokens, loss, lr, gnorm, spike=is_spike, skipped=not finite,
                                                time_s=counters.elapsed_s))  # fmt: skip
-                    bar.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}" if last_val else "-", refresh=False)
+                    bar.set_postfix(
+                        loss=f"{loss:.3f}", val=f"{last_val:.3f}" if last_val else "-", refresh=False
+                    )
                 # stop: no step is succeeding (every rank has the same counts, so all stop here together)
                 if cfg.max_skipped_in_a_row and counters.skipped_in_a_row >= cfg.max_skipped_in_a_row:
-                    reason = _stop_message(cfg, step, counters.skipped_in_a_row, full_state(model.state_dict()), run_dir)
+                    reason = _stop_message(
+                        cfg, step, counters.skipped_in_a_row, full_state(model.state_dict()), run_dir
+                    )
                     metrics.write({"kind": "stopped", "step": step, "tokens": tokens, "reason": reason})
                     metrics.close()
                     raise TrainingStoppedError(reason)
@@ -255,7 +271,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
                     break
                 if cfg.max_time_s > 0 and broadcast_flag(counters.elapsed_s >= cfg.max_time_s, info, device):
                     stopped_early = True
-                    log(f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent")
+                    log(
+                        f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent"
+                    )
                     break
         counters.elapsed_s = elapsed_before + time.perf_counter() - t0
         tokens_per_s = throughput.tokens_per_s(tokens_per_step, time.perf_counter())
@@ -269,7 +287,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
         val_loss = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
         gains, stability = measure_stability(model, diag_ids)
         metrics.write(eval_record(step, tokens, val_loss, gains, counters.elapsed_s, stability))
-        if state is None or step > start_step:  # a finished run resumed again keeps its final checkpoint as it is
+        if (
+            state is None or step > start_step
+        ):  # a finished run resumed again keeps its final checkpoint as it is
             save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
         model_sd = full_state(model.state_dict())
         train_loss, train_loss_note = final_train_loss(spikes, step)
@@ -311,7 +331,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, re
             "corpus": corpus.record(),  # source, documents, chars, sha256, python: which text the run read
         }
         if info.is_main:
-            metrics.write({"kind": "final", "step": step, **{k: v for k, v in summary.items() if k not in ("composite_gains", "stability")}})
+            metrics.write(
+                {
+                    "kind": "final",
+                    "step": step,
+                    **{k: v for k, v in summary.items() if k not in ("composite_gains", "stability")},
+                }
+            )
             replace_model_dir(run_dir, model.config, model_sd, tok)
             atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
             if cfg.plots:
@@ -380,7 +406,14 @@ def lm_loss(model: nn.Module, ids: Tensor, autocast) -> Tensor:
 
 
 def forward_backward(
-    train_model: nn.Module, model: nn.Module, data: PackedData, step: int, cfg: TrainConfig, info: DistInfo, device, autocast
+    train_model: nn.Module,
+    model: nn.Module,
+    data: PackedData,
+    step: int,
+    cfg: TrainConfig,
+    info: DistInfo,
+    device,
+    autocast,
 ) -> tuple[float, float]:
     """Gradients (into zeroed ``.grad``) of optimizer step ``step`` (0-based), accumulated over ``cfg.grad_accum`` micro-batches, clipped.
 
@@ -402,7 +435,9 @@ def forward_backward(
             loss = lm_loss(train_model, ids, autocast)
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach().float()
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    gnorm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    )
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)  # a DTensor under FSDP2
     loss = all_reduce_mean([float(loss_sum) / cfg.grad_accum], info, device)[0]
     return loss, gnorm
@@ -457,5 +492,7 @@ def save_run_checkpoint(ckpt_root: Path, cfg: TrainConfig, info: DistInfo, devic
     }
     model_sd = full_state(model.state_dict())
     if info.is_main:
-        save_checkpoint(ckpt_root, counters.step, model.config, model_sd, trainer_state, tok, cfg.keep_checkpoints)
+        save_checkpoint(
+            ckpt_root, counters.step, model.config, model_sd, trainer_state, tok, cfg.keep_checkpoints
+        )
     barrier(info)

@@ -128,7 +128,10 @@ def restore_optimizer(
         group["betas"], group["eps"], group["initial_lr"] = (cfg.beta1, cfg.beta2), cfg.eps, cfg.lr
     optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # the decayed group (param_groups)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    lrs = [base * lr_lambda(scheduler.last_epoch, cfg.warmup_steps, max_steps, cfg.min_lr_ratio) for base in scheduler.base_lrs]
+    lrs = [
+        base * lr_lambda(scheduler.last_epoch, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+        for base in scheduler.base_lrs
+    ]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reports: torch keeps it only in this attribute

@@ -242,7 +242,9 @@ def _label_2_and_5(v: float, _pos) -> str:
     return f"{v:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
 
 
-def _finish_gain_axes(ax_gain, ax_dev, values: np.ndarray, any_dev: bool, depth_max: int, legend_on_dev: bool) -> None:
+def _finish_gain_axes(
+    ax_gain, ax_dev, values: np.ndarray, any_dev: bool, depth_max: int, legend_on_dev: bool
+) -> None:
     """Scales, limits, references and the one legend of a gain panel and its optional |gain - 1| panel.
 
     Args:
@@ -278,7 +280,9 @@ def _finish_gain_axes(ax_gain, ax_dev, values: np.ndarray, any_dev: bool, depth_
             eps = ax_dev.axhline(_FLOAT32_EPS, color="0.5", lw=1.0, ls="-.", zorder=0)
             handles, labels = handles + [eps], labels + ["float32 eps (1.2e-7), for scale"]
     # One legend for both panels: the deviation lines repeat the gain lines' styles.
-    (ax_dev if legend_on_dev and ax_dev is not None else ax_gain).legend(handles, labels, loc="best", fontsize="small")
+    (ax_dev if legend_on_dev and ax_dev is not None else ax_gain).legend(
+        handles, labels, loc="best", fontsize="small"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -300,7 +304,11 @@ def plot_loss(
 
 
 def loss_figure(
-    train_records: Sequence[Mapping], eval_records: Sequence[Mapping], *, title: str, unigram_entropy: float | None
+    train_records: Sequence[Mapping],
+    eval_records: Sequence[Mapping],
+    *,
+    title: str,
+    unigram_entropy: float | None,
 ) -> Figure:
     """Loss curves of one run: train loss (faint) and its EMA, val loss with markers, unigram entropy.
 
@@ -333,7 +341,9 @@ def loss_figure(
                     textcoords="offset points", ha="right", color="#d62728",
                     arrowprops=dict(arrowstyle="-", color="#d62728", lw=0.8))  # fmt: skip
     if unigram_entropy is not None:
-        ax.axhline(unigram_entropy, color="0.4", ls="--", lw=1.2, label=f"unigram entropy ({unigram_entropy:.3f})")
+        ax.axhline(
+            unigram_entropy, color="0.4", ls="--", lw=1.2, label=f"unigram entropy ({unigram_entropy:.3f})"
+        )
     if not (tx.size or vx.size):
         _no_data(ax, "no finite losses recorded")
     _loss_axes(ax, list(train_records) + list(eval_records), f"{title}: loss")
@@ -342,7 +352,9 @@ def loss_figure(
     return fig
 
 
-def plot_gains(gains: Mapping[str, Sequence[float]], *, title: str, step: int | None, path: str | os.PathLike) -> Path:
+def plot_gains(
+    gains: Mapping[str, Sequence[float]], *, title: str, step: int | None, path: str | os.PathLike
+) -> Path:
     """Write :func:`gains_figure` of the same arguments to ``path`` (a ``.png``) and return ``Path(path)``."""
     path = _png_path(path)
     return _save(gains_figure(gains, title=title, step=step), path)
@@ -419,8 +431,12 @@ def comparison_figure(runs: Mapping[str, Mapping]) -> Figure:
     by_variant = variant_colors(list(variants.values()))
     colors = {lab: by_variant[variants[lab]] for lab in labels}
     markers = {lab: _RUN_MARKERS[i % len(_RUN_MARKERS)] for i, lab in enumerate(labels)}
-    gains = {lab: _check_gains(r["gains"], f"runs[{lab!r}]['gains']") for lab, r in runs.items() if r.get("gains")}
-    gain_values = np.concatenate([np.r_[g["forward_gain"], g["backward_gain"]] for g in gains.values()] or [[]])
+    gains = {
+        lab: _check_gains(r["gains"], f"runs[{lab!r}]['gains']") for lab, r in runs.items() if r.get("gains")
+    }
+    gain_values = np.concatenate(
+        [np.r_[g["forward_gain"], g["backward_gain"]] for g in gains.values()] or [[]]
+    )
 
     fig = Figure(figsize=(14.0, 8.6), dpi=_DPI, layout="constrained")
     grid = fig.add_gridspec(2, 2)
@@ -467,7 +483,9 @@ def _draw_val_losses(ax_loss, ax_zoom, runs: Mapping[str, Mapping], colors: dict
         if val[lab][0].size:
             style = dict(color=colors[lab], marker=markers[lab], ms=6, mfc="none", mew=1.4, lw=1.8)
             ax_loss.plot(*val[lab], label=f"{lab}: val {val[lab][1][-1]:.4f} at end", **style)
-    for u in sorted({run["unigram_entropy"] for run in runs.values() if run.get("unigram_entropy") is not None}):
+    for u in sorted(
+        {run["unigram_entropy"] for run in runs.values() if run.get("unigram_entropy") is not None}
+    ):
         ax_loss.axhline(u, color="0.4", ls="--", lw=1.2, label=f"unigram entropy ({u:.3f})")
     _loss_axes(ax_loss, records, "val loss (markers) and train loss EMA (faint)")
     if not any(vx.size for vx, _ in val.values()):

@@ -139,7 +139,9 @@ def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, tim
     }
     record.update(stability_scalars(stability))
     record["marginal_error"] = (
-        {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]} if stability else None
+        {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]}
+        if stability
+        else None
     )
     record["time_s"] = round(time_s, 3)
     return record
@@ -343,7 +345,11 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     title = f"{summary['variant']} (n={summary['n_streams']})"
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    out = [plot_loss(train, evals, title=title, unigram_entropy=summary["unigram_entropy"], path=run_dir / "loss.png")]
+    out = [
+        plot_loss(
+            train, evals, title=title, unigram_entropy=summary["unigram_entropy"], path=run_dir / "loss.png"
+        )
+    ]
     gains = summary.get("composite_gains")
     if gains:
         out.append(plot_gains(gains, title=title, step=summary["steps"], path=run_dir / "gains.png"))

@@ -88,7 +88,9 @@ def check_resume_changes(changes: dict[str, tuple[Any, Any]], where, resume_over
         )
 
 
-def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequence[str] = ()) -> TrainConfig | None:
+def resume_config(
+    run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequence[str] = ()
+) -> TrainConfig | None:
     """The settings a run was trained with, plus ``overrides``: what ``--resume`` trains with.
 
     They come from the run's latest checkpoint or, for a run stopped before its first checkpoint,
@@ -106,7 +108,9 @@ def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | Sequen
         return None
     unknown = [k for k in saved if k not in FIELDS]
     if unknown:
-        raise CheckpointError(f"the run in {run_dir} was saved with config keys this version does not know: {unknown}")
+        raise CheckpointError(
+            f"the run in {run_dir} was saved with config keys this version does not know: {unknown}"
+        )
     base = dataclasses.replace(apply_overrides(TrainConfig(), saved), run_dir=str(run_dir), stop_at_step=0)
     cfg = apply_overrides(base, overrides)
     cfg.validate()
@@ -131,7 +135,9 @@ def check_finite_state(path: Path, model_state: dict[str, Tensor], trainer_state
     if weights:
         parts.append(f"weights {describe_nonfinite(weights)}")
     if moments:
-        parts.append(f"{describe_nonfinite(moments)} (optimizer state[i] is the i-th parameter AdamW updates)")
+        parts.append(
+            f"{describe_nonfinite(moments)} (optimizer state[i] is the i-th parameter AdamW updates)"
+        )
     others = [p.name for _, p in list_checkpoints(path.parent) if p.name != path.name]
     hint = (
         f" Earlier checkpoints of the run: {', '.join(others)}; to go back to one, write its name into "

@@ -32,8 +32,13 @@ def rng_state(device: torch.device) -> dict:
     state = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {"bit_generator": str(name), "key": [int(k) for k in key], "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},  # fmt: skip
+        "numpy": {
+            "bit_generator": str(name),
+            "key": [int(k) for k in key],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },  # fmt: skip
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -47,7 +52,13 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     npy = state["numpy"]
     np.random.set_state(
-        (npy["bit_generator"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        (
+            npy["bit_generator"],
+            np.asarray(npy["key"], dtype=np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
     )
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

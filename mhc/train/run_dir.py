@@ -33,7 +33,15 @@ __all__ = [
     "replace_model_dir",
 ]
 
-RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "summary.json", "config.yaml", "loss.png", "gains.png")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "model",
+    "metrics.jsonl",
+    "summary.json",
+    "config.yaml",
+    "loss.png",
+    "gains.png",
+)
 LOCK_NAME = ".lock"
 
 
@@ -121,7 +129,10 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     ``run_dir/checkpoints``. Returns what was removed.
     """
     removed = []
-    for folder, pattern in ((Path(run_dir), _TEMP_IN_RUN_DIR), (Path(run_dir) / "checkpoints", _TEMP_IN_CHECKPOINTS)):
+    for folder, pattern in (
+        (Path(run_dir), _TEMP_IN_RUN_DIR),
+        (Path(run_dir) / "checkpoints", _TEMP_IN_CHECKPOINTS),
+    ):
         if not folder.is_dir():
             continue
         for p in folder.iterdir():
@@ -198,7 +209,9 @@ def claim_run_dir(
             broadcast_text(f"{type(failure).__name__}: {failure}", info)
             raise failure
         reason = broadcast_text("", info)
-        raise RunDirSetupError(f"rank 0 could not set up the run dir {run_dir} ({reason}); rank {info.rank} stops too")
+        raise RunDirSetupError(
+            f"rank 0 could not set up the run dir {run_dir} ({reason}); rank {info.rank} stops too"
+        )
 
 
 def replace_model_dir(run_dir: str | Path, model_config, state_dict: dict, tok) -> Path:

@@ -34,7 +34,18 @@ _ADJECTIVES = ("first", "last", "next", "largest", "smallest", "total", "mean", 
 _VERBS = ("return", "compute", "update", "check", "build", "collect", "merge", "split", "scale", "count", "find",
           "load", "store", "clip", "normalize", "sum")  # fmt: skip
 _MODULES = ("math", "os", "sys", "json", "itertools", "functools", "collections", "re", "random", "time")
-_CLASS_PARTS = ("Counter", "Buffer", "Table", "Graph", "Cache", "Queue", "Tracker", "Window", "Stream", "Index")
+_CLASS_PARTS = (
+    "Counter",
+    "Buffer",
+    "Table",
+    "Graph",
+    "Cache",
+    "Queue",
+    "Tracker",
+    "Window",
+    "Stream",
+    "Index",
+)
 _BUILTINS1 = ("abs", "len", "int", "float", "str", "sorted", "sum")
 _BUILTINS2 = ("min", "max", "round", "pow")
 _OPS = (" + ", " - ", " * ", " // ", " % ")
@@ -140,7 +151,9 @@ class _Writer:
         r = self.rng
         for _ in range(max(1, budget)):
             k = r.below(20)
-            targets = [s for s in scope if s.isidentifier() and not s.isupper()]  # no len(...), self.x, constants
+            targets = [
+                s for s in scope if s.isidentifier() and not s.isupper()
+            ]  # no len(...), self.x, constants
             if k < 7 or not scope or (7 <= k < 10 and not targets):
                 name = self.new_name(scope)
                 self.line(depth, f"{name} = {self.expr(scope)}")
@@ -171,7 +184,9 @@ class _Writer:
                 self.line(depth, f"{name}s = [{source} * x for x in range({r.below(20) + 1})]")
                 scope.append(f"len({name}s)")
 
-    def function(self, depth: int, name: str, params: list[str], constants: list[str], method: bool = False) -> None:
+    def function(
+        self, depth: int, name: str, params: list[str], constants: list[str], method: bool = False
+    ) -> None:
         r = self.rng
         args = (["self"] if method else []) + params
         self.line(depth, f"def {name}({', '.join(args)}):")

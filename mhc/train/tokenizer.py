@@ -70,7 +70,9 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         """``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``) and ``tokenizer_mhc.json``."""
         save_hf_tokenizer(self.to_tokenizers(), directory)
-        Path(directory, "tokenizer_mhc.json").write_text(json.dumps({"type": "byte", "eos_id": self.eos_id}) + "\n")
+        Path(directory, "tokenizer_mhc.json").write_text(
+            json.dumps({"type": "byte", "eos_id": self.eos_id}) + "\n"
+        )
 
     def fingerprint(self) -> str:
         """A name for cache files: the same for every byte tokenizer."""
@@ -82,7 +84,11 @@ def byte_level_alphabet() -> dict[int, str]:
 
     Printable Latin-1 bytes stand for themselves; the others take the characters from U+0100 on, in order.
     """
-    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    own = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     table, shifted = {}, 0
     for b in range(256):
         if b in own:
@@ -139,7 +145,9 @@ class HFTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         """``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``) and ``tokenizer_mhc.json``."""
         save_hf_tokenizer(self.tok, directory)
-        Path(directory, "tokenizer_mhc.json").write_text(json.dumps({"type": self.kind, "eos_id": self.eos_id}) + "\n")
+        Path(directory, "tokenizer_mhc.json").write_text(
+            json.dumps({"type": self.kind, "eos_id": self.eos_id}) + "\n"
+        )
 
     def fingerprint(self) -> str:
         """A name for cache files: 16 hex digits of the SHA-256 of the tokenizer's JSON."""
@@ -188,7 +196,9 @@ def load_gpt2_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     return HFTokenizer(tok, "gpt2")
 
 
-def build_tokenizer(cfg: TrainConfig, train_texts: Iterable[str] | None = None, corpus_id: str = "") -> ByteTokenizer | HFTokenizer:
+def build_tokenizer(
+    cfg: TrainConfig, train_texts: Iterable[str] | None = None, corpus_id: str = ""
+) -> ByteTokenizer | HFTokenizer:
     """The tokenizer that ``cfg`` names. A corpus BPE is cached under the cache dir.
 
     Args:
@@ -200,7 +210,9 @@ def build_tokenizer(cfg: TrainConfig, train_texts: Iterable[str] | None = None, 
         return ByteTokenizer()
     if cfg.tokenizer == "gpt2":
         if not cfg.tokenizer_path:
-            raise ValueError("tokenizer=gpt2 needs tokenizer_path (a folder with vocab.json/encoder.json + merges)")
+            raise ValueError(
+                "tokenizer=gpt2 needs tokenizer_path (a folder with vocab.json/encoder.json + merges)"
+            )
         return load_gpt2_tokenizer(cfg.tokenizer_path)
     cache = cache_root(cfg) / (
         f"bpe-{corpus_id}-{cfg.val_fraction}-{cfg.split_chunk_chars}-{cfg.bpe_vocab_size}-{cfg.bpe_train_mb}.json"
