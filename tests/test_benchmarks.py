@@ -368,33 +368,33 @@ def test_sweep_site_kernels_options_grids_and_error_bound():
             sw.parse_args(bad)
 
     # bf16: the grid the plan was swept on, no PRECISION; every variant also counted before.
-    bf16 = {k: sw._variants(k, 768) for k in sw.KERNELS}
+    bf16 = {k: sw.grid_variants(k, 768) for k in sw.KERNELS}
     assert {k: len(v) for k, v in bf16.items()} == {"coeff_partial": 108, "coeff_fwd": 54, "postmix_fwd": 18,
                                                     "postmix_bwd": 24, "coeff_bwd": 27, "stream_grad": 72, "phi_grad": 48}
     assert not any("PRECISION" in v for vs in bf16.values() for v in vs)
     # float32: each precision over the grid (tf32 over the coarse one); 4 stages of 128 x 128 tiles do not fit.
     f = torch.float32
-    cp = sw._variants("coeff_partial", 512, f, f32.precisions, f32.coarse)
+    cp = sw.grid_variants("coeff_partial", 512, f, f32.precisions, f32.coarse)
     by_p = {p: [v for v in cp if v["PRECISION"] == p] for p in f32.precisions}
     assert {p: len(v) for p, v in by_p.items()} == {"ieee": 102, "tf32x3": 102, "tf32": 8}
     assert not any(v["BM"] == v["BK"] == 128 and v["num_stages"] == 4 for v in cp)
     assert all(v["num_warps"] == 4 and v["num_stages"] == 3 for v in by_p["tf32"])
     for kernel in ("stream_grad", "phi_grad"):
-        vs = sw._variants(kernel, 512, f, f32.precisions, f32.coarse)
+        vs = sw.grid_variants(kernel, 512, f, f32.precisions, f32.coarse)
         assert {v["PRECISION"] for v in vs} == set(f32.precisions)
-    assert "PRECISION" not in sw._variants("coeff_bwd", 512, f, f32.precisions, f32.coarse)[0]
-    assert len(sw._variants("coeff_bwd", 512, f)) == 27 and len(sw._variants("coeff_bwd", 768, f)) == 36  # BC <= C
-    limited = sw._variants("stream_grad", 512, f, f32.precisions, f32.coarse, limit=2)
+    assert "PRECISION" not in sw.grid_variants("coeff_bwd", 512, f, f32.precisions, f32.coarse)[0]
+    assert len(sw.grid_variants("coeff_bwd", 512, f)) == 27 and len(sw.grid_variants("coeff_bwd", 768, f)) == 36  # BC <= C
+    limited = sw.grid_variants("stream_grad", 512, f, f32.precisions, f32.coarse, limit=2)
     assert [v["PRECISION"] for v in limited] == ["ieee", "ieee", "tf32x3", "tf32x3", "tf32", "tf32"]
     # splits and tokens are launch arguments: variants differing only there share a compile.
     a, b = dict(cp[0], splits=1), dict(cp[0], splits=4)
-    assert sw._compile_key("coeff_partial", a) == sw._compile_key("coeff_partial", b)
-    assert sw._compile_key("coeff_partial", a) != sw._compile_key("coeff_partial", dict(a, PRECISION="tf32x3"))
+    assert sw.compile_key("coeff_partial", a) == sw.compile_key("coeff_partial", b)
+    assert sw.compile_key("coeff_partial", a) != sw.compile_key("coeff_partial", dict(a, PRECISION="tf32x3"))
 
     # Against float64: 4x the plan's (ieee) error, at least 1e-6, at most --tol; against the plan: --tol.
     bound = sw.error_bound
     assert bound("float64", 1e-5, 3e-7, 4.0) == pytest.approx(1.2e-6)
-    assert bound("float64", 1e-5, 1e-8, 4.0) == sw.REL_FLOOR == 1e-6
+    assert bound("float64", 1e-5, 1e-8, 4.0) == sys.modules["sweep_grid"].REL_FLOOR == 1e-6
     assert bound("float64", 1e-5, 8e-6, 4.0) == 1e-5
     assert bound("float64", 1e-5, None, 4.0) == 1e-5 and bound("plan", 2e-2, 3e-7, 4.0) == 2e-2
     assert 3e-4 > bound("float64", 1e-5, 3.4e-7, 4.0) > 3.9e-7  # tf32 fails, tf32x3 passes (~ torch's CPU sums)
@@ -420,7 +420,7 @@ def test_sweep_site_kernels_runs_float32_in_the_interpreter(tmp_path):
                    ("coeff_bwd", None, True), ("coeff_bwd", None, False)} | {
         (k, p, False) for k in ("coeff_partial", "stream_grad", "phi_grad") for p in ("ieee", "tf32x3", "tf32")}
     for r in rows:
-        assert r["ok"] and 0 < r["max_rel"] < 1e-6 and r["bound"] >= sw.REL_FLOOR and r["us"] > 0, r
+        assert r["ok"] and 0 < r["max_rel"] < 1e-6 and r["bound"] >= sys.modules["sweep_grid"].REL_FLOOR and r["us"] > 0, r
         assert (r["C"], r["T"]) == (128, 16) and r["x_copy"] > 0
     assert [s["kernel"] for s in data["summary"]] == sorted(["coeff_partial", "stream_grad", "phi_grad", "coeff_bwd"])
     assert sum(r["full"] for r in rows) >= 5  # the plans at least, timed again in full

@@ -86,7 +86,7 @@ def rows_for(N: int, tol: float, max_iter: int) -> dict:
 
 def chained_systems(N: int) -> tuple[Tensor, dict]:
     """mHC-proj's chained protocol's start ``10 * randn`` and {system: step} (each call in its own no_grad)."""
-    from bench_projection_peers import no_grad_step
+    from peers import no_grad_step
 
     torch.manual_seed(N)
     x0 = 10 * torch.randn(N, 4, 4, device="cuda")

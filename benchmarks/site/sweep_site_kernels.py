@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import multiprocessing as mp
 import os
 import sys
@@ -65,335 +64,26 @@ import common  # noqa: E402
 import torch
 import triton
 import triton.testing
+from sweep_grid import (  # noqa: E402  (benchmarks/site/, this script's folder)
+    DEFAULT_KERNELS,
+    DEFAULT_SHAPES,
+    DOT_KERNELS,
+    DTYPES,
+    KERNELS,
+    N_STREAMS,
+    PRECISIONS,
+    compile_key,
+    error_bound,
+    grid_variants,
+    max_rel,
+)
+from sweep_site import Site, compile_one, without_extension, worker_init  # noqa: E402
 
 say = functools.partial(print, flush=True)
 
-N_STREAMS = 4
-KERNELS = ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
-DOT_KERNELS = ("coeff_partial", "stream_grad", "phi_grad")  # the kernels with a tl.dot (PRECISION)
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Shapes (C, T): the 134M step (batch 8 x 2048) and the 1.1B step (batch 4 x 2048); for float32 also
-# the small_gpu preset's (batch 32 x 512 at hidden 512), which issue #49's profile was taken at.
-DEFAULT_SHAPES = {
-    "bfloat16": ((768, 16384), (2048, 8192)),
-    "float32": ((512, 16384), (768, 16384), (2048, 8192)),
-}
-DEFAULT_KERNELS = {"bfloat16": KERNELS, "float32": ("coeff_partial", "stream_grad", "phi_grad", "coeff_bwd")}
-PRECISIONS = ("ieee", "tf32x3", "tf32")
-SMEM_BYTES = 232448  # the H200's shared memory a block may take (227 KB)
-REL_FLOOR = 1e-6  # float64 reference: a max rel this small is fp32-accurate whatever the plan's
 # Rough costs for the estimate printed up front (H200 host): seconds to compile one variant, to screen one
 # (a short do_bench), to time one in full (two do_bench rounds of 60 ms).
 COMPILE_S, SCREEN_S, FULL_S = 3.0, 0.06, 0.2
-
-GRID = {  # bf16, as swept for the plan (notes/block_benchmarks.md)
-    "coeff_partial": dict(
-        BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
-    ),
-    "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
-    "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
-    "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
-    "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
-    "stream_grad": dict(
-        BM=(16, 32, 64), BC=(32, 64), tokens=(128, 256), num_warps=(4, 8), num_stages=(1, 2, 3)
-    ),
-    "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16, 32), num_warps=(4, 8), num_stages=(2, 3, 4)),
-}
-GRID_FP32 = {  # float32 streams: a tile holds half the values of bf16's at the same bytes
-    **GRID,
-    "coeff_partial": dict(
-        BM=(32, 64, 128), BK=(32, 64, 128), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
-    ),
-    "coeff_bwd": dict(BC=(128, 256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
-    "phi_grad": dict(BT=(32, 64), BN=(64, 128, 256), splits=(8, 16, 32), num_warps=(4, 8), num_stages=(2, 3)),
-}
-COARSE = {  # the --coarse precisions' grid (tf32: enough to show its error and its speed)
-    "coeff_partial": dict(BM=(64, 128), BK=(64, 128), splits=(1, 2), num_warps=(4,), num_stages=(3,)),
-    "stream_grad": dict(BM=(32, 64), BC=(32, 64), tokens=(256,), num_warps=(4,), num_stages=(1, 3)),
-    "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16,), num_warps=(4,), num_stages=(3,)),
-}
-RUNTIME_PARAMS = (
-    "splits",
-    "tokens",
-)  # launch arguments, not constexprs: variants that differ only here share a compile
-
-
-def _expand(kernel: str, grid: dict, C: int, dtype: torch.dtype) -> list[dict]:
-    out = []
-    for values in itertools.product(*grid.values()):
-        v = dict(zip(grid.keys(), values))
-        if "BC" in v and v["BC"] > triton.next_power_of_2(C):
-            continue
-        if kernel == "stream_grad" and v["tokens"] % v["BM"]:
-            continue
-        if kernel == "coeff_partial" and dtype != torch.bfloat16:
-            # Triton's pipeline keeps num_stages - 1 steps of the x and φ tiles in shared memory (plan.py).
-            ZP = triton.next_power_of_2(N_STREAMS * N_STREAMS + 2 * N_STREAMS)
-            if (v["num_stages"] - 1) * v["BK"] * (v["BM"] * dtype.itemsize + ZP * 4) > SMEM_BYTES:
-                continue
-        out.append(v)
-    return out
-
-
-def _variants(
-    kernel: str,
-    C: int,
-    dtype: torch.dtype = torch.bfloat16,
-    precisions=(),
-    coarse=(),
-    limit: int | None = None,
-) -> list[dict]:
-    """The launch parameters tried for ``kernel`` (each a dict of constexprs and launch options).
-
-    With ``precisions``, a kernel with a ``tl.dot`` gets each one as ``PRECISION`` (the ``coarse`` ones over
-    :data:`COARSE`'s grid); ``limit`` keeps the first few of each precision (a smoke test).
-    """
-    grid = (GRID if dtype == torch.bfloat16 else GRID_FP32)[kernel]
-    if kernel not in DOT_KERNELS or not precisions:
-        return _expand(kernel, grid, C, dtype)[:limit]
-    out = []
-    for p in precisions:
-        out += [
-            dict(v, PRECISION=p)
-            for v in _expand(kernel, COARSE[kernel] if p in coarse else grid, C, dtype)[:limit]
-        ]
-    return out
-
-
-def _compile_key(kernel: str, params: dict) -> tuple:
-    return kernel, tuple(sorted((k, v) for k, v in params.items() if k not in RUNTIME_PARAMS))
-
-
-# Stream-sized tensors (the streams' dtype) and the coefficients (float32, or float64 for float64 streams).
-STREAM_TENSORS = ("x", "u", "y", "dout", "dy", "du")
-COEFF_TENSORS = (
-    "phi",
-    "alpha",
-    "b_pre",
-    "b_post",
-    "b_res",
-    "zr",
-    "h",
-    "H_res",
-    "g_h",
-    "g_res",
-    "dR",
-    "work",
-    "part",
-)
-
-
-class Site:
-    """One site's inputs and intermediate tensors at streams ``[T, n, C]`` of ``dtype``, and each kernel's call.
-
-    ``compute=False``: a stand-in for compiling only (the workers of ``--jobs``): the real plan and integers,
-    every tensor a small one of the right dtype; :meth:`_run` then compiles a variant (Triton's ``warmup``)
-    without launching it.
-    """
-
-    def __init__(
-        self,
-        C: int,
-        T: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str = "cuda",
-        seed: int = 0,
-        compute: bool = True,
-    ):
-        from mhc.fused import plan as fused_plan
-        from mhc.fused import steps as fused_steps
-        from mhc.projection import birkhoff_backward
-
-        n = N_STREAMS
-        Z = n * n + 2 * n
-        self.C, self.T, self.n, self.Z, self.dtype = C, T, n, Z, dtype
-        self.launchers = fused_plan.LAUNCHERS
-        self.compile_only = not compute
-        dev = torch.empty(0, device=device).device  # with its index, as the plan keys it
-        if not compute:
-            self.plan = fused_plan.Plan(torch.Size((T, n, C)), dtype, dev)
-            for name in STREAM_TENSORS:
-                setattr(self, name, torch.empty(64, dtype=dtype, device=dev))
-            for name in COEFF_TENSORS:
-                setattr(self, name, torch.empty(64, dtype=self.plan.cdt, device=dev))
-            return
-        g = torch.Generator(device=dev).manual_seed(seed)
-        self.x = torch.randn((T, n, C), device=dev, generator=g).to(dtype)
-        self.phi = 0.02 * torch.randn((Z, n * C), device=dev, generator=g)
-        self.alpha = torch.tensor([0.5, 0.7, 0.9], device=dev)
-        self.b_pre = 0.1 * torch.randn(n, device=dev, generator=g)
-        self.b_post = 0.1 * torch.randn(n, device=dev, generator=g)
-        self.b_res = torch.randn((n, n), device=dev, generator=g)
-        self.plan = plan = fused_plan.plan_for(self.x)
-        self.u, self.zr, self.h, self.H_res = fused_steps.pre_forward(
-            plan, self.x, self.phi, self.alpha, self.b_pre, self.b_post, self.b_res, 1e-6, 1e-5
-        )
-        self.y = torch.randn((T, C), device=dev, generator=g).to(dtype)
-        self.dout = torch.randn((T, n, C), device=dev, generator=g).to(dtype)
-        self.dy, self.g_h, self.g_res = fused_steps.post_backward(plan, self.dout, self.x, self.y, self.h)
-        self.du = torch.randn((T, C), device=dev, generator=g).to(dtype)
-        if plan.cuda_projection:  # as fused_steps.pre_backward does
-            self.dR = torch.ops.mhc.birkhoff_backward(self.H_res, self.g_res)
-        else:
-            self.dR = birkhoff_backward(self.H_res, self.g_res)
-        self.part = self.zr.new_empty(
-            (plan.coeff_splits, T, plan.ZP)
-        )  # the plan's partial sums, for coeff_fwd
-        self.launchers["coeff_partial"](
-            plan.coeff_partial, self.x, self.phi, self.part, T, C, plan.coeff_k_per_split
-        )
-        (self.work,) = self._run("coeff_bwd", None)  # for stream_grad and phi_grad
-
-    def float64(self) -> Site:
-        """The same site with every tensor in float64 (the same values) and the float64 plan: the reference."""
-        from mhc.fused import plan as fused_plan
-
-        ref = object.__new__(Site)
-        ref.__dict__.update({k: v.double() if torch.is_tensor(v) else v for k, v in self.__dict__.items()})
-        ref.dtype = torch.float64
-        ref.plan = fused_plan.plan_for(ref.x)
-        assert ref.plan.coeff_splits == self.plan.coeff_splits  # coeff_fwd reads self.part's splits
-        return ref
-
-    def plan_params(self, kernel: str, precision: bool = False) -> dict:
-        """The plan's own values of the swept parameters (``num_stages`` Triton's default, 3)."""
-        launch = getattr(self.plan, kernel)
-        meta = dict(launch.meta)
-        p = {k: meta[k] for k in ("BM", "BK", "BC", "BT", "BN") if k in meta}
-        p["num_warps"] = meta.get("num_warps", 4)
-        p["num_stages"] = meta.get("num_stages", 3)
-        if kernel == "stream_grad":
-            p["tokens"] = self.plan.stream_tokens
-        if kernel == "phi_grad":
-            p["splits"] = self.plan.phi_splits
-        if kernel == "coeff_partial":
-            p["splits"] = self.plan.coeff_splits
-        if precision and "PRECISION" in meta:
-            p["PRECISION"] = meta["PRECISION"]
-        return p
-
-    def _run(self, kernel: str, params: dict | None) -> tuple | None:
-        """Launch ``kernel`` with ``params`` (``None``: the plan's launch); return its outputs (fresh tensors).
-
-        Under ``compute=False``: compile it only, and return ``None``.
-        """
-        plan, T, n, C, Z = self.plan, self.T, self.n, self.C, self.Z
-        k = self.launchers[kernel].kernel
-        launch = getattr(plan, kernel)
-        meta = dict(launch.meta)
-        params = dict(params or {})
-        tokens, splits = params.pop("tokens", None), params.pop("splits", None)
-        meta.update(params)
-        cdiv = triton.cdiv
-
-        def go(grid, *args):
-            if not self.compile_only:
-                k[grid](*args, **meta)
-            elif self.x.is_cuda:  # the interpreter has nothing to compile
-                k.warmup(*args, grid=grid, **meta)
-
-        if kernel == "coeff_partial":
-            splits = splits or plan.coeff_splits
-            per = cdiv(cdiv(n * C, splits), meta["BK"]) * meta["BK"]
-            splits = cdiv(n * C, per)
-            part = self.zr.new_empty((splits, T, plan.ZP))
-            go((cdiv(T, meta["BM"]), splits), self.x, self.phi, part, T, C, per)
-            if self.compile_only:
-                return None
-            s = part.sum(0)
-            return s[:, :Z], s[:, Z]  # x φᵀ and Σ x², each against its own scale
-        if kernel == "coeff_fwd":
-            zr, h, R, u = (
-                torch.empty_like(self.zr),
-                torch.empty_like(self.h),
-                torch.empty_like(self.H_res),
-                torch.empty_like(self.u),
-            )
-            go(
-                (cdiv(T, meta["BM"]),),
-                self.part,
-                self.x,
-                self.alpha,
-                self.b_pre,
-                self.b_post,
-                self.b_res,
-                zr,
-                h,
-                R,
-                u,
-                T,
-                C,
-                1e-6,
-                plan.coeff_splits,
-            )
-            return None if self.compile_only else (zr, h, R, u)
-        if kernel == "postmix_fwd":
-            out = torch.empty_like(self.x)
-            go((T, cdiv(C, meta["BC"])), self.x, self.y, self.h, self.H_res, out, C)
-            return None if self.compile_only else (out,)
-        if kernel == "postmix_bwd":
-            dy, g_h, g_res = (
-                torch.empty_like(self.dy),
-                torch.empty_like(self.g_h),
-                torch.empty_like(self.g_res),
-            )
-            go((T,), self.dout, self.x, self.y, self.h, dy, g_h, g_res, C)
-            return None if self.compile_only else (dy, g_h, g_res)
-        if kernel == "coeff_bwd":
-            work = self.zr.new_empty((T, 2 * Z + 4))
-            go((T,), self.du, self.x, self.h, self.g_h, self.dR, self.zr, self.alpha, work, C)
-            return None if self.compile_only else (work,)
-        if kernel == "stream_grad":
-            tokens = tokens or plan.stream_tokens
-            dx = torch.empty_like(self.x)
-            go(
-                (cdiv(C, meta["BC"]), cdiv(T, tokens)),
-                self.dout,
-                self.du,
-                self.x,
-                self.work,
-                self.phi,
-                self.h,
-                self.H_res,
-                dx,
-                T,
-                C,
-                tokens,
-            )
-            return None if self.compile_only else (dx,)
-        if kernel == "phi_grad":
-            splits = splits or plan.phi_splits
-            per = cdiv(cdiv(T, splits), meta["BT"]) * meta["BT"]
-            splits = cdiv(T, per)
-            part = self.zr.new_empty((splits, Z, n * C))
-            go((cdiv(n * C, meta["BN"]), splits), self.work, self.x, part, T, n * C, Z, per)
-            return None if self.compile_only else (part.sum(0),)
-        raise ValueError(f"unknown kernel {kernel!r}")
-
-    def call(self, kernel: str, params: dict | None):
-        """``(fn, outputs)``: a no-argument launch of the variant for timing, and its outputs."""
-        outputs = self._run(kernel, params)
-        return (lambda: self._run(kernel, params)), outputs
-
-
-def _max_rel(a: tuple, b: tuple) -> float:
-    """The largest ``max |a - b| / max |b|`` over the outputs (``inf`` where ``a`` is not finite)."""
-    worst = 0.0
-    for p, q in zip(a, b):
-        p, q = p.double(), q.double()
-        if not torch.isfinite(p).all():
-            return float("inf")
-        scale = q.abs().max().item() or 1.0
-        worst = max(worst, (p - q).abs().max().item() / scale)
-    return worst
-
-
-def error_bound(reference: str, tol: float, plan_rel: float | None, rel_factor: float) -> float:
-    """The largest ``max rel`` a variant may have: ``tol`` against the plan's outputs; against float64,
-    ``rel_factor`` x the plan's own error (at least :data:`REL_FLOOR`), and never over ``tol``."""
-    if reference == "plan" or plan_rel is None:
-        return tol
-    return min(tol, max(rel_factor * plan_rel, REL_FLOOR))
 
 
 def _bench(fn, device: str, rep: float, rounds: int) -> float:
@@ -416,43 +106,6 @@ def _copy_gbps(device: str) -> float:
     t0 = time.perf_counter()
     b.copy_(a)
     return 2 * a.numel() * a.element_size() / (time.perf_counter() - t0) / 1e9
-
-
-# The workers of --jobs: one compile-only Site per shape, then one task per distinct compile.
-_WORKER: dict = {}
-
-
-def _without_extension() -> bool:
-    """Switch mhc's CUDA extension off (returns the previous setting): the kernels swept are Triton's, and the
-    site's inputs are built on the PyTorch projection, so nothing waits on the extension's build (a minute)."""
-    from mhc import _ext
-
-    return _ext.set_enabled(False)
-
-
-def _worker_init(shapes, dtype_name: str, device: str) -> None:
-    try:
-        _without_extension()
-        _WORKER["sites"] = [Site(C, T, DTYPES[dtype_name], device, compute=False) for C, T in shapes]
-    except Exception as e:  # noqa: BLE001 (a failing initializer would be restarted by the pool forever)
-        _WORKER["error"] = f"worker setup: {type(e).__name__}: {e}"
-
-
-def _compile_one(kernel: str, params: dict) -> tuple[bool, float, str]:
-    """Compile one variant at every shape (its integers may specialize differently): ``(ok, seconds, error)``."""
-    if "error" in _WORKER:
-        return False, 0.0, _WORKER["error"]
-    t0 = time.perf_counter()
-    try:
-        for site in _WORKER["sites"]:
-            site._run(kernel, params)
-    except Exception as e:  # noqa: BLE001 (reported with the variant by the timing process)
-        return (
-            False,
-            time.perf_counter() - t0,
-            f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
-        )
-    return True, time.perf_counter() - t0, ""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -550,7 +203,7 @@ def _plan_variants(args, dtype) -> dict:
     """``{kernel: {(C, T): [params, ...]}}`` in the order swept."""
     return {
         kernel: {
-            (C, T): _variants(kernel, C, dtype, args.precisions, args.coarse, args.limit)
+            (C, T): grid_variants(kernel, C, dtype, args.precisions, args.coarse, args.limit)
             for C, T in args.shapes
         }
         for kernel in args.kernels
@@ -573,7 +226,7 @@ def _announce(args, variants: dict) -> None:
             n_timed += len(vs) + 1  # and the plan
             precisions = len(args.precisions) if kernel in DOT_KERNELS else 1
             n_full += len(vs) + 1 if not args.screen else min(len(vs), args.screen) + 1 + precisions
-            compiles.update(_compile_key(kernel, v) for v in vs)
+            compiles.update(compile_key(kernel, v) for v in vs)
             by_p = {}
             for v in vs:
                 by_p[v.get("PRECISION")] = by_p.get(v.get("PRECISION"), 0) + 1
@@ -621,8 +274,8 @@ def _sweep(
     sweep_precision = bool(args.precisions) and kernel in DOT_KERNELS
     plan_params = site.plan_params(kernel, precision=sweep_precision)
     base_fn, base_out = site.call(kernel, None)
-    ref_out = ref._run(kernel, None) if ref is not None else base_out
-    plan_rel = _max_rel(base_out, ref_out)
+    ref_out = ref.run(kernel, None) if ref is not None else base_out
+    plan_rel = max_rel(base_out, ref_out)
     bound = error_bound(args.reference, args.tol, plan_rel if ref is not None else None, args.rel_factor)
     del base_out
     screen_rep = args.rep / 6 if args.screen else args.rep
@@ -634,7 +287,7 @@ def _sweep(
             say(f"  {kernel} {C}x{T}: out of --budget after {max(0, i - 1)} of {len(variants)} variants")
             out_of_time = True
             break
-        if params is not None and (err := compile_errors.get(_compile_key(kernel, params))):
+        if params is not None and (err := compile_errors.get(compile_key(kernel, params))):
             failures.append(f"{params}: compile: {err}")
             continue
         try:
@@ -642,7 +295,7 @@ def _sweep(
             fn, out = (base_fn, None) if params is None else site.call(kernel, params)
             if params is not None:
                 slow_loads += time.perf_counter() - t0 > 1.0  # compiled here, not found in Triton's cache
-                err = _max_rel(out, ref_out)
+                err = max_rel(out, ref_out)
             else:
                 err = plan_rel
             del out
@@ -789,7 +442,7 @@ def main(argv=None) -> list[dict]:
         device = "cpu"
     else:
         common.require_cuda("sweep_site_kernels.py")
-    extension = _without_extension()
+    extension = without_extension()
     try:
         return _main(args, device, dtype, variants, t_begin, deadline)
     finally:
@@ -805,7 +458,7 @@ def _main(
     pool, pending = None, {}
     if args.jobs > 1:
         pool = mp.get_context("spawn").Pool(
-            args.jobs, initializer=_worker_init, initargs=(args.shapes, args.dtype, device)
+            args.jobs, initializer=worker_init, initargs=(args.shapes, args.dtype, device)
         )
         for (
             kernel,
@@ -814,10 +467,8 @@ def _main(
             distinct = {}
             for vs in per_shape.values():
                 for v in vs:
-                    distinct.setdefault(_compile_key(kernel, v), v)
-            pending[kernel] = {
-                key: pool.apply_async(_compile_one, (kernel, v)) for key, v in distinct.items()
-            }
+                    distinct.setdefault(compile_key(kernel, v), v)
+            pending[kernel] = {key: pool.apply_async(compile_one, (kernel, v)) for key, v in distinct.items()}
     copy = _copy_gbps(device)
     say(f"device copy: {copy:.0f} GB/s; {common.environment()}")
     sites = {}

@@ -92,7 +92,6 @@ import argparse
 import datetime
 import functools
 import gc
-import math
 import subprocess
 import sys
 import time
@@ -103,25 +102,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, whe
 import common  # noqa: E402
 import torch
 import torch._dynamo
-from bench_compile import llama_1b  # noqa: E402  (benchmarks/step/, this script's folder)
+from training_models import (  # noqa: E402  (benchmarks/step/, this script's folder)
+    N_STREAMS,
+    build,
+    compile_model,
+    count_parameters,
+    make_step,
+    preset_config,
+    shape_plan,
+    stream_element_size,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = ("small_gpu", "134m", "1b")
 RECIPES = ("bf16", "autocast")
 MODES = ("eager", "compiled")
 MODELS = ("residual", "mhc")
-N_STREAMS = 4
-# batch x seq of each shape; the small_gpu preset's are read from its config (32 x 512), checked in the tests.
-LLAMA_SHAPES = {"134m": (8, 2048), "1b": (4, 2048)}
-TINY = {
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "intermediate_size": 128,
-    "vocab": 256,
-    "batch": 2,
-    "seq": 32,
-}
 
 
 # --------------------------------------------------------------------------------------
@@ -194,181 +190,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kernels and args.device != "cuda" and not args.dry_run:
         ap.error("--kernels profiles CUDA kernels: it needs --device cuda")
     return args
-
-
-# --------------------------------------------------------------------------------------
-# Shapes and models
-# --------------------------------------------------------------------------------------
-
-
-def preset_config(
-    kind: str, batch: int | None = None, seq: int | None = None, init: str = "paper", tiny: bool = False
-):
-    """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
-
-    The mHC one gets ``mhc_options.init = init``; ``batch``/``seq`` replace the preset's (the Llama shapes'
-    optimizer settings are the preset's too); ``tiny`` shrinks the model.
-    """
-    from mhc.train import load_config
-
-    overrides: dict = {}
-    if kind == "mhc":
-        overrides["mhc_options"] = {"init": init}
-    if tiny:
-        overrides.update(
-            hidden_size=TINY["hidden_size"],
-            num_layers=TINY["num_layers"],
-            num_heads=TINY["num_heads"],
-            intermediate_size=TINY["intermediate_size"],
-            batch_size=TINY["batch"],
-            seq_len=TINY["seq"],
-        )
-    if batch is not None:
-        overrides["batch_size"] = batch
-    if seq is not None:
-        overrides["seq_len"] = seq
-    return load_config(f"small_gpu_{kind}", overrides)
-
-
-def llama_config(shape: str, seq: int, tiny: bool):
-    """The LlamaConfig of the ``134m`` or ``1b`` shape (tiny: the same structure, GQA kept for 1b)."""
-    if not tiny:
-        return common.llama_134m(seq) if shape == "134m" else llama_1b(seq)
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=TINY["hidden_size"],
-        num_hidden_layers=TINY["num_layers"],
-        num_attention_heads=TINY["num_heads"],
-        num_key_value_heads=TINY["num_heads"] // 2 if shape == "1b" else TINY["num_heads"],
-        intermediate_size=TINY["intermediate_size"],
-        vocab_size=TINY["vocab"],
-        max_position_embeddings=seq,
-        attn_implementation="sdpa",
-    )
-
-
-def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
-    """What a shape runs: batch, seq, hidden size, layers, vocabulary, and how its models are made."""
-    if shape == "small_gpu":
-        cfg = preset_config("mhc", init=init, tiny=tiny)
-        return {
-            "batch": cfg.batch_size,
-            "seq": cfg.seq_len,
-            "hidden": cfg.hidden_size,
-            "layers": cfg.num_layers,
-            "heads": cfg.num_heads,
-            "kv_heads": cfg.num_kv_heads or cfg.num_heads,
-            "intermediate": cfg.intermediate_size,
-            "vocab": TINY["vocab"] if tiny else cfg.bpe_vocab_size,
-            "built": "mhc.train.build_model(preset small_gpu_{residual,mhc}), float32 on the CPU, then .to(device)",
-        }
-    batch, seq = (TINY["batch"], TINY["seq"]) if tiny else LLAMA_SHAPES[shape]
-    cfg = llama_config(shape, seq, tiny)
-    return {
-        "batch": batch,
-        "seq": seq,
-        "hidden": cfg.hidden_size,
-        "layers": cfg.num_hidden_layers,
-        "heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads,
-        "intermediate": cfg.intermediate_size,
-        "vocab": cfg.vocab_size,
-        "built": f"LlamaForCausalLM on the device; mhc: convert_to_mhc(n_streams={N_STREAMS})",
-    }
-
-
-def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> torch.nn.Module:
-    """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode."""
-    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
-    torch.manual_seed(0)
-    if shape == "small_gpu":  # as mhc.train.loop.train: seed, build_model on the CPU, model.to(device)
-        from mhc.train.model import build_model
-
-        cfg = preset_config(kind, init=args.init, tiny=args.tiny)
-        vocab = (
-            TINY["vocab"] if args.tiny else cfg.bpe_vocab_size
-        )  # the preset's BPE has bpe_vocab_size tokens
-        model = build_model(cfg, vocab, eos_id=0).to(device, dtype)
-    else:
-        from transformers import LlamaForCausalLM
-
-        plan = shape_plan(shape, args.tiny)
-        with torch.device(device):  # built on the device: a 1.1B model's init on the host takes seconds
-            model = LlamaForCausalLM(llama_config(shape, plan["seq"], args.tiny))
-        model = model.to(dtype)
-        if kind == "mhc":
-            import mhc
-
-            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init)
-    return model.train()
-
-
-class FixedBatches:
-    """What ``mhc.train.loop.forward_backward`` reads its batches from (``PackedData.train_batch``): one CPU batch."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def train_batch(self, start: int, count: int) -> torch.Tensor:
-        return self.ids[:count]
-
-
-def compile_model(model: torch.nn.Module, backend: str, device: torch.device, cfg=None) -> torch.nn.Module:
-    """The model compiled as ``mhc.train`` compiles it: ``wrap_model`` with ``compile=true`` in one process."""
-    if backend != "inductor":
-        return torch.compile(model, backend=backend)
-    from mhc.train.config import apply_overrides
-    from mhc.train.distributed import DistInfo, wrap_model
-
-    cfg = apply_overrides(cfg if cfg is not None else preset_config("mhc"), {"compile": True})
-    return wrap_model(model, cfg, DistInfo(), device)
-
-
-def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg):
-    """One training step of ``model`` (called through ``run``: itself or its compiled module) in ``recipe``.
-
-    The returned callable has ``.optimizer`` (for ``common.step_peak_memory``) and ``.counts``
-    (``steps``, ``skipped``: steps whose loss or gradient was not finite, which ``mhc.train`` does not apply).
-    """
-    if recipe == "bf16":  # bench_compile.py's step
-        step = common.training_step(run, ids.to(device))
-        step.counts = {"steps": 0, "skipped": 0}
-        return step
-
-    from mhc.train.distributed import DistInfo
-    from mhc.train.loop import forward_backward
-    from mhc.train.model import build_optimizer
-
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
-    max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
-    optimizer, scheduler = build_optimizer(model, cfg, max_steps, device)
-    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    info, data, counts = DistInfo(), FixedBatches(ids.cpu()), {"steps": 0, "skipped": 0}
-
-    def step() -> None:  # the body of mhc.train.loop.train's step loop, less its logging
-        optimizer.zero_grad(set_to_none=True)
-        loss, gnorm = forward_backward(run, model, data, counts["steps"], cfg, info, device, autocast)
-        if math.isfinite(gnorm) and math.isfinite(loss):
-            optimizer.step()
-        else:
-            counts["skipped"] += 1
-        scheduler.step()
-        counts["steps"] += 1
-
-    step.optimizer = optimizer
-    step.counts = counts
-    return step
-
-
-def stream_element_size(model: torch.nn.Module) -> int:
-    """Bytes per stream element: the streams are the embedding's output copied n times, in its dtype (autocast leaves
-    embeddings alone, so float32 weights give float32 streams)."""
-    return model.get_input_embeddings().weight.element_size()
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 # --------------------------------------------------------------------------------------
