@@ -4,11 +4,10 @@ import random
 import secrets
 from pathlib import Path
 
+import mutations
 import numpy as np
 import pytest
 import torch
-
-import mutations
 
 # Without CUDA, the fused Triton kernels run in Triton's interpreter on CPU
 # tensors, so their maths is tested on every machine. This must be set before

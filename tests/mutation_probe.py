@@ -69,8 +69,17 @@ def run_pytest(selection: tuple[str, ...], mutation: str | None, timeout: float)
         env[mutations.VARIABLE] = mutation
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *expand(selection)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            *expand(selection),
+        ]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -116,7 +125,9 @@ def verdict(run: Run, baseline: Run | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
-    parser.add_argument("--list", action="store_true", help="list the mutations and their selections, run nothing")
+    parser.add_argument(
+        "--list", action="store_true", help="list the mutations and their selections, run nothing"
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each selection")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (default 300)")
     args = parser.parse_args(argv)
@@ -136,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         for selection in dict.fromkeys(m.selection for m in chosen):
             baselines[selection] = base = run_pytest(selection, None, args.timeout)
             state = "passes" if base.passed_cleanly else f"FAILS ({'; '.join(base.first_failures[:1])})"
-            print(f"baseline {shlex.join(selection)}: {base.tests} tests, {state} [{base.seconds:.0f} s]", flush=True)
+            print(
+                f"baseline {shlex.join(selection)}: {base.tests} tests, {state} [{base.seconds:.0f} s]",
+                flush=True,
+            )
 
     rows = []
     for m in chosen:

@@ -142,7 +142,14 @@ def _fused_kernels_import_broken():
     sys.meta_path.insert(0, BrokenImport("mhc.fused.kernels", BROKEN_KERNELS_MESSAGE))
 
 
-_CHECKPOINT_OPTIONS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state", "early_stop")
+_CHECKPOINT_OPTIONS = (
+    "use_reentrant",
+    "context_fn",
+    "determinism_check",
+    "debug",
+    "preserve_rng_state",
+    "early_stop",
+)
 
 
 def _run_directly(function, *args, **kwargs):
@@ -177,8 +184,13 @@ def _hf_gradient_checkpointing_noop():
     transformers.modeling_utils.checkpoint = _run_directly
 
 
-_RNG_SETTERS = (("torch", "set_rng_state"), ("torch.random", "set_rng_state"), ("torch.cuda", "set_rng_state"),
-                ("random", "setstate"), ("numpy.random", "set_state"))
+_RNG_SETTERS = (
+    ("torch", "set_rng_state"),
+    ("torch.random", "set_rng_state"),
+    ("torch.cuda", "set_rng_state"),
+    ("random", "setstate"),
+    ("numpy.random", "set_state"),
+)
 
 
 def _ignored_when_mhc_calls(setter):

@@ -168,9 +168,7 @@ def test_block_gradcheck_float64(mode):
     assert torch.autograd.gradcheck(lambda x: site(x, *params), (x,), eps=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "mode, projection", [("hc", "newton"), ("mhc", "sinkhorn"), ("mhc", "newton")]
-)
+@pytest.mark.parametrize("mode, projection", [("hc", "newton"), ("mhc", "sinkhorn"), ("mhc", "newton")])
 def test_double_backward_fused_false(mode, projection):
     """fused=False (the PyTorch path) supports create_graph=True: gradgradcheck in float64.
 
@@ -179,7 +177,9 @@ def test_double_backward_fused_false(mode, projection):
     """
     torch.manual_seed(0)
     branch = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
-    block = MHCBlock(branch, 6, 3, mode=mode, init="paper", projection=projection, tol=1e-13, fused=False).double()
+    block = MHCBlock(
+        branch, 6, 3, mode=mode, init="paper", projection=projection, tol=1e-13, fused=False
+    ).double()
     with torch.no_grad():
         block.alpha.fill_(0.7)
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)

@@ -21,8 +21,13 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def tiny_llama(layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=64,
     )
     return LlamaForCausalLM(cfg)
 
@@ -53,11 +58,18 @@ def test_converted_model_compiles_as_one_graph_and_matches_eager(mode, fresh_see
     logits, grads = loss_and_grads(model, ids)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, f"seed {fresh_seed}: {dict(counters['stats'])}"
-    torch.testing.assert_close(logits, logits_eager, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(
+        logits, logits_eager, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {fresh_seed}: {m}"
+    )
     assert grads.keys() == grads_eager.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], grads_eager[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"seed {fresh_seed}, {name}: {m}")
+        torch.testing.assert_close(
+            grads[name],
+            grads_eager[name],
+            rtol=1e-4,
+            atol=1e-6,
+            msg=lambda m, name=name: f"seed {fresh_seed}, {name}: {m}",
+        )
 
     # new inputs of the same shape, and more steps: no recompile (every layer's constants are not guards)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -74,10 +86,17 @@ def test_inductor_compiled_model_matches_eager(fresh_seed):
     model.forward = compile_and_count(model.forward, backend="inductor")
     logits, grads = loss_and_grads(model, ids)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    torch.testing.assert_close(logits, logits_eager, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(
+        logits, logits_eager, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}"
+    )
     for name in grads_eager:
-        torch.testing.assert_close(grads[name], grads_eager[name], rtol=1e-3, atol=1e-5,
-                                   msg=lambda m, name=name: f"seed {fresh_seed}, {name}: {m}")
+        torch.testing.assert_close(
+            grads[name],
+            grads_eager[name],
+            rtol=1e-3,
+            atol=1e-5,
+            msg=lambda m, name=name: f"seed {fresh_seed}, {name}: {m}",
+        )
 
 
 def test_deep_block_stack_compiles_without_graph_breaks():

@@ -41,6 +41,7 @@ def test_there_are_cuda_sources():
     assert CU_FILES, f"{CSRC}/*.cu not found"
 
 
+@pytest.mark.slow  # nvcc
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 @pytest.mark.parametrize("src", CU_FILES, ids=lambda p: p.name)
 def test_cu_compiles_for_sm90(src, tmp_path):
@@ -74,11 +75,22 @@ def test_cu_compiles_for_sm90(src, tmp_path):
     assert proc.returncode == 0, f"nvcc failed on {src.name}:\n{proc.stderr[-6000:]}"
 
 
+@pytest.mark.slow  # nvcc
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_kernel_bench_compiles_for_sm90(tmp_path):
     # The standalone kernel benchmark builds the shipped kernels without torch.
-    cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-           f"-I{CSRC}", "-c", str(ROOT / "benchmarks" / "projection" / "kernel_bench.cu"), "-o", str(tmp_path / "kb.o")]
+    cmd = [
+        _nvcc(),
+        "-std=c++17",
+        "-O1",
+        "--expt-relaxed-constexpr",
+        "-gencode=arch=compute_90,code=sm_90",
+        f"-I{CSRC}",
+        "-c",
+        str(ROOT / "benchmarks" / "projection" / "kernel_bench.cu"),
+        "-o",
+        str(tmp_path / "kb.o"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on kernel_bench.cu:\n{proc.stderr[-6000:]}"
 
@@ -113,8 +125,14 @@ def test_import_and_cpu_path_without_cuda_build(tmp_path):
     empty = tmp_path / "no_sources"
     empty.mkdir()
     env = dict(os.environ, MHC_CSRC_DIR=str(empty))
-    proc = subprocess.run([sys.executable, "-c", _FALLBACK_PROBE], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_PROBE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.stdout.strip(), proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # No CUDA torch, no nvcc, or (here at the latest) no sources: a reason, not a crash.
@@ -144,8 +162,9 @@ def test_cuda_build_lists_the_kernel_sources(monkeypatch, capsys):
     names = [line.strip() for line in lines[1:-1]]
     assert names == [p.name for p in cuda_build.source_files()], lines
     assert {"birkhoff.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(names), lines
-    assert lines[-1] == "build: " + ("possible" if cuda_build.build_problem() is None
-                                     else "not possible: " + cuda_build.build_problem()), lines
+    assert lines[-1] == "build: " + (
+        "possible" if cuda_build.build_problem() is None else "not possible: " + cuda_build.build_problem()
+    ), lines
 
     # A misspelled option is refused by name (argparse: exit 2), not taken as an abbreviation.
     with pytest.raises(SystemExit) as exc:
@@ -291,8 +310,12 @@ def test_nonfinite_grad_poisons_whole_matrix_on_host(tmp_path):
     drv = tmp_path / "nonfinite.cpp"
     drv.write_text(_NONFINITE_GRAD_DRIVER)
     exe = tmp_path / "nonfinite"
-    proc = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -464,20 +487,30 @@ def test_zero_entries_on_host(tmp_path):
     drv = tmp_path / "zeros.cpp"
     drv.write_text(_ZERO_ENTRIES_DRIVER)
     exe = tmp_path / "zeros"
-    proc = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["g++", "-O2", "-std=c++17", f"-I{CSRC}", str(drv), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     grads = {4: tmp_path / "grads4.bin", 8: tmp_path / "grads8.bin"}
-    run = subprocess.run([str(exe), str(grads[4]), str(grads[8])], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [str(exe), str(grads[4]), str(grads[8])], capture_output=True, text=True, timeout=600
+    )
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     for n, path in grads.items():
-        T, G, dR = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32).reshape(-1, 3, n, n).unbind(1)
+        T, G, dR = (
+            torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32).reshape(-1, 3, n, n).unbind(1)
+        )
         ref = birkhoff_backward(T.double(), G.double())
         diff = dR.double() - ref
         rel = float(diff.norm() / ref.norm())
         # Per matrix against |G|: a plan near 0/1 can have a true gradient far below |G| (measured up to
         # 3.9e-6 at n = 8, 7e-7 at n = 4).
         worst = float((diff.flatten(1).norm(dim=-1) / G.double().flatten(1).norm(dim=-1)).max())
-        print(f"n={n}: implicit_grad vs the float64 reference on the same plans: rel {rel:.2e}, worst |err|/|G| {worst:.2e}")
+        print(
+            f"n={n}: implicit_grad vs the float64 reference on the same plans: rel {rel:.2e}, worst |err|/|G| {worst:.2e}"
+        )
         assert rel <= 1e-4 and worst <= 1e-5, n

@@ -58,9 +58,16 @@ def test_site_equals_the_decoder_layer_formula_with_gradients():
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref = decoder_formula(hc, branch, x_ref)
     block = MHCBlock.from_deepseek_v4(hc, branch)
-    assert (block.projection, block.sinkhorn_iters, block.pre_eps, block.sinkhorn_eps) == ("sinkhorn", 20, 1e-6, 1e-6)
+    assert (block.projection, block.sinkhorn_iters, block.pre_eps, block.sinkhorn_eps) == (
+        "sinkhorn",
+        20,
+        1e-6,
+        1e-6,
+    )
     out = block(x_ours)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    torch.testing.assert_close(
+        out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}"
+    )
 
     W = torch.randn(ref.shape, generator=g)
     (ref * W).sum().backward()
@@ -68,9 +75,13 @@ def test_site_equals_the_decoder_layer_formula_with_gradients():
     torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{seed}: {m}")
     # fn's comb rows are phi's res rows transposed (H_res = combᵀ); pre and post rows map one to one.
     grad_fn = hc.fn.grad
-    expected_phi_grad = torch.cat([grad_fn[: 2 * N], grad_fn[2 * N :].reshape(N, N, -1).transpose(0, 1).reshape(N * N, -1)])
+    expected_phi_grad = torch.cat(
+        [grad_fn[: 2 * N], grad_fn[2 * N :].reshape(N, N, -1).transpose(0, 1).reshape(N * N, -1)]
+    )
     scale = grad_fn.abs().max().item()
-    torch.testing.assert_close(block.phi.grad, expected_phi_grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{seed}: {m}")
+    torch.testing.assert_close(
+        block.phi.grad, expected_phi_grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{seed}: {m}"
+    )
     # Absolute tolerances at 1e-5 of each gradient's largest entry, as for phi: these are float32 sums
     # over tokens whose order follows the intra-op thread split, so an entry near zero can be off by a
     # few 1e-6 of the whole (3.5e-6 against a fixed atol of 1e-6 at seed 12888816320414180261, in the
@@ -78,8 +89,13 @@ def test_site_equals_the_decoder_layer_formula_with_gradients():
     expected_b_res_grad = hc.base.grad[2 * N :].reshape(N, N).t()
     torch.testing.assert_close(block.alpha.grad, hc.scale.grad, rtol=1e-4, atol=1e-5 * hc.scale.grad.abs().max().item(),
                                msg=lambda m: f"{seed}: {m}")  # fmt: skip
-    torch.testing.assert_close(block.b_res.grad, expected_b_res_grad, rtol=1e-4,
-                               atol=1e-5 * expected_b_res_grad.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    torch.testing.assert_close(
+        block.b_res.grad,
+        expected_b_res_grad,
+        rtol=1e-4,
+        atol=1e-5 * expected_b_res_grad.abs().max().item(),
+        msg=lambda m: f"{seed}: {m}",
+    )
 
 
 def test_two_blocks_reproduce_a_whole_decoder_layer():
@@ -98,13 +114,17 @@ def test_two_blocks_reproduce_a_whole_decoder_layer():
         model(input_ids=torch.randint(0, 64, (2, 12), generator=g))
         kw = seen["kw"]
         input_ids = kw.pop("input_ids")
-        attn = MHCBlock.from_deepseek_v4(layer.attn_hc, lambda u: layer.self_attn(layer.input_layernorm(u), **kw)[0])
+        attn = MHCBlock.from_deepseek_v4(
+            layer.attn_hc, lambda u: layer.self_attn(layer.input_layernorm(u), **kw)[0]
+        )
         ffn = MHCBlock.from_deepseek_v4(
             layer.ffn_hc, lambda u: layer.mlp(layer.post_attention_layernorm(u), input_ids=input_ids)
         )
         out = ffn(attn(seen["x"]))
     ref = seen["out"]
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    torch.testing.assert_close(
+        out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}"
+    )
 
 
 def test_newton_projects_the_same_logits_exactly():
@@ -127,7 +147,9 @@ def test_newton_projects_the_same_logits_exactly():
     long_hc.load_state_dict(hc.state_dict())
     _, comb_long, _ = long_hc(x)
     # (Sinkhorn converges slowly where H_res nears a permutation: 3000 rounds reach ~1e-4, not rounding.)
-    torch.testing.assert_close(H_exact, comb_long.transpose(-1, -2), rtol=0, atol=1e-3, msg=lambda m: f"{seed}: {m}")
+    torch.testing.assert_close(
+        H_exact, comb_long.transpose(-1, -2), rtol=0, atol=1e-3, msg=lambda m: f"{seed}: {m}"
+    )
     # The truncated H_res is not exact on these logits, and the two outputs differ by more than rounding.
     H_trunc = truncated.coefficients(x)[2]
     assert marginal_error(H_trunc).max() > marginal_error(H_exact).max(), seed
@@ -189,14 +211,29 @@ def test_truncation_gap_is_what_the_two_blocks_give_and_vanishes_with_enough_rou
     x = torch.randn(4, 6, N, C, generator=g)
     error, change = truncation_gap(hc, branch, x)
     with torch.no_grad():
-        truncated, exact = MHCBlock.from_deepseek_v4(hc, branch), MHCBlock.from_deepseek_v4(hc, branch, projection="newton")
+        truncated, exact = (
+            MHCBlock.from_deepseek_v4(hc, branch),
+            MHCBlock.from_deepseek_v4(hc, branch, projection="newton"),
+        )
         a, b = truncated(x), exact(x)
         expected_error = marginal_error(truncated.coefficients(x)[2]).max().item()
     expected_change = ((b - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1))).max().item()
-    assert error == pytest.approx(expected_error, rel=1e-6) and change == pytest.approx(expected_change, rel=1e-5), seed
-    assert error > 1e-3 and change > 1e-4, (seed, error, change)  # spread-out logits: 20 rounds are not enough
+    assert error == pytest.approx(expected_error, rel=1e-6) and change == pytest.approx(
+        expected_change, rel=1e-5
+    ), seed
+    assert error > 1e-3 and change > 1e-4, (
+        seed,
+        error,
+        change,
+    )  # spread-out logits: 20 rounds are not enough
     long_hc = modeling.DeepseekV4HyperConnection(small_config(hc_sinkhorn_iters=3000, hc_eps=0.0))
     long_hc.load_state_dict(hc.state_dict())
     long_error, long_change = truncation_gap(long_hc, branch, x)
     # Sinkhorn converges slowly where H_res is near a permutation: much closer, not exact.
-    assert long_error < error / 10 and long_change < change / 10, (seed, error, change, long_error, long_change)
+    assert long_error < error / 10 and long_change < change / 10, (
+        seed,
+        error,
+        change,
+        long_error,
+        long_change,
+    )

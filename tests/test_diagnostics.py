@@ -80,7 +80,11 @@ def test_hc_composite_drifts_far_from_one():
     x = expand_streams(torch.randn(8, C), N)
     hc = composite_gains(collect_h_res(random_stack("hc", seed), x))
     mhc = composite_gains(collect_h_res(random_stack("mhc", seed), x))
-    hc_fwd, hc_bwd, mhc_fwd = hc.forward_gain[-1].item(), hc.backward_gain[-1].item(), mhc.forward_gain[-1].item()
+    hc_fwd, hc_bwd, mhc_fwd = (
+        hc.forward_gain[-1].item(),
+        hc.backward_gain[-1].item(),
+        mhc.forward_gain[-1].item(),
+    )
     assert hc_fwd > 100 and hc_bwd > 100, f"seed={seed}: hc gains {hc_fwd}, {hc_bwd}"
     assert hc_fwd > 100 * mhc_fwd, f"seed={seed}: hc {hc_fwd} vs mhc {mhc_fwd}"
 
@@ -145,7 +149,9 @@ def test_orientation_forward_is_row_sums_backward_is_column_sums_later_sites_on_
     assert abs(forward - backward) > 0.5, (forward, backward)
     assert abs(other_order.forward_gain[-1].item() - forward) > 0.5, (other_order.forward_gain, forward)
     report = report_from_h_res([A, B])
-    assert report.forward_gain_max[-1] == pytest.approx(forward) and report.backward_gain_max[-1] == pytest.approx(backward)
+    assert report.forward_gain_max[-1] == pytest.approx(forward) and report.backward_gain_max[
+        -1
+    ] == pytest.approx(backward)
 
 
 def test_suffix_backward_gain_is_the_gradient_path_back_to_each_depth():
@@ -287,16 +293,24 @@ def test_cli_on_a_train_lm_run_dir(tmp_path, cli, capsys):
     assert code == 0, err
     assert "MHCForCausalLM, 4 sites, mode=mhc" in out and "tokenizer of" in out, out
     rows = [ln for ln in out.splitlines() if ln.lstrip()[:1].isdigit() and "_mhc" in ln]
-    assert [ln.split()[1] for ln in rows] == [f"model.model.layers.{i}.{s}_mhc" for i in (0, 1) for s in ("attn", "mlp")]
-    assert (model_dir / "stability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figure: {model_dir}" in out
+    assert [ln.split()[1] for ln in rows] == [
+        f"model.model.layers.{i}.{s}_mhc" for i in (0, 1) for s in ("attn", "mlp")
+    ]
+    assert (model_dir / "stability.png").read_bytes()[
+        :8
+    ] == b"\x89PNG\r\n\x1a\n" and f"figure: {model_dir}" in out
     numbers = json.loads((tmp_path / "r.json").read_text())
     assert max(numbers["marginal_error_max"]) < 1e-4 and all(r is not None for r in numbers["grad_ratio"])
     assert max(abs(g - 1) for g in numbers["forward_gain_max"] + numbers["backward_gain_max"]) < 1e-4
     text = tmp_path / "t.txt"
     text.write_text("print('hello')\n" * 20)
-    code, out, err = _diagnostics_cli([str(model_dir), "--text", str(text), "--out", str(tmp_path / "o.png")], capsys)
+    code, out, err = _diagnostics_cli(
+        [str(model_dir), "--text", str(text), "--out", str(tmp_path / "o.png")], capsys
+    )
     assert code == 0 and "32 tokens (--text" in out and (tmp_path / "o.png").is_file(), out + err
-    code, out, err = _diagnostics_cli([str(tmp_path / "run"), "--no-backward"], capsys)  # the run dir: its model/
+    code, out, err = _diagnostics_cli(
+        [str(tmp_path / "run"), "--no-backward"], capsys
+    )  # the run dir: its model/
     assert code == 0 and out.startswith(f"{model_dir}: MHCForCausalLM"), out + err
 
 
@@ -350,7 +364,9 @@ def test_grad_ratio_with_activation_checkpointing_records_each_site_once():
     from mhc import MHCConfig, MHCForCausalLM
 
     torch.manual_seed(0)
-    base = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    base = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
     model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper"))
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
         model.activation_checkpointing_enable()
@@ -374,22 +390,46 @@ def test_grad_ratio_with_activation_checkpointing_records_each_site_once():
         (lambda: stream_spread([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
         (lambda: stream_spread(torch.ones(5)), ValueError, r"x must be \[\.\.\., n, C\], got \(5,\)"),
         (lambda: near_zero_or_one([0.5], 1e-3), TypeError, "values must be a torch.Tensor"),
-        (lambda: near_zero_or_one(torch.ones(3), -1e-3), ValueError, "eps must be finite and >= 0, got -0.001"),
+        (
+            lambda: near_zero_or_one(torch.ones(3), -1e-3),
+            ValueError,
+            "eps must be finite and >= 0, got -0.001",
+        ),
         (lambda: near_zero_or_one(torch.ones(3), math.nan), ValueError, "eps must be finite"),
         (lambda: near_zero_or_one(torch.ones(3), "0.1"), TypeError, "eps must be a real number"),
         (lambda: one_hot_rows(torch.eye(3), math.inf), ValueError, "eps must be finite"),
         (lambda: one_hot_rows(torch.ones(3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
         (lambda: one_hot_rows(torch.ones(2, 3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
         (lambda: collect_sites("model"), TypeError, "model must be an nn.Module"),
-        (lambda: collect_sites(nn.Linear(2, 2), loss_fn="mean"), TypeError, "loss_fn must be callable or None"),
-        (lambda: stability_report(nn.Linear(2, 2), torch.ones(1, 2), eps=2.0), ValueError, r"eps must be a number in \(0, 0.5\)"),
+        (
+            lambda: collect_sites(nn.Linear(2, 2), loss_fn="mean"),
+            TypeError,
+            "loss_fn must be callable or None",
+        ),
+        (
+            lambda: stability_report(nn.Linear(2, 2), torch.ones(1, 2), eps=2.0),
+            ValueError,
+            r"eps must be a number in \(0, 0.5\)",
+        ),
         (lambda: report_from_h_res([torch.eye(3)], eps="0.1"), TypeError, "eps must be a real number"),
         (lambda: report_from_h_res([torch.eye(3)], names=[7]), TypeError, "names must be strings"),
-        (lambda: report_from_h_res([torch.eye(3)], names="site"), TypeError, "names must be a sequence of strings"),
+        (
+            lambda: report_from_h_res([torch.eye(3)], names="site"),
+            TypeError,
+            "names must be a sequence of strings",
+        ),
         (lambda: report_from_sites([torch.eye(3)]), TypeError, "records must be SiteRecord"),
         (lambda: plot_report("report", "x.png"), TypeError, "report must be a StabilityReport"),
-        (lambda: plot_report(report_from_h_res([torch.eye(3)]), 7), TypeError, "path must be a str or os.PathLike"),
-        (lambda: plot_report(report_from_h_res([torch.eye(3)]), "x.png", title=3), TypeError, "title must be a str"),
+        (
+            lambda: plot_report(report_from_h_res([torch.eye(3)]), 7),
+            TypeError,
+            "path must be a str or os.PathLike",
+        ),
+        (
+            lambda: plot_report(report_from_h_res([torch.eye(3)]), "x.png", title=3),
+            TypeError,
+            "title must be a str",
+        ),
     ],
 )
 def test_public_functions_check_their_arguments(call, error, match):

@@ -16,16 +16,21 @@ from transformers import AutoModelForCausalLM
 
 import mhc.hf.verify
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc.hf import MHCDecoderLayer, added_parameter_count
 from mhc.hf.adapters import Adapter, Branch, Site, register_adapter, registered_adapter, unregister_adapter
 from mhc.hf.generic import infer_adapter
-from mhc.hf import MHCDecoderLayer, added_parameter_count
 from mhc.hf.verify import ConversionMismatchError, verify_by_default
 
 VOCAB = 96
 _TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _DECODER = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=64, **_TOKENS,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    **_TOKENS,
 )
 _GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4)
 
@@ -45,10 +50,16 @@ SUPPORTED = {
     "gemma2": ("Gemma2Config", _GEMMA),
     "gemma3_text": ("Gemma3TextConfig", dict(**_GEMMA, layer_types=["sliding_attention", "full_attention"])),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         mlp_only_layers=[1])),
-    "granite": ("GraniteConfig", dict(residual_multiplier=0.22, embedding_multiplier=6.0, logits_scaling=4.0,
-                                      attention_multiplier=0.125)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    ),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            residual_multiplier=0.22, embedding_multiplier=6.0, logits_scaling=4.0, attention_multiplier=0.125
+        ),
+    ),
     "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5)),
     "gpt_neox_sequential": ("GPTNeoXConfig", dict(rotary_pct=0.5, use_parallel_residual=False)),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5)),
@@ -110,7 +121,9 @@ def perturb(model, seed: int = 0, scale: float = 0.5) -> None:
         for m in model.modules():
             if isinstance(m, MHCBlock) and m.mode != "residual":
                 for p in (m.phi, m.b_pre, m.b_post, m.b_res):
-                    p.add_(scale * torch.randn(p.shape, generator=g).to(p.device))  # the same draw on any device
+                    p.add_(
+                        scale * torch.randn(p.shape, generator=g).to(p.device)
+                    )  # the same draw on any device
 
 
 def max_logit_diff(family: str) -> tuple[float, float, MHCForCausalLM]:
@@ -139,9 +152,9 @@ def test_converts_exactly(family):
     layers = model.decoder_layers()
     assert len(layers) == 2 and all(isinstance(layer, MHCDecoderLayer) for layer in layers)
     assert sum(isinstance(m, MHCBlock) for m in model.modules()) == 2 * len(sites)
-    assert model.num_parameters() == sum(p.numel() for p in family_model(family).parameters()) + added_parameter_count(
-        model.config
-    )
+    assert model.num_parameters() == sum(
+        p.numel() for p in family_model(family).parameters()
+    ) + added_parameter_count(model.config)
 
 
 @pytest.mark.parametrize("family", FAMILIES + list(GENERIC))
@@ -164,8 +177,15 @@ def test_generate_cache_matches_no_cache(family):
     model = convert_to_mhc(family_model(family), n_streams=4)
     perturb(model)
     x = token_ids(batch=2, seq=5)
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
-              output_scores=True, return_dict_in_generate=True)
+    kw = dict(
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with_cache = model.generate(x, use_cache=True, **kw)
     without = model.generate(x, use_cache=False, **kw)
     assert with_cache.sequences.shape == (2, 9)
@@ -176,7 +196,7 @@ def test_generate_cache_matches_no_cache(family):
 
 @pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_left_padding(family):
-    """A left-padded row gives the same logits on its real tokens and the same greedy tokens as alone."""
+    """A left-padded row gives the same logits on its real tokens and the same 5 greedy tokens as alone."""
     model = convert_to_mhc(family_model(family), n_streams=4)
     perturb(model)
     long, short = token_ids(1, 7, seed=3), token_ids(1, 4, seed=4)
@@ -188,9 +208,10 @@ def test_left_padding(family):
         both = model(batch, attention_mask=mask, position_ids=position_ids).logits
         alone = model(short).logits
     assert (both[1, 3:] - alone[0]).abs().max().item() <= 1e-4
-    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(batch, attention_mask=mask, **kw)[1, 3:],
-                       model.generate(short, attention_mask=torch.ones_like(short), **kw)[0])
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    gen_batch = model.generate(batch, attention_mask=mask, **kw)
+    gen_alone = model.generate(short, attention_mask=torch.ones_like(short), **kw)
+    assert gen_batch.shape == (2, 12) and torch.equal(gen_batch[1, 3:], gen_alone[0])
 
 
 def enable_checkpointing(model) -> None:
@@ -214,20 +235,25 @@ def test_gradient_checkpointing_same_gradients(family):
     for layer in model.decoder_layers():
         for site in model.config.get_adapter().sites:
             layer.get_submodule(site.branches[0].sublayer).register_forward_pre_hook(
-                lambda *_: sublayer_calls.append(1))
+                lambda *_: sublayer_calls.append(1)
+            )
 
     def grads():
         model.zero_grad(set_to_none=True)
         loss = model(x, labels=x).loss
         sublayer_calls.clear()
         loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(sublayer_calls)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(
+            sublayer_calls
+        )
 
     plain, recomputed = grads()
     assert recomputed == 0
     enable_checkpointing(model)
     ckpt, recomputed = grads()
-    assert recomputed == 2 * len(model.config.get_adapter().sites)  # every site's sublayer ran again in backward
+    assert recomputed == 2 * len(
+        model.config.get_adapter().sites
+    )  # every site's sublayer ran again in backward
     assert plain.keys() == ckpt.keys() and any("_mhc.phi" in n for n in plain)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -240,7 +266,9 @@ def test_bf16_with_fp32_coefficients(family, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     coefficients = {n for n, _ in loaded.named_parameters() if "_mhc." in n}
-    assert coefficients and all(p.dtype == torch.float32 for n, p in loaded.named_parameters() if n in coefficients)
+    assert coefficients and all(
+        p.dtype == torch.float32 for n, p in loaded.named_parameters() if n in coefficients
+    )
     assert all(p.dtype == torch.bfloat16 for n, p in loaded.named_parameters() if n not in coefficients)
     x = token_ids()
     with torch.no_grad():
@@ -254,7 +282,9 @@ def test_bf16_with_fp32_coefficients(family, tmp_path):
     converted = convert_to_mhc(base, n_streams=4)
     assert all(p.dtype == torch.float32 for n, p in converted.named_parameters() if "_mhc." in n)
     with torch.no_grad():
-        assert (converted(x).logits.float() - ref16.float()).abs().max() <= 3e-2 * max(1, ref16.abs().max().item())
+        assert (converted(x).logits.float() - ref16.float()).abs().max() <= 3e-2 * max(
+            1, ref16.abs().max().item()
+        )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -280,7 +310,9 @@ LLAMA_NAMES = Adapter.pre_norm()
 # What a user following the old error message's register_adapter hint wrote: each is silently wrong without the check.
 WRONG_ADAPTERS = {
     "gemma2": LLAMA_NAMES,  # drops the sandwich norms (post_attention_layernorm taken for the MLP's pre-norm)
-    "gpt_neox": Adapter.pre_norm("gpt_neox.layers", "gpt_neox.final_layer_norm", attn=("input_layernorm", "attention")),
+    "gpt_neox": Adapter.pre_norm(
+        "gpt_neox.layers", "gpt_neox.final_layer_norm", attn=("input_layernorm", "attention")
+    ),
     "granite": LLAMA_NAMES,  # drops residual_multiplier
 }
 
@@ -305,7 +337,9 @@ def test_self_check_catches_a_wrong_adapter(family):
         ref = base(x).logits
     original_layers = [type(m) for m in base.modules()]
     with registered(family, WRONG_ADAPTERS[family]):
-        with pytest.raises(ConversionMismatchError, match=r"differ from the original's by up to (\d|\.)+") as info:
+        with pytest.raises(
+            ConversionMismatchError, match=r"differ from the original's by up to (\d|\.)+"
+        ) as info:
             convert_to_mhc(base, n_streams=4)
         print(f"{family}: {info.value}")
         # the model is left as it was: its own layers, its own logits
@@ -352,7 +386,10 @@ def test_generic_adapter_reads_the_registered_layouts(family):
     inferred = infer_adapter(base)
     registered_one = registered_adapter(base.config)
     assert (inferred.layers, inferred.final_norm, inferred.sites) == (
-        registered_one.layers, registered_one.final_norm, registered_one.sites)
+        registered_one.layers,
+        registered_one.final_norm,
+        registered_one.sites,
+    )
 
 
 @pytest.mark.parametrize("family", sorted(GENERIC))
@@ -367,7 +404,9 @@ def test_family_outside_the_list_converts_by_the_generic_adapter(family):
 def test_granite_without_its_adapter_is_refused_naming_the_scaled_residual():
     previous = unregister_adapter("granite")
     try:
-        with pytest.raises(ValueError, match=r"'granite'.*x \+ attn.*max \|difference\|.*residual_multiplier"):
+        with pytest.raises(
+            ValueError, match=r"'granite'.*x \+ attn.*max \|difference\|.*residual_multiplier"
+        ):
             convert_to_mhc(family_model("granite"))
     finally:
         register_adapter("granite", previous)
@@ -378,7 +417,9 @@ def test_unfitting_layout_is_refused_saying_what_does_not_fit():
 
     cfg = OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2)
     base = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match=r"'opt'.*OPTDecoderLayer.*sublayers \['self_attn', 'fc1', 'activation_fn', 'fc2'\]"):
+    with pytest.raises(
+        ValueError, match=r"'opt'.*OPTDecoderLayer.*sublayers \['self_attn', 'fc1', 'activation_fn', 'fc2'\]"
+    ):
         convert_to_mhc(base)
     assert not any(isinstance(m, MHCDecoderLayer) for m in base.modules())
 
@@ -400,7 +441,11 @@ def test_adapter_values_are_checked():
     with pytest.raises(ValueError, match="identifier"):
         Site("attn-site", (Branch("self_attn"),))
     with pytest.raises(ValueError, match="repeat"):
-        Adapter("model.layers", "model.norm", (Site("a", (Branch("x", layer_inputs=True),)), Site("a", (Branch("y"),))))
+        Adapter(
+            "model.layers",
+            "model.norm",
+            (Site("a", (Branch("x", layer_inputs=True),)), Site("a", (Branch("y"),))),
+        )
     with pytest.raises(ValueError, match="layer_inputs"):
         Adapter("model.layers", "model.norm", (Site("attn", (Branch("self_attn"),)),))
     with pytest.raises(ValueError, match="malformed"):

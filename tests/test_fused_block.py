@@ -31,7 +31,9 @@ else:
     # Triton imports, so the kernels must: available() raises (collection fails) if they do not.
     assert fused.available(), "Triton imports but mhc.fused.available() is False"
     # Without CUDA the kernels can only run in Triton's interpreter, which tests/conftest.py turns on.
-    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", "no CUDA and no TRITON_INTERPRET"
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", (
+        "no CUDA and no TRITON_INTERPRET"
+    )
 
 pytestmark = pytest.mark.skipif(NO_TRITON is not None, reason=NO_TRITON or "")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,8 +47,14 @@ class InterpretedFusedBlock(mhc.MHCBlock):
 
     def uses_fused(self, x):
         # MHCBlock.uses_fused without its `x.is_cuda`.
-        return (self.fused and self.mode == "mhc" and self.projection == "newton"
-                and x.dtype in fused.SUPPORTED_DTYPES and x.numel() > 0 and fused.available())
+        return (
+            self.fused
+            and self.mode == "mhc"
+            and self.projection == "newton"
+            and x.dtype in fused.SUPPORTED_DTYPES
+            and x.numel() > 0
+            and fused.available()
+        )
 
 
 def fused_block(branch, C, n, **options):
@@ -134,10 +142,14 @@ def _compare_against_float64(ref, fast, x):
     for out in outs:
         out.backward(g.to(out.dtype))
     pairs = [("output", [o.detach() for o in outs]), ("dx", [t.grad for t in xs])]
-    pairs += [(name, [m.get_parameter(name).grad for m in (ref, fast, gold)]) for name, _ in gold.named_parameters()]
+    pairs += [
+        (name, [m.get_parameter(name).grad for m in (ref, fast, gold)]) for name, _ in gold.named_parameters()
+    ]
     for name, (r, f, g64) in pairs:
         err_ref, err_fast = _rel(r.double(), g64), _rel(f.double(), g64)
-        assert err_fast <= max(4 * err_ref, 4e-2), f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
+        assert err_fast <= max(4 * err_ref, 4e-2), (
+            f"{name}: fused {err_fast:.3e} vs reference {err_ref:.3e} from float64"
+        )
 
 
 def test_fused_site_non_contiguous_and_large_values(fresh_seed):
@@ -156,7 +168,9 @@ def test_fused_site_many_tokens(fresh_seed):
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("T, n, C, splits", [(16384, 4, 768, 1), (8192, 4, 2048, 2), (100, 3, 200, 3), (64, 4, 32, 1)])
+@pytest.mark.parametrize(
+    "T, n, C, splits", [(16384, 4, 768, 1), (8192, 4, 2048, 2), (100, 3, 200, 3), (64, 4, 32, 1)]
+)
 def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, splits):
     """coeff_partial's splits: enough for ~256 programs, each a whole number of 128-column steps, covering n·C once."""
     from mhc.fused import plan as fused_plan
@@ -198,7 +212,7 @@ def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
 
 def test_fused_site_gradcheck_float64(fresh_seed):
     """The public steps fused.site_pre / fused.post_mix around a branch, against finite differences."""
-    n, C = 3, 8
+    n, C = 3, 4  # C = 4: half the inputs of C = 8 to perturb, the same masked 16-column tiles
     lin = nn.Linear(C, C).double().to(DEVICE)
     params = [
         torch.randn(n * n + 2 * n, n * C, dtype=torch.float64, device=DEVICE) * 0.3,
@@ -221,7 +235,9 @@ def test_fused_site_gradcheck_float64(fresh_seed):
 def test_identity_init_on_identical_streams_is_exact(dtype):
     """A converted model (φ = 0, identical streams) gives x + F(x) to the bit, as the PyTorch path does."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip(f"{NO_CUDA}: Triton's CPU interpreter truncates float32 -> bfloat16 casts instead of rounding")
+        pytest.skip(
+            f"{NO_CUDA}: Triton's CPU interpreter truncates float32 -> bfloat16 casts instead of rounding"
+        )
     C, n = 64, 4
     torch.manual_seed(0)
     branch = nn.Sequential(nn.Linear(C, C), nn.GELU()).to(DEVICE, dtype)
@@ -321,7 +337,9 @@ def test_branch_runs_once_per_forward_on_both_backends(backend, tuple_output, fr
     for _ in range(2):
         calls.clear()
         out = block(x)
-        assert calls == [torch.Size((2, 5, C))], f"seed={fresh_seed}: {len(calls)} branch calls in one forward"
+        assert calls == [torch.Size((2, 5, C))], (
+            f"seed={fresh_seed}: {len(calls)} branch calls in one forward"
+        )
         y = out[0] if tuple_output else out
         y.square().sum().backward()
         assert len(calls) == 1, f"seed={fresh_seed}: backward called the branch"
@@ -360,7 +378,10 @@ def test_bad_inputs_are_rejected():
         fused.post_mix(u, (site.streams, site.h, site.h_res))
     assert fused.post_mix(u, site).shape == x.shape
     # Through the block, on both backends: the branch's output shape is checked once, in MHCBlock.
-    for bad in (fused_block(lambda u: u[..., :-1], C, n), mhc.MHCBlock(lambda u: u[..., :-1], C, n, fused=False)):
+    for bad in (
+        fused_block(lambda u: u[..., :-1], C, n),
+        mhc.MHCBlock(lambda u: u[..., :-1], C, n, fused=False),
+    ):
         with pytest.raises(ValueError, match="branch returned shape"):
             bad.to(DEVICE)(x)
 
@@ -372,11 +393,19 @@ def test_block_uses_pytorch_path_for_cpu_and_empty_batches():
     assert not block.uses_fused(torch.zeros(0, n, C, device=DEVICE))
     assert block.uses_fused(torch.zeros(2, n, C, device=DEVICE)) == (DEVICE == "cuda")
     assert not block.uses_fused(torch.zeros(2, n, C, dtype=torch.int32, device=DEVICE))
-    assert not mhc.MHCBlock(nn.Identity(), C, n, fused=False).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
+    assert (
+        not mhc.MHCBlock(nn.Identity(), C, n, fused=False)
+        .to(DEVICE)
+        .uses_fused(torch.zeros(2, n, C, device=DEVICE))
+    )
     # Sinkhorn, mHC-lite, pre_eps > 0 and hc blocks (no fused kernels for them) stay on the PyTorch path,
     # and so does a block switched to fused=False after it was built.
     for other in (dict(projection="sinkhorn"), dict(projection="lite"), dict(pre_eps=1e-6), dict(mode="hc")):
-        assert not mhc.MHCBlock(nn.Identity(), C, n, **other).to(DEVICE).uses_fused(torch.zeros(2, n, C, device=DEVICE))
+        assert (
+            not mhc.MHCBlock(nn.Identity(), C, n, **other)
+            .to(DEVICE)
+            .uses_fused(torch.zeros(2, n, C, device=DEVICE))
+        )
     switched = mhc.MHCBlock(nn.Identity(), C, n).to(DEVICE)
     switched.fused = False
     assert not switched.uses_fused(torch.zeros(2, n, C, device=DEVICE))
@@ -438,17 +467,24 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
     file fails to collect instead of skipping. Only the fused path is affected: CPU code still runs."""
     script = BROKEN_KERNELS_SCRIPT.format(tests=str(ROOT / "tests"))
     env = {k: v for k, v in os.environ.items() if k != mutations.VARIABLE}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "raised as it should" in proc.stdout, proc.stdout + proc.stderr
 
     env[mutations.VARIABLE] = "fused_kernels_import_broken"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", str(Path(__file__))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out  # pytest's "errors during collection", not 0 (skipped) or 5 (nothing collected)
+    assert proc.returncode == 2, (
+        out
+    )  # pytest's "errors during collection", not 0 (skipped) or 5 (nothing collected)
     assert "1 error" in out and mutations.BROKEN_KERNELS_MESSAGE in out, out
 
 
@@ -460,8 +496,13 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
 
     C, n = 48, 4
     blocks = torch.nn.ModuleList(
-        fused_block(torch.nn.Sequential(torch.nn.RMSNorm(C), torch.nn.Linear(C, C)).to(DEVICE, dtype), C, n,
-                    layer_index=i, init="paper")
+        fused_block(
+            torch.nn.Sequential(torch.nn.RMSNorm(C), torch.nn.Linear(C, C)).to(DEVICE, dtype),
+            C,
+            n,
+            layer_index=i,
+            init="paper",
+        )
         for i in range(3)
     ).to(DEVICE)
 

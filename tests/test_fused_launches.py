@@ -34,14 +34,28 @@ def test_kept_launches_match_tritons_own():
         xg = x.clone().requires_grad_(x_grad)
         out = fast(xg)
         out.backward(torch.ones_like(out))
-        grads = (xg.grad, fast.phi.grad, fast.b_res.grad.clone(), fast.alpha.grad.clone(), fast.b_pre.grad.clone())
+        grads = (
+            xg.grad,
+            fast.phi.grad,
+            fast.b_res.grad.clone(),
+            fast.alpha.grad.clone(),
+            fast.b_pre.grad.clone(),
+        )
         fast.zero_grad(set_to_none=True)
         fast.phi.requires_grad_(True)
         return (out, *grads)
 
     first = run()
     kept = fused.compiled_variants()
-    assert sorted(kept) == ["coeff_bwd", "coeff_fwd", "coeff_partial", "phi_grad", "postmix_bwd", "postmix_fwd", "stream_grad"]
+    assert sorted(kept) == [
+        "coeff_bwd",
+        "coeff_fwd",
+        "coeff_partial",
+        "phi_grad",
+        "postmix_bwd",
+        "postmix_fwd",
+        "stream_grad",
+    ]
     assert all(count >= 1 for count in kept.values()), kept
     for a, b in zip(first, run()):
         assert torch.equal(a, b)
@@ -72,7 +86,9 @@ def test_kept_launches_call_installed_launch_hooks():
 
     _, fast = _blocks(4, 96, torch.bfloat16, seed=4)
     # more tokens than mhc.fused.tokens takes, so that the forward runs the Triton kernels too
-    x = torch.randn(2, fused_tokens.MAX_TOKENS // 2 + 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(
+        2, fused_tokens.MAX_TOKENS // 2 + 5, 4, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
+    )
     fast(x).sum().backward()  # compiles and keeps every variant
     names = []
 
@@ -84,7 +100,15 @@ def test_kept_launches_call_installed_launch_hooks():
         fast(x).sum().backward()
     finally:
         chain.remove(hook)
-    assert {"coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad"} <= set(names)
+    assert {
+        "coeff_partial",
+        "coeff_fwd",
+        "postmix_fwd",
+        "postmix_bwd",
+        "coeff_bwd",
+        "stream_grad",
+        "phi_grad",
+    } <= set(names)
     seen = len(names)
     fast(x).sum().backward()
     assert len(names) == seen  # removed: the launches no longer call it

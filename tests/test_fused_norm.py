@@ -69,8 +69,10 @@ def test_site_branch_offers_its_norm_and_runs_on_the_normed_input(fresh_seed):
         assert weight is norm.weight and eps == norm.variance_epsilon
         kwargs = {}
         if site_name == "attn_mhc":
-            kwargs = {"position_embeddings": model.model.model.rotary_emb(u, torch.arange(3)[None]),
-                      "attention_mask": None}
+            kwargs = {
+                "position_embeddings": model.model.model.rotary_emb(u, torch.arange(3)[None]),
+                "attention_mask": None,
+            }
         with torch.no_grad():
             plain = branch(u, **kwargs)
             assert torch.equal(branch.call_normed(u, norm(u), **kwargs), plain), site_name
@@ -123,7 +125,7 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
         if dtype == torch.float32:
             torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-6)
         else:
-            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+            ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
             torch.testing.assert_close(normed.float(), reference.float(), rtol=2 * ulp, atol=1e-5)
             equal, total = equal + int((normed == reference).sum()), total + normed.numel()
         y = torch.randn(T, C, device="cuda").to(dtype)
@@ -131,7 +133,9 @@ def test_token_kernels_apply_the_branch_norm_as_hf_does(C, n, dtype, fresh_seed)
             x_new, u_next, mix_next, normed_next = fused_tokens.post_pre_no_grad(
                 xs, y, mix, *params, 1e-6, 1e-6, (weight, 1e-6)
             )
-            u_own, mix_own, _, normed_own = fused_tokens.pre_no_grad(x_new, *params, 1e-6, 1e-6, (weight, 1e-6))
+            u_own, mix_own, _, normed_own = fused_tokens.pre_no_grad(
+                x_new, *params, 1e-6, 1e-6, (weight, 1e-6)
+            )
         assert torch.equal(u_next, u_own) and torch.equal(mix_next, mix_own), f"seed {fresh_seed}"
         assert torch.equal(normed_next, normed_own), f"seed {fresh_seed}"
     assert equal >= 0.99 * total, f"seed {fresh_seed}: {total - equal} of {total} elements differ"

@@ -175,7 +175,12 @@ def test_no_grad_token_path_takes_what_the_grad_path_takes(dtype, fresh_seed):
     assert fused_tokens.pre_no_grad(x.double(), *params, 1e-6, 1e-6) is None
     u, mix, streams, normed = fused_tokens.pre_no_grad(x, *params, 1e-6, 1e-6)
     h, H_res = fused_tokens.unpack(mix, n)
-    assert u.shape == (5, C) and h.shape == (5, 2 * n) and H_res.shape == (5, n, n) and streams.data_ptr() == x.data_ptr()
+    assert (
+        u.shape == (5, C)
+        and h.shape == (5, 2 * n)
+        and H_res.shape == (5, n, n)
+        and streams.data_ptr() == x.data_ptr()
+    )
     assert normed is None  # no norm asked for
     with pytest.raises(RuntimeError, match="phi"):
         fused_tokens.pre_no_grad(x, params[0][:, :-1], *params[1:], 1e-6, 1e-6)

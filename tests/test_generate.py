@@ -32,9 +32,18 @@ def tiny_mhc_llama(seed: int = 0) -> mhc.MHCForCausalLM:
     """A 2-layer Llama converted to mHC; weights scaled up and the sites' coefficients drawn at random
     (α = 1, biases N(0, 1)), so the stream mixing depends strongly on each token."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,9 +69,17 @@ def prompts(seed: int, batch: int = 3, length: int = 7, padded: int = 3) -> tupl
 
 
 def greedy(model, ids, mask, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                         do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
-                         **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -96,10 +113,14 @@ def test_static_cache_gives_the_dynamic_cache_tokens(device, fresh_seed):
     model = tiny_mhc_llama().to(device)
     ids, mask = (t.to(device) for t in prompts(fresh_seed))
     tokens, logits = greedy(model, ids, mask)
-    static_tokens, static_logits = greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
+    static_tokens, static_logits = greedy(
+        model, ids, mask, cache_implementation="static", disable_compile=True
+    )
     assert tokens.shape == (3, ids.shape[1] + NEW_TOKENS)
     assert torch.equal(static_tokens, tokens), f"seed {fresh_seed}: {static_tokens} != {tokens}"
-    torch.testing.assert_close(static_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(
+        static_logits, logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {fresh_seed}: {m}"
+    )
     # the token-dependent mixing matters here: without it (φ = 0) the logits are far from these
     with mhc.hf.verify.identity_coefficients(model):
         _, fixed_logits = greedy(model, ids, mask)
@@ -118,13 +139,17 @@ def test_compiled_static_cache_generate_is_one_graph_without_recompiles(device, 
     torch._dynamo.reset()
     counters.clear()
     config = cpu_compile_config("aot_eager") if device == "cpu" else CompileConfig(fullgraph=True)
-    compiled_tokens, compiled_logits = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    compiled_tokens, compiled_logits = greedy(
+        model, ids, mask, cache_implementation="static", compile_config=config
+    )
     assert calls[0] == NEW_TOKENS - 1, f"{calls[0]} decode steps went through the compiled forward"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     tol = 1e-4 if device == "cpu" else 1e-3  # inductor's kernels sum in their own order
-    torch.testing.assert_close(compiled_logits, logits, rtol=tol, atol=tol, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(
+        compiled_logits, logits, rtol=tol, atol=tol, msg=lambda m: f"seed {fresh_seed}: {m}"
+    )
     assert torch.equal(compiled_tokens, tokens), f"seed {fresh_seed}: {compiled_tokens} != {tokens}"
 
     # new prompts of the same shape: the same graph, every decode step
@@ -164,11 +189,34 @@ def bench_decode():
         sys.path.remove(str(ROOT / "benchmarks" / "decode"))
 
 
+@pytest.mark.slow  # a benchmark script, end to end
 def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys):
     out = tmp_path / "decode.json"
-    bench_decode.main(["--device", "cpu", "--tiny", "--modes", "eager,compiled", "--batches", "2",
-                       "--new-tokens", "3", "--rounds", "1", "--steps", "1", "--profile", "--profile-steps", "2",
-                       "--profile-top", "5", "--step-times", "--json", str(out)])
+    bench_decode.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--modes",
+            "eager,compiled",
+            "--batches",
+            "2",
+            "--new-tokens",
+            "3",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--profile",
+            "--profile-steps",
+            "2",
+            "--profile-top",
+            "5",
+            "--step-times",
+            "--json",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     log = captured.out + captured.err
     assert "Traceback" not in log, log
@@ -183,10 +231,14 @@ def test_bench_decode_runs_end_to_end_on_the_cpu(bench_decode, tmp_path, capsys)
                 assert info[name]["took_compiled_path"], f"{key} {name}: {info[name]}"
                 assert info[name]["dynamo"]["graph_breaks"] == 0, f"{key} {name}: {info[name]}"
                 assert info[name]["graphs_compiled_while_timed"] == 0, f"{key} {name}: {info[name]}"
-    assert "x residual" in captured.out and "torch.profiler" in captured.out and "cProfile" in captured.out, log
+    assert "x residual" in captured.out and "torch.profiler" in captured.out and "cProfile" in captured.out, (
+        log
+    )
     steps = json.loads(out.read_text())["step_times"]["2"]
     for name in ("residual", "mhc"):
-        assert steps[name]["best_host_us"] > 0 and steps[name]["best_wall_us"] >= steps[name]["best_host_us"], steps
+        assert (
+            steps[name]["best_host_us"] > 0 and steps[name]["best_wall_us"] >= steps[name]["best_host_us"]
+        ), steps
         split = steps[name]["layer_host_us"]
         assert split["layer_calls"] == 2 and split["layers"] > split["sublayers"] > 0, f"{name}: {split}"
 
@@ -253,7 +305,9 @@ def test_fused_site_boundaries_decode_the_unlinked_bits(batch, fresh_seed):
     # under inference_mode (no version counters) the linked model runs its sites unfused, with the same bits
     with torch.inference_mode():
         inference_tokens, inference_logits = greedy(model, ids, mask)
-    assert torch.equal(inference_tokens, tokens) and torch.equal(inference_logits, logits), f"seed {fresh_seed}"
+    assert torch.equal(inference_tokens, tokens) and torch.equal(inference_logits, logits), (
+        f"seed {fresh_seed}"
+    )
 
 
 @CUDA
@@ -261,7 +315,9 @@ def test_next_site_runs_its_own_pre_step_on_other_input(fresh_seed):
     """The first step the previous site computed is used only for that site's output, unmodified."""
     torch.manual_seed(fresh_seed)
     C, n = 64, 4
-    first, second = (mhc.MHCBlock(torch.nn.Linear(C, C), C, n, init="paper", layer_index=i).cuda() for i in range(2))
+    first, second = (
+        mhc.MHCBlock(torch.nn.Linear(C, C), C, n, init="paper", layer_index=i).cuda() for i in range(2)
+    )
     with torch.no_grad():
         for block in (first, second):
             block.phi.normal_(std=0.1)

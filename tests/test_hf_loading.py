@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_hf import ids, perturb_mhc, tiny_base, tiny_config
 from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 
 import mhc
@@ -30,7 +31,6 @@ from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
 from mhc.hf.custom_code import AUTO_MAP, CODE_FILE, code_source
 from mhc.hf.verify import NonFiniteWeightsError
-from test_hf import ids, perturb_mhc, tiny_base, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,14 +56,24 @@ def run_python(script: str, cwd: Path, *, hide_mhc: bool = False) -> str:
     with ``hide_mhc``; the rest of this process's PYTHONPATH (another transformers, say) is kept;
     transformers' custom-code cache goes under ``cwd``; no network.
     """
-    env = dict(os.environ, HF_MODULES_CACHE=str(cwd / "hf_modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ, HF_MODULES_CACHE=str(cwd / "hf_modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"
+    )
     script = textwrap.dedent(script)
     if hide_mhc:
         script = HIDE_MHC + script
     else:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -99,7 +109,11 @@ def test_save_pretrained_writes_the_loader_and_leaves_the_config_alone(saved_wit
     model.save_pretrained(folder.parent / "again")
     assert "auto_map" not in model.config.__dict__
     # save_pretrained(push_to_hub=True) uploads what changed after this listing: the loader always counts as new
-    assert set(model._get_files_timestamps(folder)) == {"config.json", "generation_config.json", "model.safetensors"}
+    assert set(model._get_files_timestamps(folder)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    }
 
 
 def test_a_training_run_s_model_folder_carries_the_loader_too(tmp_path):
@@ -127,7 +141,8 @@ def test_loads_with_trust_remote_code_in_a_process_without_import_mhc(saved_with
     trust_remote_code transformers refuses and runs nothing. Saved again, it carries the loader, not mhc's
     source files."""
     folder, reference = saved_with_logits
-    out = run_python(f"""
+    out = run_python(
+        f"""
         import os, sys
         import torch
         from safetensors.torch import load_file
@@ -151,7 +166,9 @@ def test_loads_with_trust_remote_code_in_a_process_without_import_mhc(saved_with
         assert torch.equal(logits, ref["logits"]), (logits - ref["logits"]).abs().max()
         model.save_pretrained({str(tmp_path / "again")!r})
         print("files:", ",".join(sorted(os.listdir({str(tmp_path / "again")!r}))))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     files = out.split("files:")[1].strip().split(",")
     assert CODE_FILE in files and not {"config.py", "modeling.py", "adapters.py"} & set(files), files
     assert (tmp_path / "again" / CODE_FILE).read_text() == (folder / CODE_FILE).read_text()
@@ -162,7 +179,8 @@ def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
     """After `import mhc` (before transformers, in a fresh process) the plain call loads the folder, and so
     does trust_remote_code=True: mhc's classes either way, the same logits."""
     folder, reference = saved_with_logits
-    run_python(f"""
+    run_python(
+        f"""
         import mhc
         import torch
         from safetensors.torch import load_file
@@ -174,7 +192,9 @@ def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
             assert type(model) is mhc.MHCForCausalLM and type(model.config) is mhc.MHCConfig, type(model)
             with torch.no_grad():
                 assert torch.equal(model(ref["input_ids"]).logits, ref["logits"])
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     # and in this process, which imported mhc long ago
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert type(model) is MHCForCausalLM
@@ -182,7 +202,8 @@ def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
 
 def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_logits, tmp_path):
     folder, _ = saved_with_logits
-    out = run_python(f"""
+    out = run_python(
+        f"""
         import importlib.util
         try:
             importlib.util.find_spec("mhc")
@@ -198,7 +219,10 @@ def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_l
             print("ERROR:", err)
         else:
             raise AssertionError("loaded without mhc")
-    """, tmp_path, hide_mhc=True)
+    """,
+        tmp_path,
+        hide_mhc=True,
+    )
     assert "pip install mhc-torch" in out and "No module named 'mhc'" in out, out
 
 
@@ -255,8 +279,10 @@ def test_loading_finite_weights_passes_and_returns_loading_info(saved_llama):
 
 
 @pytest.mark.parametrize("verify", [None, False])
-@pytest.mark.parametrize("arch,headless,causal", [("llama", LlamaModel, "LlamaForCausalLM"),
-                                                  ("gpt2", GPT2Model, "GPT2LMHeadModel")])
+@pytest.mark.parametrize(
+    "arch,headless,causal",
+    [("llama", LlamaModel, "LlamaForCausalLM"), ("gpt2", GPT2Model, "GPT2LMHeadModel")],
+)
 def test_convert_refuses_a_model_without_lm_head(arch, headless, causal, verify):
     """A headless base model (what AutoModel loads) is refused before anything runs, naming its class and
     the causal-LM class to load instead (before: AttributeError about `logits`, or about `model` with
@@ -302,8 +328,13 @@ def test_nonfinite_tensors_covers_every_dtype_once_and_skips_computed_buffers():
     from mhc.hf.verify import nonfinite_tensors
 
     m = torch.nn.Module()
-    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2)):
-        good, bad = torch.zeros(5, 3, dtype=dtype), torch.zeros(5, 3).index_fill_(0, torch.tensor([2]), math.inf)
+    for i, dtype in enumerate(
+        (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2)
+    ):
+        good, bad = (
+            torch.zeros(5, 3, dtype=dtype),
+            torch.zeros(5, 3).index_fill_(0, torch.tensor([2]), math.inf),
+        )
         m.register_parameter(f"good{i}", torch.nn.Parameter(good, requires_grad=False))
         m.register_parameter(f"bad{i}", torch.nn.Parameter(bad.to(dtype), requires_grad=False))
     m.register_buffer("cbad", torch.tensor([1 + 1j, complex(0, math.nan)]))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_families import VOCAB, family_model, token_ids
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments, pipeline
 
 from mhc import MHCBlock, convert_to_mhc
-from test_families import VOCAB, family_model, token_ids
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -26,8 +26,17 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def trainer(model, out_dir) -> Trainer:
     args = TrainingArguments(
-        output_dir=str(out_dir), max_steps=4, save_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
-        logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
+        output_dir=str(out_dir),
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
     )
     return Trainer(model=model, args=args, train_dataset=RandomTokens())
 
@@ -55,7 +64,9 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     core = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi"])
@@ -64,7 +75,9 @@ def test_text_generation_pipeline(family):
     tok = word_tokenizer()
     prompt = "w5 w17 w42 w8"
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_full_text=False)
-    original = pipeline("text-generation", model=family_model(family), tokenizer=tok, device="cpu")(prompt, **kw)
+    original = pipeline("text-generation", model=family_model(family), tokenizer=tok, device="cpu")(
+        prompt, **kw
+    )
     model = convert_to_mhc(family_model(family), n_streams=4)
     generated = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")(prompt, **kw)
     text = generated[0]["generated_text"]
@@ -75,7 +88,15 @@ def test_text_generation_pipeline(family):
             if isinstance(m, MHCBlock):
                 m.b_post.add_(torch.linspace(-2, 2, m.n_streams))
     ids = tok(prompt, return_tensors="pt").input_ids
-    direct = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                            do_sample=False, pad_token_id=0)
-    again = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")(prompt, **kw)[0]["generated_text"]
-    assert again == tok.decode(direct[0, ids.shape[1]:], skip_special_tokens=True)
+    direct = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    again = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")(prompt, **kw)[0][
+        "generated_text"
+    ]
+    assert again == tok.decode(direct[0, ids.shape[1] :], skip_special_tokens=True)

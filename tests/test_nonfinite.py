@@ -84,7 +84,9 @@ def test_a_neginf_logit_changes_nothing_else(method, n, dtype):
         T, info, dR = project_with_grad(R_zero, G, method)
         T_clean, info_clean, dR_clean = project_with_grad(R[~zero], G[~zero], method)
 
-        assert T[zero].isfinite().all() and dR[zero].isfinite().all() and T[where] == 0 and dR[where] == 0, case
+        assert T[zero].isfinite().all() and dR[zero].isfinite().all() and T[where] == 0 and dR[where] == 0, (
+            case
+        )
         assert torch.equal(T[~zero], T_clean) and torch.equal(dR[~zero], dR_clean), case
         assert info.num_nonfinite == 0 and torch.equal(info.error[~zero], info_clean.error), case
         if method == "newton":

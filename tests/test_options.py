@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_hf import tiny_base, tiny_config
 from torch import nn
 from transformers import AutoConfig
 
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, MHCOptions, convert_to_mhc
 from mhc.options import check_options
-from test_hf import tiny_base, tiny_config
 
 C = 8
 
@@ -92,7 +92,12 @@ def test_numbers_are_normalised():
 
 @pytest.mark.parametrize(
     "typo, meant",
-    [("projecton", "projection"), ("n_stream", "n_streams"), ("sinkhorn_iter", "sinkhorn_iters"), ("Mode", "mode")],
+    [
+        ("projecton", "projection"),
+        ("n_stream", "n_streams"),
+        ("sinkhorn_iter", "sinkhorn_iters"),
+        ("Mode", "mode"),
+    ],
 )
 def test_misspelt_options_raise_with_the_close_match(typo, meant):
     with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
@@ -112,11 +117,28 @@ def test_misspelt_projection_no_longer_runs_newton():
 
 
 def test_convert_to_mhc_takes_only_mhc_options():
-    for name, value in [("output_hidden_states", True), ("bos_token_id", 1), ("base_config", {}), ("hidden_size", 64)]:
+    for name, value in [
+        ("output_hidden_states", True),
+        ("bos_token_id", 1),
+        ("base_config", {}),
+        ("hidden_size", 64),
+    ]:
         with pytest.raises(TypeError, match=name):
             convert_to_mhc(tiny_base("llama"), **{name: value})
-    model = convert_to_mhc(tiny_base("llama"), n_streams=2, mode="hc", init="paper", tol=1e-5, reduce="learned",
-                           sinkhorn_iters=5, fused=False, recompute=True, alpha_init=0.1, norm_eps=1e-5, expand="copy")
+    model = convert_to_mhc(
+        tiny_base("llama"),
+        n_streams=2,
+        mode="hc",
+        init="paper",
+        tol=1e-5,
+        reduce="learned",
+        sinkhorn_iters=5,
+        fused=False,
+        recompute=True,
+        alpha_init=0.1,
+        norm_eps=1e-5,
+        expand="copy",
+    )
     blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
     assert all(b.n_streams == 2 and b.mode == "hc" and b.recompute and b.sinkhorn_iters == 5 for b in blocks)
 
@@ -124,11 +146,28 @@ def test_convert_to_mhc_takes_only_mhc_options():
 def test_config_keeps_accepting_pretrained_config_keywords(tmp_path):
     """What HF itself passes when loading (and users set) must not trip the misspelling check."""
     standard = dict(
-        torch_dtype="float32", dtype="float32", architectures=["MHCForCausalLM"], transformers_version="5.0.0",
-        _name_or_path="somewhere", name_or_path="somewhere", output_hidden_states=False, output_attentions=False,
-        return_dict=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=True, tie_word_embeddings=False,
-        _attn_implementation="eager", rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-        is_encoder_decoder=False, chunk_size_feed_forward=0, problem_type=None, id2label=None, label2id=None,
+        torch_dtype="float32",
+        dtype="float32",
+        architectures=["MHCForCausalLM"],
+        transformers_version="5.0.0",
+        _name_or_path="somewhere",
+        name_or_path="somewhere",
+        output_hidden_states=False,
+        output_attentions=False,
+        return_dict=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        use_cache=True,
+        tie_word_embeddings=False,
+        _attn_implementation="eager",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        is_encoder_decoder=False,
+        chunk_size_feed_forward=0,
+        problem_type=None,
+        id2label=None,
+        label2id=None,
         my_own_note="kept as an attribute",
     )
     cfg = MHCConfig(base_config=tiny_config("llama"), **standard)
@@ -163,12 +202,30 @@ OPTION_BAD_VALUES = [(name, value, error) for name, value, error in BAD_VALUES i
 
 def test_options_fields_are_the_site_settings():
     assert MHCOptions.fields() == (
-        "mode", "init", "projection", "tol", "sinkhorn_iters", "fused", "recompute", "keep_streams_every",
-        "alpha_init", "norm_eps",
+        "mode",
+        "init",
+        "projection",
+        "tol",
+        "sinkhorn_iters",
+        "fused",
+        "recompute",
+        "keep_streams_every",
+        "alpha_init",
+        "norm_eps",
     )
     defaults = MHCOptions().to_dict()
-    assert defaults == dict(mode="mhc", init="identity", projection="newton", tol=1e-6, sinkhorn_iters=20,
-                            fused=True, recompute=False, keep_streams_every=1, alpha_init=0.01, norm_eps=1e-6)
+    assert defaults == dict(
+        mode="mhc",
+        init="identity",
+        projection="newton",
+        tol=1e-6,
+        sinkhorn_iters=20,
+        fused=True,
+        recompute=False,
+        keep_streams_every=1,
+        alpha_init=0.01,
+        norm_eps=1e-6,
+    )
     assert json.loads(json.dumps(defaults)) == defaults  # plain values
 
 
@@ -192,7 +249,9 @@ def test_options_from_dict_round_trip_and_normalise():
         opts.tol = 1.0
 
 
-@pytest.mark.parametrize("typo, meant", [("tool", "tol"), ("Fused", "fused"), ("sinkhorn_iter", "sinkhorn_iters")])
+@pytest.mark.parametrize(
+    "typo, meant", [("tool", "tol"), ("Fused", "fused"), ("sinkhorn_iter", "sinkhorn_iters")]
+)
 def test_options_unknown_keys_raise_with_the_close_match(typo, meant):
     with pytest.raises(TypeError, match=f"{typo}.*did you mean '{meant}'"):
         MHCOptions.from_dict({typo: 1})
@@ -235,10 +294,14 @@ def test_block_option_attributes_are_checked_when_set():
 
 
 def test_config_options_are_what_its_blocks_run_by():
-    cfg = MHCConfig(base_config=tiny_config("llama"), n_streams=2, mode="hc", tol=1e-5, recompute=True, fused=False)
+    cfg = MHCConfig(
+        base_config=tiny_config("llama"), n_streams=2, mode="hc", tol=1e-5, recompute=True, fused=False
+    )
     opts = cfg.options()
     assert opts == MHCOptions(mode="hc", tol=1e-5, recompute=True, fused=False)
-    assert {k: getattr(cfg, k) for k in MHCOptions.fields()} == opts.to_dict()  # plain fields, as config.json holds
+    assert {
+        k: getattr(cfg, k) for k in MHCOptions.fields()
+    } == opts.to_dict()  # plain fields, as config.json holds
     model = MHCForCausalLM(cfg)
     blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
     assert blocks and all(b.options == opts and b.n_streams == 2 for b in blocks)

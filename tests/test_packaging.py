@@ -30,6 +30,8 @@ import pytest
 
 import mhc
 
+pytestmark = pytest.mark.slow  # wheel and sdist builds
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "mhc" / "csrc"
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
@@ -41,28 +43,38 @@ ARCHIVE_STEM = f"mhc_torch-{mhc.__version__}"
 def _kernel_sources() -> dict[str, bytes]:
     files = {p.name: p.read_bytes() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in KERNEL_SUFFIXES}
     # The two translation units the extension is built from must be among them.
-    assert {"birkhoff.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(files), f"kernel sources missing from {KERNEL_DIR}: {sorted(files)}"
+    assert {"birkhoff.cu", "birkhoff_core.cuh", "birkhoff_kernels.cuh"} <= set(files), (
+        f"kernel sources missing from {KERNEL_DIR}: {sorted(files)}"
+    )
     return files
 
 
 def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
 def _copy_source_tree(dest: Path) -> Path:
     """This checkout's files (tracked, plus untracked but not ignored) under ``dest``."""
     if (ROOT / ".git").exists() and shutil.which("git"):
-        listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
+        listed = _run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT
+        ).stdout
         for rel in filter(None, listed.split("\0")):
             src = ROOT / rel
             if src.is_file():  # a tracked file deleted in the working tree is not part of it
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dest / rel)
     else:  # an unpacked sdist: no git, nothing built in it yet
-        shutil.copytree(ROOT, dest, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "__pycache__"))
+        shutil.copytree(
+            ROOT,
+            dest,
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "__pycache__"),
+        )
     return dest
 
 
@@ -85,8 +97,20 @@ def source_tree(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def wheel(source_tree, build_env, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(source_tree)],
-         env=build_env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(source_tree),
+        ],
+        env=build_env,
+    )
     wheels = list(out.glob("*.whl"))
     assert [w.name for w in wheels] == [f"{ARCHIVE_STEM}-py3-none-any.whl"], wheels
     return wheels[0]
@@ -95,7 +119,10 @@ def wheel(source_tree, build_env, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sdist(source_tree, build_env, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sdist")
-    _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out), str(source_tree)], env=build_env)
+    _run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out), str(source_tree)],
+        env=build_env,
+    )
     sdists = list(out.glob("*.tar.gz"))
     assert [s.name for s in sdists] == [f"{ARCHIVE_STEM}.tar.gz"], sdists
     return sdists[0]
@@ -137,7 +164,9 @@ def test_sdist_ships_kernel_sources_license_and_tests(sdist):
         for name, data in _kernel_sources().items():
             member = f"{ARCHIVE_STEM}/mhc/csrc/{name}"
             assert member in names, f"{sdist.name} lacks {member}"
-            assert tf.extractfile(member).read() == data, f"{sdist.name}: {member} differs from the repository's"
+            assert tf.extractfile(member).read() == data, (
+                f"{sdist.name}: {member} differs from the repository's"
+            )
         assert tf.extractfile(f"{ARCHIVE_STEM}/LICENSE").read() == (ROOT / "LICENSE").read_bytes()
     # What the test suite reads, so that it runs from the unpacked sdist.
     for rel in ("pyproject.toml", "README.md", "tests/conftest.py", "tests/test_packaging.py"):
@@ -152,16 +181,40 @@ def test_wheel_built_from_the_sdist_ships_kernel_sources(sdist, build_env, tmp_p
         else:
             tf.extractall(tmp_path)
     out = tmp_path / "wheel"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
-          str(tmp_path / ARCHIVE_STEM)], env=build_env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(tmp_path / ARCHIVE_STEM),
+        ],
+        env=build_env,
+    )
     (built,) = out.glob("*.whl")
     _check_wheel(built)
 
 
 def test_installed_wheel_builds_from_its_own_kernel_sources(wheel, build_env, tmp_path):
     target = tmp_path / "site"
-    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-         env=build_env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        env=build_env,
+    )
     # PYTHONPATH comes before site-packages (and before an editable install's
     # finder), so this imports the installed copy; cwd is not the repository.
     env = dict(build_env, PYTHONPATH=str(target))
@@ -199,7 +252,9 @@ def _fresh_venv(root: Path, build_env: dict) -> tuple[Path, Path]:
     venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(root)
     bin_dir = root / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / ("python.exe" if os.name == "nt" else "python")
-    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=build_env).stdout.strip()
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=build_env
+    ).stdout.strip()
     ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     (Path(purelib) / "outer_environment.pth").write_text("".join(p + "\n" for p in ours))
     return python, bin_dir
@@ -212,13 +267,32 @@ def test_installed_wheel_trains_from_its_presets_with_its_console_scripts(wheel,
     env = {k: v for k, v in build_env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
     # This environment's pip installs into the new one (--python); no index, no dependencies (they are visible).
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        env=env,
+    )
     work = tmp_path / "work"  # not the checkout: nothing of it is importable from here
     work.mkdir()
     probe = "import mhc, mhc.train as T; print(mhc.__file__); print(T.preset_path('tiny_cpu_mhc'))"
     mhc_file, preset = _run([str(python), "-c", probe], cwd=work, env=env).stdout.split()
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip())
-    assert Path(mhc_file).resolve() == (site / "mhc" / "__init__.py").resolve(), mhc_file  # the installed copy
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env
+        ).stdout.strip()
+    )
+    assert Path(mhc_file).resolve() == (site / "mhc" / "__init__.py").resolve(), (
+        mhc_file
+    )  # the installed copy
     assert Path(preset).resolve().parent == (site / "mhc" / "train" / "presets").resolve(), preset
     for name in ("mhc-train", "mhc-compare", "mhc-diagnostics"):
         assert (bin_dir / name).is_file() or (bin_dir / f"{name}.exe").is_file(), f"no console script {name}"
@@ -231,6 +305,10 @@ def test_installed_wheel_trains_from_its_presets_with_its_console_scripts(wheel,
     assert summary["steps"] == 3 and summary["variant"] == "mhc", summary
     assert (work / "run" / "model" / "config.json").is_file(), proc.stdout[-2000:]
     # The stability report of the model it wrote, through the third console script.
-    report = _run([str(bin_dir / "mhc-diagnostics"), "run", "--no-backward", "--out", str(tmp_path / "stability.png")], cwd=work, env=env)
+    report = _run(
+        [str(bin_dir / "mhc-diagnostics"), "run", "--no-backward", "--out", str(tmp_path / "stability.png")],
+        cwd=work,
+        env=env,
+    )
     assert "run/model: MHCForCausalLM, 4 sites" in report.stdout, report.stdout[-2000:]
     assert "usage: mhc-compare" in _run([str(bin_dir / "mhc-compare"), "--help"], cwd=work, env=env).stdout

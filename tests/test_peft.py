@@ -11,10 +11,10 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-
-from mhc import MHCBlock, convert_to_mhc
 from test_families import family_model as tiny_base
 from test_hf import ids, perturb_mhc
+
+from mhc import MHCBlock, convert_to_mhc
 
 # gpt_neox: a parallel-residual layer, one site per layer (parallel_mhc).
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
@@ -57,7 +57,9 @@ def test_lora_and_mhc_coefficients_both_train(arch):
     first_b_res = {n for n in mhc if f".0.{sites[0]}." in n and n.endswith(".b_res")}
     assert len(first_b_res) == 1
     grads = train_steps(model, 1)
-    for name in (mhc - first_b_res) | {n for n in lora if "lora_B" in n}:  # lora_A's gradient is 0 while lora_B is 0
+    for name in (mhc - first_b_res) | {
+        n for n in lora if "lora_B" in n
+    }:  # lora_A's gradient is 0 while lora_B is 0
         assert grads[name].abs().sum() > 0, name
     grads = train_steps(model, 1)
     for name in trainable - first_b_res:

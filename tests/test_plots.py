@@ -21,14 +21,20 @@ def train_records(n=60, bad=()):
         loss = 2.0 + 7.0 * math.exp(-i / 15)
         if i in bad:
             loss = float("nan") if i % 2 else float("inf")
-        recs.append({"kind": "train", "step": 10 * i, "tokens": 10 * i * TOKENS_PER_STEP, "loss": loss, "lr": 1e-3})
+        recs.append(
+            {"kind": "train", "step": 10 * i, "tokens": 10 * i * TOKENS_PER_STEP, "loss": loss, "lr": 1e-3}
+        )
     return recs
 
 
 def eval_records(n=6, none_at=()):
     return [
-        {"kind": "eval", "step": 100 * i, "tokens": 100 * i * TOKENS_PER_STEP,
-         "val_loss": None if i in none_at else 2.0 + 3.0 / i}  # fmt: skip
+        {
+            "kind": "eval",
+            "step": 100 * i,
+            "tokens": 100 * i * TOKENS_PER_STEP,
+            "val_loss": None if i in none_at else 2.0 + 3.0 / i,
+        }  # fmt: skip
         for i in range(1, n + 1)
     ]
 
@@ -44,7 +50,11 @@ def mhc_gains():
 
 def hc_gains():
     d = np.arange(1, DEPTH + 1)
-    return {"forward_gain": list(3 + 6 * d), "backward_gain": list(2 + 5 * d), "spectral_norm": list(2 + 4 * d)}
+    return {
+        "forward_gain": list(3 + 6 * d),
+        "backward_gain": list(2 + 5 * d),
+        "spectral_norm": list(2 + 4 * d),
+    }
 
 
 def read_png(path):
@@ -55,14 +65,22 @@ def read_png(path):
 
 
 def line_style(line):
-    return (line.get_color(), line.get_linestyle(), line.get_marker(), line.get_markersize(), line.get_markerfacecolor())
+    return (
+        line.get_color(),
+        line.get_linestyle(),
+        line.get_marker(),
+        line.get_markersize(),
+        line.get_markerfacecolor(),
+    )
 
 
 def test_plot_loss_writes_png_and_skips_nonfinite(tmp_path):
     train = train_records(bad=(7, 8, 30))
     evals = eval_records(none_at=(3,)) + [{"kind": "eval", "step": 700, "tokens": 700 * TOKENS_PER_STEP,
                                           "val_loss": float("nan")}]  # fmt: skip
-    out = plots.plot_loss(train, evals, title="mhc (n=4)", unigram_entropy=6.7, path=tmp_path / "sub" / "loss.png")
+    out = plots.plot_loss(
+        train, evals, title="mhc (n=4)", unigram_entropy=6.7, path=tmp_path / "sub" / "loss.png"
+    )
     assert out == tmp_path / "sub" / "loss.png"
     read_png(out)
 
@@ -116,12 +134,16 @@ def test_gains_near_one_get_a_deviation_panel_with_three_distinct_lines(tmp_path
     # The deviations are 1e-9..1e-6 apart, far more than a log panel needs to separate them.
     assert len({line_style(line) for line in dev_lines}) == 3
     labels = ax_gain.get_legend().get_texts()
-    assert any(t.get_text().endswith("1 + 7.2e-07 at full depth") for t in labels), [t.get_text() for t in labels]
+    assert any(t.get_text().endswith("1 + 7.2e-07 at full depth") for t in labels), [
+        t.get_text() for t in labels
+    ]
 
 
 def test_identical_gain_series_stay_distinguishable():
     same = [1.0 + 1e-6] * DEPTH
-    fig = plots.gains_figure({"forward_gain": same, "backward_gain": same, "spectral_norm": same}, title="t", step=5)
+    fig = plots.gains_figure(
+        {"forward_gain": same, "backward_gain": same, "spectral_norm": same}, title="t", step=5
+    )
     for ax in fig.axes:
         lines = [line for line in ax.get_lines() if len(line.get_xdata()) == DEPTH]
         assert len(lines) == 3
@@ -133,7 +155,9 @@ def test_identical_gain_series_stay_distinguishable():
 
 def test_gains_exactly_one_says_so():
     ones = [1.0] * DEPTH
-    fig = plots.gains_figure({"forward_gain": ones, "backward_gain": ones, "spectral_norm": ones}, title="r", step=9)
+    fig = plots.gains_figure(
+        {"forward_gain": ones, "backward_gain": ones, "spectral_norm": ones}, title="r", step=9
+    )
     _, ax_dev = fig.axes
     assert ax_dev.get_lines() == []
     assert any("exactly 1" in t.get_text() for t in ax_dev.texts)
@@ -217,7 +241,9 @@ def test_plot_comparison_every_run_visible(tmp_path):
     assert hi < 3.5  # the first-half points (val >= 3.5) and the train EMA (up to 9) are left out
     # Gains: HC on a log axis, the near-1 runs apart on the |gain - 1| panel (residual is exactly 1).
     assert ax_gain.get_yscale() == "log" and ax_dev.get_yscale() == "log"
-    assert len([line for line in ax_dev.get_lines() if len(line.get_xdata()) == DEPTH]) == 6  # hc, mhc, mhc-2 x 2
+    assert (
+        len([line for line in ax_dev.get_lines() if len(line.get_xdata()) == DEPTH]) == 6
+    )  # hc, mhc, mhc-2 x 2
     legend = [t.get_text() for t in ax_dev.get_legend().get_texts()]
     # mhc-2 has no gains_step, so each legend entry names its own step instead of the title.
     assert "residual fwd: exactly 1 at depth 24, step 600" in legend, legend
@@ -228,7 +254,9 @@ def test_plot_comparison_every_run_visible(tmp_path):
 
 
 def test_comparison_without_gains_or_evals(tmp_path):
-    read_png(plots.plot_comparison({"a": {"eval": []}, "b": {"train": train_records()}}, path=tmp_path / "c.png"))
+    read_png(
+        plots.plot_comparison({"a": {"eval": []}, "b": {"train": train_records()}}, path=tmp_path / "c.png")
+    )
     fig = plots.comparison_figure({"a": {"eval": []}})
     assert any("no composite gains" in t.get_text() for t in fig.axes[-1].texts)
 
@@ -307,7 +335,10 @@ def test_run_plots_are_the_plots_module_figures(tmp_path):
     assert [p.name for p in plot_run(tmp_path / "residual")] == ["loss.png"]  # no mHC sites: no gains figure
     assert not (tmp_path / "residual" / "gains.png").exists()
 
-    write_comparison({"residual": tmp_path / "residual", "mhc": tmp_path / "mhc", "gone": tmp_path / "nope"}, tmp_path / "cmp")
+    write_comparison(
+        {"residual": tmp_path / "residual", "mhc": tmp_path / "mhc", "gone": tmp_path / "nope"},
+        tmp_path / "cmp",
+    )
     run = {"train": train, "eval": evals, "gains_step": 600, "unigram_entropy": 6.7}
     expect = plots.plot_comparison(
         {"residual": {**run, "variant": "residual", "gains": None}, "mhc": {**run, "variant": "mhc", "gains": mhc_gains()},

@@ -99,7 +99,9 @@ def test_large_magnitude(n):
     T, info = mhc.birkhoff_project(R, return_info=True)
     err = mhc.marginal_error(T)
     _report(f"n={n} normal30", err)
-    print(f"n={n} normal30 iterations mean {info.iterations.float().mean():.2f} max {int(info.iterations.max())}")
+    print(
+        f"n={n} normal30 iterations mean {info.iterations.float().mean():.2f} max {int(info.iterations.max())}"
+    )
     assert info.num_unconverged == 0
     assert float(err.max()) <= 1e-5
     assert bool((info.error <= info.tol).all())
@@ -212,7 +214,10 @@ def test_double_backward_matches_reference(n, fresh_seed):
     W, V = torch.randn_like(R), torch.randn_like(R)
     g, hvp = _hessian_vector_product(lambda x: mhc.birkhoff_project(x, tol=1e-7), R, W, V)
     g64, hvp64 = _hessian_vector_product(
-        lambda x: P.birkhoff_project_reference(x, tol=1e-12), R.double().cpu(), W.double().cpu(), V.double().cpu()
+        lambda x: P.birkhoff_project_reference(x, tol=1e-12),
+        R.double().cpu(),
+        W.double().cpu(),
+        V.double().cpu(),
     )
     assert float(hvp64.norm()) > 0, f"seed={fresh_seed}"
     assert _rel(g.cpu(), g64) <= 1e-4, f"seed={fresh_seed}: first derivative {_rel(g.cpu(), g64):.2e}"
@@ -283,7 +288,9 @@ def test_non_contiguous(n):
     assert not R.is_contiguous()
     torch.testing.assert_close(mhc.birkhoff_project(R), mhc.birkhoff_project(R.contiguous()), atol=0, rtol=0)
     wide = _draw("normal1", (512, n, 2 * n))[..., ::2]
-    torch.testing.assert_close(mhc.birkhoff_project(wide), mhc.birkhoff_project(wide.contiguous()), atol=0, rtol=0)
+    torch.testing.assert_close(
+        mhc.birkhoff_project(wide), mhc.birkhoff_project(wide.contiguous()), atol=0, rtol=0
+    )
     # misaligned storage offset (scalar path of the tile loader)
     flat = _draw("normal1", (1 + 300 * n * n,))
     R = flat[1:].view(300, n, n)
@@ -302,7 +309,9 @@ def test_empty_and_single(n):
         R = torch.randn(shape, device="cuda")
         T = mhc.birkhoff_project(R)
         assert T.shape == shape
-        torch.testing.assert_close(T.double(), _reference64(R.reshape(-1, n, n)).reshape(shape), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            T.double(), _reference64(R.reshape(-1, n, n)).reshape(shape), atol=1e-5, rtol=0
+        )
 
 
 @pytest.mark.parametrize("n", [4, 8])
@@ -539,7 +548,9 @@ def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
             Rg = R.clone().requires_grad_()
             (d_fast,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, G)
             Rc = R.clone().requires_grad_()
-            (d_checked,) = torch.autograd.grad(projection_cuda.project(Rc, tol=1e-6, max_iter=100, return_info=False), Rc, G)
+            (d_checked,) = torch.autograd.grad(
+                projection_cuda.project(Rc, tol=1e-6, max_iter=100, return_info=False), Rc, G
+            )
             assert torch.equal(d_fast, d_checked), f"seed={fresh_seed}, shape {shape}"
     # tol is raised to the float32 rounding floor, as effective_tol does
     _, info = mhc.birkhoff_project(torch.randn(64, n, n, device="cuda"), tol=1e-12, return_info=True)
@@ -547,11 +558,16 @@ def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
     # not taken: CPU tensors, other n, float64
     assert projection_cuda.project_fast(torch.randn(4, n, n), 1e-6, 100) is None
     assert projection_cuda.project_fast(torch.randn(4, 5, 5, device="cuda"), 1e-6, 100) is None
-    assert projection_cuda.project_fast(torch.randn(4, n, n, device="cuda", dtype=torch.float64), 1e-6, 100) is None
+    assert (
+        projection_cuda.project_fast(torch.randn(4, n, n, device="cuda", dtype=torch.float64), 1e-6, 100)
+        is None
+    )
     assert projection_cuda.project_fast(torch.randn(4, n, 3, device="cuda"), 1e-6, 100) is None
     # under vmap the extension declines (batched tensors need the dispatcher) and the op's fallback loops
     R = torch.randn(6, 32, n, n, device="cuda")
-    torch.testing.assert_close(torch.func.vmap(mhc.birkhoff_project)(R), mhc.birkhoff_project(R), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.func.vmap(mhc.birkhoff_project)(R), mhc.birkhoff_project(R), rtol=0, atol=1e-6
+    )
     # a Parameter (a Tensor subclass) takes the checked path and still gets its gradient
     p = torch.nn.Parameter(torch.randn(16, n, n, device="cuda"))
     mhc.birkhoff_project(p).sum().backward()

@@ -170,7 +170,9 @@ def test_fixed_supports(name, dtype, fresh_seed):
     else:
         assert bool(info.converged.all()), case
         atol = 1e-6
-    torch.testing.assert_close(T.double(), sinkhorn64(R, allowed), rtol=0, atol=atol, msg=lambda m: f"{case}: {m}")
+    torch.testing.assert_close(
+        T.double(), sinkhorn64(R, allowed), rtol=0, atol=atol, msg=lambda m: f"{case}: {m}"
+    )
     assert bool((T[~allowed] == 0).all()), case
 
 
@@ -187,7 +189,9 @@ def test_gradcheck_float64_on_the_finite_entries(name, fresh_seed):
         return mhc.birkhoff_project(R, tol=1e-13)
 
     assert torch.autograd.gradcheck(project, (values,), eps=1e-6, atol=1e-7), f"seed={fresh_seed}"
-    assert torch.autograd.gradgradcheck(project, (values,), eps=1e-6, atol=1e-6, fast_mode=True), f"seed={fresh_seed}"
+    assert torch.autograd.gradgradcheck(project, (values,), eps=1e-6, atol=1e-6, fast_mode=True), (
+        f"seed={fresh_seed}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SUPPORTS))
@@ -282,6 +286,7 @@ def test_backward_with_exact_zeros_is_finite():
 # CUDA kernels (n in {4, 8}): skipped without a device.
 # ----------------------------------------------------------------------------
 
+
 def _kernels():
     from mhc.projection import cuda as projection_cuda
 
@@ -324,10 +329,17 @@ def test_cuda_neginf_outside_a_permutation_gives_the_permutation(n, dtype, every
     assert bool(info.converged.all()) and info.num_nonfinite == 0, case
     # The hot path (no info) gives the same answer.
     assert float((mhc.birkhoff_project(R)[sparse].double() - expected).abs().max()) <= 1e-6, case
-    if every > 1:  # the dense matrices solve as in a batch without the sparse ones (the solver may differ by warp)
+    if (
+        every > 1
+    ):  # the dense matrices solve as in a batch without the sparse ones (the solver may differ by warp)
         clean = mhc.birkhoff_project(R[~sparse])
-        torch.testing.assert_close(T[~sparse].double(), clean.double(), rtol=0, atol=1e-5 if dtype == torch.float32
-                                   else torch.finfo(dtype).eps, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(
+            T[~sparse].double(),
+            clean.double(),
+            rtol=0,
+            atol=1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps,
+            msg=lambda m: f"{case}: {m}",
+        )
     Rg = R.clone().requires_grad_()
     (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, torch.randn_like(R))
     assert bool(dR.isfinite().all()) and float(dR[sparse].abs().max()) == 0.0, case
@@ -400,7 +412,9 @@ def test_cuda_no_permutation_in_the_support_is_nan_counted_and_warned(n, fresh_s
         warnings.simplefilter("ignore", ConvergenceWarning)
         Tc, infoc = birkhoff_project_reference(R.cpu(), return_info=True)
         (dR,) = torch.autograd.grad(mhc.birkhoff_project(Rg), Rg, torch.randn_like(R))
-    assert torch.equal(Tc.isnan(), T.isnan().cpu()) and torch.equal(infoc.error.isinf(), info.error.isinf().cpu())
+    assert torch.equal(Tc.isnan(), T.isnan().cpu()) and torch.equal(
+        infoc.error.isinf(), info.error.isinf().cpu()
+    )
     assert bool(dR[bad].isnan().all()) and bool(dR[~bad].isfinite().all()), case
     projection_cuda.reset_convergence_tracking()
 

@@ -30,7 +30,7 @@ def test_block_usage_example_runs():
 def test_stability_example_passes_mhc_and_shows_hc_failing(capsys):
     """The example asserts mHC stable and HC not (pytest.raises inside), then prints HC's table."""
     example = next(b for b in _blocks("python") if "assert_composite_stable(" in b)
-    assert 'mode="hc"' in example or "stack(\"hc\")" in example, example
+    assert 'mode="hc"' in example or 'stack("hc")' in example, example
     exec(compile(example, "README.md", "exec"), {})
     assert "64 sites" in capsys.readouterr().out
 
@@ -38,7 +38,12 @@ def test_stability_example_passes_mhc_and_shows_hc_failing(capsys):
 def test_quick_start_is_the_route_of_an_ordinary_machine():
     """First block: clone, PyTorch's CPU build, the package, the training command, in that order; no pinned torch."""
     first = _blocks("bash")[0]
-    steps = ["git clone ", "--index-url https://download.pytorch.org/whl/cpu", "pip install -e .", "scripts/train_lm.py"]
+    steps = [
+        "git clone ",
+        "--index-url https://download.pytorch.org/whl/cpu",
+        "pip install -e .",
+        "scripts/train_lm.py",
+    ]
     at = [first.find(step) for step in steps]
     assert all(i >= 0 for i in at) and at == sorted(at), first
     assert "torch==" not in first, first
@@ -50,11 +55,17 @@ def test_the_test_tiers_are_given_with_their_skip_reasons():
 
 
 def test_every_figure_row_says_when_and_at_which_commit():
-    rows = [line for line in _section("Figures").splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    rows = [
+        line
+        for line in _section("Figures").splitlines()
+        if line.startswith("| ") and not line.startswith("| what")
+    ]
     assert len(rows) >= 5, rows
     for row in rows:
         measured = row.rstrip(" |").rsplit(" | ", 1)[-1]
-        assert re.search(r"\b20\d\d-\d\d-\d\d\b", measured) and re.search(r"\bcommits? [0-9a-f]{7}\b", measured), row
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", measured) and re.search(
+            r"\bcommits? [0-9a-f]{7}\b", measured
+        ), row
 
 
 def test_relative_links_and_named_repository_paths_exist():

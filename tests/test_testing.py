@@ -42,7 +42,9 @@ def test_passes_on_an_mhc_causal_lm(fresh_seed):
 
     from mhc import MHCConfig, MHCForCausalLM
 
-    base = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2)
+    base = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2
+    )
     model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper")).eval()
     ids = torch.randint(0, 64, (2, 7))
     report = assert_composite_stable(model, ids, model_kwargs={"use_cache": False})
@@ -55,15 +57,21 @@ def test_fails_with_a_clear_report_on_hc_whose_gain_grows(fresh_seed):
         assert_composite_stable(stack, streams(fresh_seed), max_gain=10.0, max_marginal_error=None)
     message = str(failure.value)
     lines = message.splitlines()
-    assert lines[0].startswith(f"composite mapping not stable over {DEPTH} sites and 10 tokens (max_gain 10, given)")
+    assert lines[0].startswith(
+        f"composite mapping not stable over {DEPTH} sites and 10 tokens (max_gain 10, given)"
+    )
     forward = next(ln for ln in lines if ln.startswith("  - forward gain"))
     # e.g. "  - forward gain 5.6e+07 > max_gain 10: worst at depth 63 (site '63'), token (0, 2); over the limit from
     # depth 7 (site '7') on, at 54 of 64 depths"
     gain = float(forward.split()[3])
-    assert gain > 10 and "worst at depth" in forward and "(site '" in forward and "token (" in forward, message
+    assert gain > 10 and "worst at depth" in forward and "(site '" in forward and "token (" in forward, (
+        message
+    )
     assert "over the limit from depth" in forward, message
     assert any(ln.startswith("  - backward gain") for ln in lines), message
-    assert "marginal error" not in message.split("per depth")[0], message  # not judged: max_marginal_error=None
+    assert "marginal error" not in message.split("per depth")[0], (
+        message
+    )  # not judged: max_marginal_error=None
     assert "per depth (max over tokens):" in message and " fwd gain max " in message, message
     # The same stack passes when the limit is above what it reaches.
     assert_composite_stable(stack, streams(fresh_seed), max_gain=10 * gain**2, max_marginal_error=None)
@@ -90,7 +98,9 @@ def test_bare_h_res_tensors(fresh_seed):
     assert report.sites == [f"site {d}" for d in range(20)] and report.spread_mean == [None] * 20
     assert_composite_stable(torch.stack(h_res))
     doubled = h_res[:5] + [2 * h_res[5]] + h_res[6:]
-    with pytest.raises(AssertionError, match=r"forward gain 2 > max_gain .*worst at depth \d+ \(site 'site \d+'\)"):
+    with pytest.raises(
+        AssertionError, match=r"forward gain 2 > max_gain .*worst at depth \d+ \(site 'site \d+'\)"
+    ):
         assert_composite_stable(doubled)
     nan = [h.clone() for h in h_res]
     nan[3][1, 2, 0] = math.nan
@@ -110,10 +120,15 @@ def test_default_max_gain_follows_the_marginal_limit():
     err = marginal_error(h).item()
     report = assert_composite_stable([h] * 10, max_marginal_error=err)
     assert report.forward_gain_max[-1] == pytest.approx((1 + eps) ** 10)
-    signed = torch.tensor([[1.25, -0.25], [-0.25, 1.25]])  # rows and columns sum to 1; gain 1.5 per site, 1.5^10 = 57.665 at depth 9
+    signed = torch.tensor(
+        [[1.25, -0.25], [-0.25, 1.25]]
+    )  # rows and columns sum to 1; gain 1.5 per site, 1.5^10 = 57.665 at depth 9
     assert marginal_error(signed).item() == 0.0
-    with pytest.raises(AssertionError, match=r"\(1 \+ max_marginal_error\) \*\* 10\):\n  - forward gain 57.665 > max_gain 1.001: "
-                       r"worst at depth 9 \(site 'site 9'\), the only token; over the limit from depth 0"):
+    with pytest.raises(
+        AssertionError,
+        match=r"\(1 \+ max_marginal_error\) \*\* 10\):\n  - forward gain 57.665 > max_gain 1.001: "
+        r"worst at depth 9 \(site 'site 9'\), the only token; over the limit from depth 0",
+    ):
         assert_composite_stable([signed] * 10)
     assert_composite_stable([signed] * 10, max_gain=1.5**10 * (1 + 1e-9))
 

@@ -41,35 +41,52 @@ TINY = dict(
 
 
 def tiny_cfg(tmp_path: Path, name: str = "run", **kw) -> T.TrainConfig:
-    cfg = T.TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"), **kw})
+    cfg = T.TrainConfig(
+        **{**TINY, "run_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"), **kw}
+    )
     cfg.validate()
     return cfg
 
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
 def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in T.read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
+    return {
+        r["step"]: r["loss"] for r in T.read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"
+    }
 
 
 # ----------------------------------------------------------------------------- config
 
 
 def test_config_yaml_inheritance_and_overrides(tmp_path):
-    (tmp_path / "base.yaml").write_text("hidden_size: 64\nlr: 1.0e-3\nmhc_options: {init: identity}\nmax_steps: 5\n")
-    (tmp_path / "child.yaml").write_text("base: base.yaml\nvariant: hc\nmhc_options: {projection: sinkhorn}\n")
+    (tmp_path / "base.yaml").write_text(
+        "hidden_size: 64\nlr: 1.0e-3\nmhc_options: {init: identity}\nmax_steps: 5\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "base: base.yaml\nvariant: hc\nmhc_options: {projection: sinkhorn}\n"
+    )
     cfg = T.load_config(tmp_path / "child.yaml", ["lr=2e-4", "num_layers=3", "plots=false"])
     assert (cfg.variant, cfg.hidden_size, cfg.num_layers, cfg.lr, cfg.plots) == ("hc", 64, 3, 2e-4, False)
     assert cfg.mhc_options == {"init": "identity", "projection": "sinkhorn"}
     assert cfg.run_dir == str(Path("runs") / "child")
     with pytest.raises(KeyError):
         T.load_config(tmp_path / "child.yaml", ["no_such_key=1"])
-    for name in ("tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "small_gpu_hc", "small_gpu_residual"):
+    for name in (
+        "tiny_cpu_mhc",
+        "tiny_cpu_hc",
+        "tiny_cpu_residual",
+        "small_gpu_mhc",
+        "small_gpu_hc",
+        "small_gpu_residual",
+    ):
         cfg = T.load_config(name)
         assert cfg.variant == name.rsplit("_", 1)[1]
 
@@ -124,7 +141,9 @@ def test_stdlib_corpus_and_packing(tmp_path):
     # an epoch visits every window once
     n = data.n_train_windows
     seen = data.train_batch(0, n)
-    assert len({tuple(r.tolist()) for r in seen}) == len({tuple(data.train[i * 32 : (i + 1) * 32].tolist()) for i in range(n)})
+    assert len({tuple(r.tolist()) for r in seen}) == len(
+        {tuple(data.train[i * 32 : (i + 1) * 32].tolist()) for i in range(n)}
+    )
     h = T.unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
     assert 2.0 < h < np.log(257)
 
@@ -148,7 +167,9 @@ def test_bpe_and_gpt2_files_roundtrip(tmp_path):
     assert tok.kind == "bpe" and tok.vocab_size <= 400
     assert tok.decode(tok.encode(TEXT)) == TEXT
     assert len(list(Path(cfg.cache_dir).glob("bpe-*.json"))) == 1  # cached
-    tok2 = T.build_tokenizer(cfg, None, T.load_corpus(cfg.data).fingerprint())  # from the cache, no texts needed
+    tok2 = T.build_tokenizer(
+        cfg, None, T.load_corpus(cfg.data).fingerprint()
+    )  # from the cache, no texts needed
     assert tok2.encode(TEXT) == tok.encode(TEXT)
     # GPT-2 style files: vocab.json + merges.txt, and encoder.json + vocab.bpe
     d = tmp_path / "gpt2"
@@ -191,7 +212,11 @@ def _config_yaml_without_run_dir(run_dir) -> dict:
 
 
 def _evals(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["val_loss"]) for r in T.read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "eval"]
+    return [
+        (r["step"], r["val_loss"])
+        for r in T.read_metrics(Path(run_dir) / "metrics.jsonl")
+        if r["kind"] == "eval"
+    ]
 
 
 def _assert_same_run(run_dir, ref_run_dir) -> None:
@@ -210,7 +235,15 @@ def _assert_same_run(run_dir, ref_run_dir) -> None:
 def test_run_dir_contents_and_from_pretrained(full_run):
     cfg, summary = full_run
     rd = Path(cfg.run_dir)
-    for name in ("metrics.jsonl", "summary.json", "loss.png", "gains.png", "config.yaml", "model/config.json", "model/model.safetensors"):
+    for name in (
+        "metrics.jsonl",
+        "summary.json",
+        "loss.png",
+        "gains.png",
+        "config.yaml",
+        "model/config.json",
+        "model/model.safetensors",
+    ):
         assert (rd / name).is_file(), name
     assert (rd / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["steps"] == 8 and summary["composite_gains"] is not None
@@ -259,6 +292,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, full_run):
     assert _evals(cfg.run_dir) == _evals(cfg_full.run_dir)  # no duplicated records
 
 
+@pytest.mark.slow  # a training subprocess
 def test_bare_resume_cli_continues_the_run_exactly(tmp_path, full_run):
     """README's `python scripts/train_lm.py --resume`, with no other flag: the run's own settings come back."""
     cfg_full, _ = full_run
@@ -269,7 +303,11 @@ def test_bare_resume_cli_continues_the_run_exactly(tmp_path, full_run):
     assert T.train(cfg) == {"interrupted": True, "step": 5}
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--resume"],
-        capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
@@ -324,19 +362,36 @@ def test_corrupt_or_partial_checkpoint_gives_clear_error(tmp_path, full_run):
         T.find_latest_checkpoint(rd)
     # the script turns it into a one-line error and exit code 2
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--config", "tiny_cpu_mhc",
-         "--run-dir", str(tmp_path / "corrupt"), "--resume", *sum((["--set", f"{k}={v}"] for k, v in TINY.items()), []),
-         "--set", f"cache_dir={tmp_path / 'cache'}"],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train_lm.py"),
+            "--config",
+            "tiny_cpu_mhc",
+            "--run-dir",
+            str(tmp_path / "corrupt"),
+            "--resume",
+            *sum((["--set", f"{k}={v}"] for k, v in TINY.items()), []),
+            "--set",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
-    assert proc.returncode == 2 and "error: checkpoint" in proc.stderr and "corrupt" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "error: checkpoint" in proc.stderr and "corrupt" in proc.stderr, (
+        proc.stderr[-2000:]
+    )
 
 
 def test_atomic_checkpoint_leaves_no_partial_folder(tmp_path, full_run):
     cfg_full, _ = full_run
     root = Path(cfg_full.run_dir) / "checkpoints"
     assert not list(root.glob(".tmp-*"))
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006", "step_00000008"]  # keep_checkpoints=2
+    assert sorted(p.name for p in root.glob("step_*")) == [
+        "step_00000006",
+        "step_00000008",
+    ]  # keep_checkpoints=2
     for p in root.glob("step_*"):
         T.verify_checkpoint(p)
 
@@ -375,7 +430,9 @@ def cli_procs():
 
 
 def _start_cli(ctx, argv, log_path: Path, **env):
-    proc = ctx.Process(target=_cli_child, args=([str(a) for a in argv], {k: str(v) for k, v in env.items()}, str(log_path)))
+    proc = ctx.Process(
+        target=_cli_child, args=([str(a) for a in argv], {k: str(v) for k, v in env.items()}, str(log_path))
+    )
     proc.start()
     return proc
 
@@ -387,6 +444,7 @@ def _run_cli(ctx, argv, log_path: Path, timeout: float = 300, **env) -> int:
     return proc.exitcode
 
 
+@pytest.mark.slow  # training processes
 def test_checkpoint_write_killed_at_any_point_resumes_exactly(tmp_path, full_run, cli_procs):
     """SIGKILL inside save_checkpoint (mid-file, before the rename, before `latest`, mid-prune); each time a bare
     --resume goes on, and the run ends with the losses, evaluations and config of the uninterrupted run."""
@@ -403,7 +461,11 @@ def test_checkpoint_write_killed_at_any_point_resumes_exactly(tmp_path, full_run
         (resume, "3:rename", lambda: complete() == ["step_00000003"] and not (ck / "latest").exists()),
         (resume, "6:manifest", lambda: complete() == ["step_00000003"]),
         (resume, "6:latest", lambda: complete() == ["step_00000003", "step_00000006"]),
-        (resume, "8:prune", lambda: complete() == ["step_00000006", "step_00000008"] and not (rd / "model").exists()),
+        (
+            resume,
+            "8:prune",
+            lambda: complete() == ["step_00000006", "step_00000008"] and not (rd / "model").exists(),
+        ),
     ]
     for i, (argv, point, check) in enumerate(plan):
         log = tmp_path / f"run{i}.log"
@@ -416,22 +478,36 @@ def test_checkpoint_write_killed_at_any_point_resumes_exactly(tmp_path, full_run
     code = _run_cli(cli_procs, resume, tmp_path / "final.log")
     assert code == 0, (tmp_path / "final.log").read_text()[-3000:]
     _assert_same_run(rd, cfg_full.run_dir)
-    assert complete() == ["step_00000006", "step_00000008"] and T.find_latest_checkpoint(rd).name == "step_00000008"
-    leftovers = [p.name for p in list(rd.iterdir()) + list(ck.iterdir()) if ".tmp-" in p.name or ".old-" in p.name]
+    assert (
+        complete() == ["step_00000006", "step_00000008"]
+        and T.find_latest_checkpoint(rd).name == "step_00000008"
+    )
+    leftovers = [
+        p.name for p in list(rd.iterdir()) + list(ck.iterdir()) if ".tmp-" in p.name or ".old-" in p.name
+    ]
     assert leftovers == []
 
 
+@pytest.mark.slow  # training processes
 def test_two_runs_on_one_run_dir_cannot_both_proceed(tmp_path, cli_procs):
     """While one process trains in a run dir, a second one (fresh or --resume) stops at once with a clear error."""
     import time
 
     rd = tmp_path / "busy"
-    settings = {**TINY, "max_steps": 100000, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"}
+    settings = {
+        **TINY,
+        "max_steps": 100000,
+        "eval_interval": 0,
+        "ckpt_interval": 0,
+        "cache_dir": tmp_path / "cache",
+    }
     first = _start_cli(cli_procs, ["--run-dir", rd, *_sets(**settings)], tmp_path / "first.log")
     try:
         deadline = time.monotonic() + 120
         while not _losses(rd):  # wait until the first run is training
-            assert first.is_alive() and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            assert first.is_alive() and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.2)
         for extra in ([], ["--resume"]):
             t0 = time.monotonic()
@@ -464,12 +540,24 @@ def _sets(**kw) -> list[str]:
     return sum((["--set", f"{k}={v}"] for k, v in kw.items()), [])
 
 
+@pytest.mark.slow  # a training subprocess
 def test_train_lm_script_smoke(tmp_path):
     rd = tmp_path / "smoke"
     args = _sets(**{**TINY, "max_steps": 4, "ckpt_interval": 2, "cache_dir": tmp_path / "cache"})
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_lm.py"), "--run-dir", str(rd), "--progress", "true", *args],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train_lm.py"),
+            "--run-dir",
+            str(rd),
+            "--progress",
+            "true",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unigram entropy" in proc.stdout and "val loss" in proc.stdout
@@ -479,11 +567,24 @@ def test_train_lm_script_smoke(tmp_path):
 
 def _torchrun(tmp_path, nproc: int, run_dir: Path, extra: dict, extra_args=()) -> subprocess.CompletedProcess:
     args = _sets(**{**TINY, "max_steps": 4, "ckpt_interval": 2, "cache_dir": tmp_path / "cache", **extra})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
-           str(REPO / "scripts" / "train_lm.py"), "--run-dir", str(run_dir), *extra_args, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(_free_port()),
+        str(REPO / "scripts" / "train_lm.py"),
+        "--run-dir",
+        str(run_dir),
+        *extra_args,
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
 
 
+@pytest.mark.slow  # torchrun
 def test_ddp_gloo_two_ranks_matches_one_process(tmp_path):
     """2 ranks x batch 2 (DDP, gloo) trains like 1 process x batch 4, and resumes."""
     ddp = tmp_path / "ddp"
@@ -499,6 +600,7 @@ def test_ddp_gloo_two_ranks_matches_one_process(tmp_path):
     assert summary["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # torchrun
 def test_torchrun_every_rank_stops_when_rank_0_cannot_lock_the_run_dir(tmp_path):
     rd = tmp_path / "locked"
     with RunDirLock(rd):  # someone else trains here
@@ -512,6 +614,7 @@ def test_torchrun_every_rank_stops_when_rank_0_cannot_lock_the_run_dir(tmp_path)
     assert not (rd / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # torchrun
 def test_fsdp2_gloo_two_ranks_resumes(tmp_path):
     """FSDP2 (fully_shard) on 2 gloo ranks: interrupted at step 2, resumed, same losses as 1 process."""
     rd = tmp_path / "fsdp"
@@ -528,7 +631,11 @@ def test_fsdp2_gloo_two_ranks_resumes(tmp_path):
     l_fsdp, l_one = _losses(rd), _losses(tmp_path / "single")
     assert sorted(l_fsdp) == sorted(l_one) == [1, 2, 3, 4]
     for step in l_one:
-        assert l_fsdp[step] == pytest.approx(l_one[step], rel=1e-4, abs=1e-4), (step, l_fsdp[step], l_one[step])
+        assert l_fsdp[step] == pytest.approx(l_one[step], rel=1e-4, abs=1e-4), (
+            step,
+            l_fsdp[step],
+            l_one[step],
+        )
 
 
 # ----------------------------------------------------------------------------- plots, comparison
@@ -558,8 +665,14 @@ def test_eval_records_and_summary_log_stability(full_run):
         for key in ("h_res_saturation", "h_res_one_hot_rows", "pre_post_saturation"):
             assert 0 <= r[key] <= 1, (key, r)
     stability = summary["stability"]
-    assert stability["spread_mean"][0] == 0.0 and len(stability["spread_mean"]) == sites  # site 0 gets n copies
-    assert summary["marginal_error_max"] == max(stability["marginal_error_max"]) == evals[-1]["marginal_error_max"]
+    assert (
+        stability["spread_mean"][0] == 0.0 and len(stability["spread_mean"]) == sites
+    )  # site 0 gets n copies
+    assert (
+        summary["marginal_error_max"]
+        == max(stability["marginal_error_max"])
+        == evals[-1]["marginal_error_max"]
+    )
     assert summary["stream_spread"] == stability["spread_mean"][-1] == evals[-1]["stream_spread"]
     final = next(r for r in T.read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["kind"] == "final")
     assert "stability" not in final and final["h_res_saturation"] == summary["h_res_saturation"]
@@ -583,8 +696,12 @@ def test_measure_stability_per_site_marginal_error_of_a_sinkhorn_model():
     from mhc.train.reporting import STABILITY_SCALARS, eval_record, measure_stability
 
     torch.manual_seed(0)
-    base = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
-    model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper", projection="sinkhorn", sinkhorn_iters=2))
+    base = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = MHCForCausalLM(
+        MHCConfig(base_config=base, n_streams=4, init="paper", projection="sinkhorn", sinkhorn_iters=2)
+    )
     ids = torch.randint(0, 64, (2, 16))
     gains, stability = measure_stability(model, ids)
     errors = [marginal_error(h) for h in collect_h_res(model, input_ids=ids, use_cache=False)]
@@ -592,20 +709,37 @@ def test_measure_stability_per_site_marginal_error_of_a_sinkhorn_model():
     assert stability["marginal_error_max"] == pytest.approx([e.max().item() for e in errors], rel=1e-12)
     assert all(e.max() > e.mean() for e in errors)  # the tokens differ: mean and max are two numbers
     record = eval_record(7, 100, 2.5, gains, 1.0, stability)
-    assert record["marginal_error"] == {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]}
+    assert record["marginal_error"] == {
+        "mean": stability["marginal_error_mean"],
+        "max": stability["marginal_error_max"],
+    }
     assert record["marginal_error_max"] == max(stability["marginal_error_max"]) > 1e-3
     assert set(STABILITY_SCALARS) <= set(record) and record["fwd_gain"] == gains["forward_gain"][-1]
     none = eval_record(7, 100, 2.5, None, 1.0, None)
     assert none["marginal_error"] is None and all(none[k] is None for k in STABILITY_SCALARS)
 
 
+@pytest.mark.slow  # training subprocesses
 def test_compare_script_smoke(tmp_path):
     """scripts/compare.py: three variants, same token budget, one table and one plot."""
-    sets = _sets(**{**TINY, "max_steps": 2, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"})
+    sets = _sets(
+        **{**TINY, "max_steps": 2, "eval_interval": 0, "ckpt_interval": 0, "cache_dir": tmp_path / "cache"}
+    )
     out = tmp_path / "cmp"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "compare.py"), "--out", str(out), "--tokens", str(3 * 4 * 32), *sets],
-        capture_output=True, text=True, env=_env(), timeout=600,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "compare.py"),
+            "--out",
+            str(out),
+            "--tokens",
+            str(3 * 4 * 32),
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())
@@ -616,6 +750,9 @@ def test_compare_script_smoke(tmp_path):
     assert md.count("\n| ") >= 3 and "fwd gain @ full depth" in md
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "compare.py"), "--out", str(out), "--report-only"],
-        capture_output=True, text=True, env=_env(), timeout=120,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
     )
     assert proc.returncode == 0 and "| mhc | mhc | 4 |" in proc.stdout

@@ -25,14 +25,30 @@ from mhc.train.checkpoint import (
 )
 
 TINY = dict(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
-    max_corpus_mb=0.3, max_steps=3, warmup_steps=1, log_interval=1, eval_interval=0, eval_batches=1,
-    ckpt_interval=0, progress=False, plots=False, threads=1,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    seq_len=32,
+    batch_size=4,
+    data="stdlib",
+    max_corpus_mb=0.3,
+    max_steps=3,
+    warmup_steps=1,
+    log_interval=1,
+    eval_interval=0,
+    eval_batches=1,
+    ckpt_interval=0,
+    progress=False,
+    plots=False,
+    threads=1,
 )
 
 
 def tiny_cfg(tmp_path: Path, name: str, **kw) -> T.TrainConfig:
-    return T.TrainConfig(**{**TINY, "run_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"), **kw})
+    return T.TrainConfig(
+        **{**TINY, "run_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"), **kw}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +116,9 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path, finished_run):
     keep = [rd / ".tmp-notes", ck / ".tmp-mine", rd / "notes.tmp-1"]
     for f in keep:
         f.write_text("a user's file")
-    T.train(tiny_cfg(tmp_path, "run"), resume=True)  # a finished run: evaluates, writes model/ and the summary again
+    T.train(
+        tiny_cfg(tmp_path, "run"), resume=True
+    )  # a finished run: evaluates, writes model/ and the summary again
     assert not any(p.exists() for p in stale + stale_files), [p for p in stale + stale_files if p.exists()]
     assert all(f.read_text() == "a user's file" for f in keep)
 
@@ -216,13 +234,17 @@ def test_planted_pickle_in_the_trainer_state_never_runs(tmp_path, finished_run):
     # 1. format 2, with the pickle added as trainer_state.pt and listed in a rehashed manifest
     rd, ckpt = _copy(finished_run, tmp_path / "listed")
     shutil.copy(payload, ckpt / "trainer_state.pt")
-    _rewrite_manifest(ckpt, lambda m: m["files"].update({"trainer_state.pt": _hash_entry(ckpt / "trainer_state.pt")}))
+    _rewrite_manifest(
+        ckpt, lambda m: m["files"].update({"trainer_state.pt": _hash_entry(ckpt / "trainer_state.pt")})
+    )
     with pytest.raises(T.CheckpointError, match="does not hold"):
         T.train(tiny_cfg(tmp_path, "listed"), resume=True)
     # 2. the pickle in place of trainer_state.json, manifest rehashed
     rd, ckpt = _copy(finished_run, tmp_path / "replaced")
     shutil.copy(payload, ckpt / "trainer_state.json")
-    _rewrite_manifest(ckpt, lambda m: m["files"].update({"trainer_state.json": _hash_entry(ckpt / "trainer_state.json")}))
+    _rewrite_manifest(
+        ckpt, lambda m: m["files"].update({"trainer_state.json": _hash_entry(ckpt / "trainer_state.json")})
+    )
     with pytest.raises(T.CheckpointError, match="could not be read"):
         T.load_checkpoint_state(ckpt)
     # 3. an old-format (1) checkpoint: trainer_state.pt is a pickle; a clear error, never loaded
@@ -236,7 +258,9 @@ def test_planted_pickle_in_the_trainer_state_never_runs(tmp_path, finished_run):
         m["files"] = {p.name: _hash_entry(p) for p in ckpt.iterdir() if p.name != "manifest.json"}
 
     _rewrite_manifest(ckpt, as_format_1)
-    with pytest.raises(T.CheckpointError, match=r"format 1, written by an older mhc.*never loads.*--overwrite"):
+    with pytest.raises(
+        T.CheckpointError, match=r"format 1, written by an older mhc.*never loads.*--overwrite"
+    ):
         T.train(tiny_cfg(tmp_path, "old"), resume=True)
     assert not marker.exists(), "code from a checkpoint ran"
 
@@ -250,8 +274,15 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
     js, tensors = encode_tree(tree)
     back = decode_tree(json.loads(json.dumps(js)), tensors)
     assert set(back["state"]) == {0, 7} and back["betas"] == (0.9, 0.95)
-    assert torch.equal(back["state"][0]["exp_avg"], tree["state"][0]["exp_avg"]) and back["state"][0]["step"].shape == ()
-    assert back["values"][:2] == [1, 2.5] and np.isnan(back["values"][2]) and back["values"][3:] == [float("inf"), None, True, "x"]
+    assert (
+        torch.equal(back["state"][0]["exp_avg"], tree["state"][0]["exp_avg"])
+        and back["state"][0]["step"].shape == ()
+    )
+    assert (
+        back["values"][:2] == [1, 2.5]
+        and np.isnan(back["values"][2])
+        and back["values"][3:] == [float("inf"), None, True, "x"]
+    )
     for bad in (np.zeros(3), object(), {1: 2, "a": 3}, {"__tuple__": 1}):
         with pytest.raises(TypeError):
             encode_tree({"x": bad})
@@ -263,7 +294,9 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
     saved = T.rng_state(torch.device("cpu"))
     expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     state = {"format": CHECKPOINT_FORMAT, "step": 1, "rng": [saved], "config": cfg.to_dict()}
-    ckpt = save_checkpoint(tmp_path / "rng" / "checkpoints", 1, model.config, model.state_dict(), state, T.ByteTokenizer(), 0)
+    ckpt = save_checkpoint(
+        tmp_path / "rng" / "checkpoints", 1, model.config, model.state_dict(), state, T.ByteTokenizer(), 0
+    )
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     _, loaded = load_checkpoint_state(ckpt)
     T.set_rng_state(loaded["rng"][0], torch.device("cpu"))

@@ -12,11 +12,23 @@ from mhc import train as T
 from mhc.train.config import mhc_config_options
 
 TINY = dict(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
-    max_corpus_mb=0.3, max_steps=2, warmup_steps=1, eval_interval=0, eval_batches=1, ckpt_interval=0,
-    progress=False, plots=False, threads=1,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    seq_len=32,
+    batch_size=4,
+    data="stdlib",
+    max_corpus_mb=0.3,
+    max_steps=2,
+    warmup_steps=1,
+    eval_interval=0,
+    eval_batches=1,
+    ckpt_interval=0,
+    progress=False,
+    plots=False,
+    threads=1,
 )
-
 
 
 def _sets(**kw) -> list[str]:
@@ -33,7 +45,9 @@ def test_a_device_that_is_not_there_stops_at_once(tmp_path, cli, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
             T.train(T.TrainConfig(**TINY, device="cuda", run_dir=str(tmp_path / "cuda")))
-    assert not (tmp_path / "missing").exists() and not (tmp_path / "cuda").exists()  # stopped before any setup
+    assert (
+        not (tmp_path / "missing").exists() and not (tmp_path / "cuda").exists()
+    )  # stopped before any setup
     for flag in ("gpu", missing):
         code = cli.main(["--run-dir", str(tmp_path / "cli"), "--device", flag, *_sets(**TINY)])
         err = capsys.readouterr().err
@@ -43,10 +57,27 @@ def test_a_device_that_is_not_there_stops_at_once(tmp_path, cli, capsys):
 
 @pytest.mark.parametrize(
     "key, value",
-    [("log_interval", 0), ("eval_batches", 0), ("log_interval", -1), ("eval_interval", -5), ("ckpt_interval", -1),
-     ("keep_checkpoints", -1), ("max_steps", -3), ("warmup_steps", -1), ("grad_clip", -1.0), ("lr", 0.0),
-     ("lr", float("nan")), ("lr", float("inf")), ("beta1", 1.0), ("min_lr_ratio", 1.5), ("attention_dropout", 1.0),
-     ("n_streams", 0), ("num_kv_heads", 3), ("max_time_s", float("nan")), ("spike_threshold", 0.0)],
+    [
+        ("log_interval", 0),
+        ("eval_batches", 0),
+        ("log_interval", -1),
+        ("eval_interval", -5),
+        ("ckpt_interval", -1),
+        ("keep_checkpoints", -1),
+        ("max_steps", -3),
+        ("warmup_steps", -1),
+        ("grad_clip", -1.0),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("lr", float("inf")),
+        ("beta1", 1.0),
+        ("min_lr_ratio", 1.5),
+        ("attention_dropout", 1.0),
+        ("n_streams", 0),
+        ("num_kv_heads", 3),
+        ("max_time_s", float("nan")),
+        ("spike_threshold", 0.0),
+    ],
 )
 def test_zero_or_negative_counts_and_bad_numbers_are_refused(tmp_path, key, value):
     with pytest.raises(ValueError, match=key):
@@ -113,7 +144,9 @@ def test_fused_projection_false_lasts_only_for_the_run(tmp_path, monkeypatch):
     assert calls == [False, True] and real_set_enabled(True) is True
     calls.clear()
     real_set_enabled(False)  # a user's own setting is what the run restores
-    T.train(T.TrainConfig(**{**TINY, "max_steps": 1}, fused_projection=False, run_dir=str(tmp_path / "again")))
+    T.train(
+        T.TrainConfig(**{**TINY, "max_steps": 1}, fused_projection=False, run_dir=str(tmp_path / "again"))
+    )
     assert calls == [False, False] and real_set_enabled(True) is False
     calls.clear()
     T.train(T.TrainConfig(**{**TINY, "max_steps": 1}, run_dir=str(tmp_path / "fused")))
@@ -161,7 +194,10 @@ def test_variant_settings_cannot_be_contradicted_or_misspelt(tmp_path, cli, caps
     # Repeating what the variant sets is fine; mhc with a projection of its choice too.
     cfg = T.load_config(None, {**TINY, "variant": "mhc-sk20", "mhc_options": {"projection": "sinkhorn"}})
     assert mhc_config_options(cfg)["sinkhorn_iters"] == 20
-    assert mhc_config_options(T.load_config(None, {**TINY, "mhc_options": {"projection": "lite"}}))["projection"] == "lite"
+    assert (
+        mhc_config_options(T.load_config(None, {**TINY, "mhc_options": {"projection": "lite"}}))["projection"]
+        == "lite"
+    )
     code = cli.main(["--run-dir", str(tmp_path / "cli"), "--set", "variant=mhc-lit", *_sets(**TINY)])
     err = capsys.readouterr().err
     assert code == 2 and "variant must be one of" in err, err
@@ -169,7 +205,6 @@ def test_variant_settings_cannot_be_contradicted_or_misspelt(tmp_path, cli, caps
 
 
 def test_variant_presets_load():
-    from pathlib import Path
 
     for preset in ("tiny_cpu", "small_gpu"):
         for variant in ("mhc-sk20", "mhc-lite"):
@@ -194,6 +229,7 @@ def test_compare_script_refuses_an_unknown_variant(capsys):
     assert stop.value.code == 2 and "unknown variant(s) 'mhc-sk2'" in err and "mhc-lite" in err, err
 
 
+@pytest.mark.slow  # training subprocesses
 def test_study_runner_smoke(tmp_path):
     """scripts/study_exactness.py end to end on the CPU: a run, its record, the README table and plots."""
     import importlib.util
@@ -220,7 +256,9 @@ def test_study_runner_smoke(tmp_path):
     assert math.isfinite(by_projection["newton"])
     readme = (out / "README.md").read_text()
     assert "| mhc-sk20 | 1 |" in readme and "sk20_marginal_error.png" in readme and "| trained as |" in readme
-    assert all((out / name).is_file() for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png"))
+    assert all(
+        (out / name).is_file() for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png")
+    )
     assert (out / "runs" / "mhc-sk20" / "seed3" / "metrics.jsonl").is_file()
     merged = tmp_path / "merged"
     assert study.main(["--report-only", "--merge", str(out), str(out), "--out", str(merged)]) == 0
@@ -234,38 +272,54 @@ def test_presets_load_by_name_and_ship_inside_the_package(tmp_path, monkeypatch)
     import mhc.train.config as config_module
 
     presets = T.list_presets()
-    assert {"tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "study_exactness"} <= set(presets)
+    assert {"tiny_cpu_mhc", "tiny_cpu_hc", "tiny_cpu_residual", "small_gpu_mhc", "study_exactness"} <= set(
+        presets
+    )
     assert T.preset_path("tiny_cpu_mhc").parent == config_module.PRESETS_DIR
-    assert config_module.PRESETS_DIR.parent == Path(config_module.__file__).resolve().parent  # inside the package
+    assert (
+        config_module.PRESETS_DIR.parent == Path(config_module.__file__).resolve().parent
+    )  # inside the package
     by_name = T.load_config("tiny_cpu_hc")
     assert by_name == T.load_config(T.preset_path("tiny_cpu_hc")) == T.load_config("tiny_cpu_hc.yaml")
     assert (by_name.variant, by_name.run_dir) == ("hc", str(Path("runs") / "tiny_cpu_hc"))
     # a file of one's own builds on a preset by name; a file in the working directory wins over a preset
     (tmp_path / "mine.yaml").write_text("base: tiny_cpu_mhc\nnum_layers: 2\n")
     mine = T.load_config(tmp_path / "mine.yaml")
-    assert (mine.num_layers, mine.hidden_size, mine.run_dir) == (2, by_name.hidden_size, str(Path("runs") / "mine"))
+    assert (mine.num_layers, mine.hidden_size, mine.run_dir) == (
+        2,
+        by_name.hidden_size,
+        str(Path("runs") / "mine"),
+    )
     (tmp_path / "tiny_cpu_hc").write_text("variant: residual\nn_streams: 1\nmax_steps: 1\n")
     monkeypatch.chdir(tmp_path)
     assert T.load_config("tiny_cpu_hc").variant == "residual"
 
 
 def test_an_unknown_preset_or_missing_file_lists_the_presets(tmp_path, cli, capsys):
-    with pytest.raises(T.ConfigNotFoundError, match=r"unknown preset 'tiny_cpu_mhx' \(did you mean 'tiny_cpu_mhc'") as e:
+    with pytest.raises(
+        T.ConfigNotFoundError, match=r"unknown preset 'tiny_cpu_mhx' \(did you mean 'tiny_cpu_mhc'"
+    ) as e:
         T.load_config("tiny_cpu_mhx")
     assert all(name in str(e.value) for name in T.list_presets())
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
     # the checkout's old configs/ paths say where the presets went
-    with pytest.raises(FileNotFoundError, match=r"configs/tiny_cpu_mhc\.yaml does not exist; .*--config tiny_cpu_mhc"):
+    with pytest.raises(
+        FileNotFoundError, match=r"configs/tiny_cpu_mhc\.yaml does not exist; .*--config tiny_cpu_mhc"
+    ):
         T.load_config("configs/tiny_cpu_mhc.yaml")
     with pytest.raises(FileNotFoundError, match=r"nowhere/x\.yaml does not exist .*tiny_cpu_mhc"):
         T.load_config(str(tmp_path / "nowhere" / "x.yaml"))
     (tmp_path / "bad_base.yaml").write_text("base: no_such_preset\n")
-    with pytest.raises(T.ConfigNotFoundError, match=r"base 'no_such_preset' is neither a file beside it nor a preset"):
+    with pytest.raises(
+        T.ConfigNotFoundError, match=r"base 'no_such_preset' is neither a file beside it nor a preset"
+    ):
         T.load_config(tmp_path / "bad_base.yaml")
     # the command line: one line, exit 2, nothing created; --list-presets prints them
     code = cli.main(["--config", "tiny_cpu_mhx", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: unknown preset 'tiny_cpu_mhx'") and "small_gpu_mhc" in err, err
+    assert code == 2 and err.startswith("error: unknown preset 'tiny_cpu_mhx'") and "small_gpu_mhc" in err, (
+        err
+    )
     assert not (tmp_path / "run").exists()
     assert cli.main(["--list-presets"]) == 0
     assert capsys.readouterr().out.split() == T.list_presets()

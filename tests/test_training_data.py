@@ -13,9 +13,22 @@ from mhc import train as T
 from mhc.train import synthetic
 
 TINY = dict(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, max_corpus_mb=0.2,
-    max_steps=3, warmup_steps=1, log_interval=1, eval_interval=0, eval_batches=1, ckpt_interval=0, progress=False,
-    plots=False, threads=1,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    seq_len=32,
+    batch_size=4,
+    max_corpus_mb=0.2,
+    max_steps=3,
+    warmup_steps=1,
+    log_interval=1,
+    eval_interval=0,
+    eval_batches=1,
+    ckpt_interval=0,
+    progress=False,
+    plots=False,
+    threads=1,
 )
 
 # The SHA-256 of synthetic.generate_documents() at version 1 (names and texts, Corpus.sha256). A change of the
@@ -35,7 +48,12 @@ def test_the_synthetic_corpus_is_fixed_valid_python_and_the_default():
     # document i depends only on (seed, i); the sums in its asserts are right
     assert synthetic.generate_documents(5) == corpus.documents[:5]
     assert synthetic.generate_documents(5, seed=1) != corpus.documents[:5]
-    checks = [line.strip() for _, t in corpus.documents for line in t.splitlines() if line.strip().startswith("assert ")]
+    checks = [
+        line.strip()
+        for _, t in corpus.documents
+        for line in t.splitlines()
+        if line.strip().startswith("assert ")
+    ]
     assert len(checks) > 100
     for line in checks:
         exec(line, {})  # noqa: S102 - text this generator wrote: the arithmetic it states holds
@@ -112,7 +130,9 @@ def test_readme_sample_script_finds_and_rewrites_only_its_block(tmp_path):
     corpus = {"source": "synthetic:v1", "documents": 800, "chars": 2023505, "sha256": "0866904147086f06" + "0" * 48,
               "python": "3.11.7"}  # fmt: skip
     label = script.corpus_label({"corpus": corpus})
-    assert "`synthetic:v1`, 800 documents" in label and "0866904147086f06" in label and "Python 3.11.7" in label
+    assert (
+        "`synthetic:v1`, 800 documents" in label and "0866904147086f06" in label and "Python 3.11.7" in label
+    )
     new = script.SAMPLE.sub(lambda _: script.paragraph(label, block), readme, count=1)
     before, after = readme.split(match)
     assert new.startswith(before) and new.endswith(after)  # only the paragraph changed
@@ -125,9 +145,19 @@ def test_readme_sample_script_finds_and_rewrites_only_its_block(tmp_path):
 def test_a_comparison_says_when_its_runs_read_different_corpora():
     from mhc.train.compare import _corpus_line
 
-    a = {"source": "stdlib:/usr/lib/python3.11", "documents": 900, "chars": 1, "sha256": "a" * 64, "python": "3.11.7"}
+    a = {
+        "source": "stdlib:/usr/lib/python3.11",
+        "documents": 900,
+        "chars": 1,
+        "sha256": "a" * 64,
+        "python": "3.11.7",
+    }
     b = {**a, "source": "stdlib:/usr/lib/python3.12", "sha256": "b" * 64, "python": "3.12.1"}
-    assert _corpus_line([{"label": "hc", "corpus": a}, {"label": "mhc", "corpus": a}]).startswith("Corpus: stdlib:")
+    assert _corpus_line([{"label": "hc", "corpus": a}, {"label": "mhc", "corpus": a}]).startswith(
+        "Corpus: stdlib:"
+    )
     line = _corpus_line([{"label": "hc", "corpus": a}, {"label": "mhc", "corpus": b}, {"label": "old"}])
-    assert line.startswith("**The runs read different corpora**") and "mhc: stdlib:/usr/lib/python3.12" in line
+    assert (
+        line.startswith("**The runs read different corpora**") and "mhc: stdlib:/usr/lib/python3.12" in line
+    )
     assert "Python 3.11.7" in line and "old: not recorded" in line

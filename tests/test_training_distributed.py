@@ -20,6 +20,8 @@ import mhc
 from mhc import train as T
 from mhc.train.model import build_optimizer
 
+pytestmark = pytest.mark.slow  # torchrun
+
 # Attention dropout draws random numbers at every step: recompute must replay the same masks.
 FSDP = {"batch_size": 2, "device": "cpu", "dist": "fsdp", "plots": "false", "attention_dropout": 0.1}
 WORLD = 2
@@ -79,7 +81,9 @@ def test_fsdp2_checkpoint_resume_in_one_process_is_refused_naming_world_sizes(fs
     cfg = T.resume_config(rd)
     assert cfg.dist == "fsdp" and cfg.batch_size == 2
     before = {p.relative_to(rd): p.read_bytes() for p in rd.rglob("*") if p.is_file() and p.name != ".lock"}
-    with pytest.raises(T.CheckpointError, match=r"the run used 2 process\(es\), now 1 \(the data position depends on it\)"):
+    with pytest.raises(
+        T.CheckpointError, match=r"the run used 2 process\(es\), now 1 \(the data position depends on it\)"
+    ):
         T.train(cfg, resume=True)
     after = {p.relative_to(rd): p.read_bytes() for p in rd.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
@@ -106,9 +110,14 @@ def test_fsdp2_checkpoint_loads_into_one_process_model(fsdp_run):
     windows = data.val_windows(cfg.eval_batches * cfg.batch_size * WORLD)
     with torch.no_grad():
         logits = model(input_ids=windows, use_cache=False).logits
-    val_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+    val_loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)
+    ).item()
     summary = json.loads((fsdp_run / "summary.json").read_text())
-    assert val_loss == pytest.approx(summary["final_val_loss"], rel=1e-5), (val_loss, summary["final_val_loss"])
+    assert val_loss == pytest.approx(summary["final_val_loss"], rel=1e-5), (
+        val_loss,
+        summary["final_val_loss"],
+    )
 
 
 def test_fsdp2_exported_model_dir_loads_with_from_pretrained_on_cpu(fsdp_run):
@@ -132,11 +141,18 @@ def test_fsdp2_recompute_trains_like_without(fsdp_run, fsdp_recompute_run):
     """Activation recompute (every site runs again in backward, attention dropout included) with FSDP2's sharded
     parameters: the same losses at steps 1-4 as the run without it."""
     config = json.loads((fsdp_recompute_run / "model" / "config.json").read_text())
-    assert config["recompute"] is True and json.loads((fsdp_run / "model" / "config.json").read_text())["recompute"] is False
+    assert (
+        config["recompute"] is True
+        and json.loads((fsdp_run / "model" / "config.json").read_text())["recompute"] is False
+    )
     plain, recompute = _losses(fsdp_run), _losses(fsdp_recompute_run)
     assert sorted(recompute) == sorted(plain) == [1, 2, 3, 4]
     for step in plain:
-        assert recompute[step] == pytest.approx(plain[step], rel=1e-4, abs=1e-4), (step, recompute[step], plain[step])
+        assert recompute[step] == pytest.approx(plain[step], rel=1e-4, abs=1e-4), (
+            step,
+            recompute[step],
+            plain[step],
+        )
     s_plain, s_re = (json.loads((d / "summary.json").read_text()) for d in (fsdp_run, fsdp_recompute_run))
     assert s_re["final_val_loss"] == pytest.approx(s_plain["final_val_loss"], rel=1e-4)
 

@@ -17,9 +17,22 @@ import torch
 from mhc import train as T
 
 TINY = dict(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seq_len=32, batch_size=4, data="stdlib",
-    max_corpus_mb=0.3, max_steps=4, warmup_steps=0, log_interval=10, eval_interval=2, eval_batches=1,
-    ckpt_interval=2, progress=False, threads=1,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=64,
+    seq_len=32,
+    batch_size=4,
+    data="stdlib",
+    max_corpus_mb=0.3,
+    max_steps=4,
+    warmup_steps=0,
+    log_interval=10,
+    eval_interval=2,
+    eval_batches=1,
+    ckpt_interval=2,
+    progress=False,
+    threads=1,
 )
 
 
@@ -28,12 +41,19 @@ TINY = dict(
 # Fewer skipped steps in a row than max_skipped_in_a_row (20): the run completes.
 @pytest.mark.parametrize("variant", ["mhc", "residual"])
 def test_lr_1e15_completes_with_skipped_steps_reported(tmp_path, variant):
-    cfg = T.TrainConfig(**TINY, variant=variant, lr=1e15, run_dir=str(tmp_path / variant), cache_dir=str(tmp_path / "c"))
+    cfg = T.TrainConfig(
+        **TINY, variant=variant, lr=1e15, run_dir=str(tmp_path / variant), cache_dir=str(tmp_path / "c")
+    )
     summary = T.train(cfg)
     rd = Path(cfg.run_dir)
     assert summary["steps"] == 4 and summary["skipped_steps"] == 3, summary
     train = [r for r in T.read_metrics(rd / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]  # every skipped step is written, whatever log_interval says
+    assert [r["step"] for r in train] == [
+        1,
+        2,
+        3,
+        4,
+    ]  # every skipped step is written, whatever log_interval says
     assert [r["skipped"] for r in train] == [False, True, True, True]
     assert all(not math.isfinite(r["loss"]) for r in train[1:]) and math.isfinite(train[0]["loss"])
     assert math.isnan(summary["final_val_loss"]) and not summary["beats_unigram"]
@@ -46,7 +66,10 @@ def test_lr_1e15_completes_with_skipped_steps_reported(tmp_path, variant):
 def _resign(checkpoint: Path, name: str) -> None:
     """Rewrite the manifest entry of ``name`` to match the file (what an adversary, or a bad disk tool, can do)."""
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"][name] = {"size": (checkpoint / name).stat().st_size, "sha256": T.checkpoint.sha256_file(checkpoint / name)}
+    manifest["files"][name] = {
+        "size": (checkpoint / name).stat().st_size,
+        "sha256": T.checkpoint.sha256_file(checkpoint / name),
+    }
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -110,11 +133,15 @@ def test_a_run_whose_steps_all_fail_stops_with_an_error(tmp_path, cli, capsys):
 
 def test_the_limit_of_skipped_steps_in_a_row_is_configurable(tmp_path):
     common = {**TINY, "max_steps": 8, "eval_interval": 0, "ckpt_interval": 0, "plots": False, "lr": 1e15}
-    cfg = T.TrainConfig(**common, max_skipped_in_a_row=3, run_dir=str(tmp_path / "three"), cache_dir=str(tmp_path / "c"))
+    cfg = T.TrainConfig(
+        **common, max_skipped_in_a_row=3, run_dir=str(tmp_path / "three"), cache_dir=str(tmp_path / "c")
+    )
     with pytest.raises(T.TrainingStoppedError, match=r"stopped at step 4: the last 3 steps were all skipped"):
         T.train(cfg)
     # 0: never stop (the run goes to its end, every failed step skipped and counted)
-    cfg = T.TrainConfig(**common, max_skipped_in_a_row=0, run_dir=str(tmp_path / "never"), cache_dir=str(tmp_path / "c"))
+    cfg = T.TrainConfig(
+        **common, max_skipped_in_a_row=0, run_dir=str(tmp_path / "never"), cache_dir=str(tmp_path / "c")
+    )
     assert T.train(cfg)["skipped_steps"] == 7
     with pytest.raises(ValueError, match="max_skipped_in_a_row must be >= 0"):
         T.TrainConfig(**common, max_skipped_in_a_row=-1).validate()
@@ -129,4 +156,7 @@ def test_the_final_train_loss_is_never_stale(tmp_path):
     assert "steps 2-4" in summary["final_train_loss_note"] and "step 1" in summary["final_train_loss_note"]
     assert summary["last_finite_train_loss_step"] == 1
     saved = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
-    assert saved["final_train_loss"] is None and saved["final_train_loss_note"] == summary["final_train_loss_note"]
+    assert (
+        saved["final_train_loss"] is None
+        and saved["final_train_loss_note"] == summary["final_train_loss_note"]
+    )

@@ -41,8 +41,14 @@ def test_bpe_and_gpt2_tokenizers_load_with_auto_tokenizer(tmp_path):
     (tmp_path / "data").mkdir()
     for i in range(3):
         (tmp_path / "data" / f"d{i}.txt").write_text(" ".join(rng.choice(words, size=2000)))
-    cfg = T.TrainConfig(data=str(tmp_path / "data"), tokenizer="bpe", bpe_vocab_size=300, max_steps=1,
-                        cache_dir=str(tmp_path / "cache"), seq_len=16)
+    cfg = T.TrainConfig(
+        data=str(tmp_path / "data"),
+        tokenizer="bpe",
+        bpe_vocab_size=300,
+        max_steps=1,
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=16,
+    )
     _, bpe, _ = T.prepare_data(cfg, log=lambda *_: None)
     _check_auto(bpe, tmp_path / "bpe")
     (tmp_path / "files").mkdir()

@@ -114,10 +114,14 @@ def test_lite_block_init_is_bit_exact_on_identical_streams(n):
     h = torch.randn(3, 5, C) * 1000
     for layer_index in range(n + 1):
         block = MHCBlock(branch, C, n, projection="lite", layer_index=layer_index)
-        assert block.phi.shape == (2 * n + math.factorial(n), n * C) and block.b_res.shape == (math.factorial(n),)
+        assert block.phi.shape == (2 * n + math.factorial(n), n * C) and block.b_res.shape == (
+            math.factorial(n),
+        )
         assert torch.equal(block(expand_streams(h, n)), expand_streams(h + branch(h), n))
         H_res = block.coefficients(expand_streams(h, n))[2]
-        torch.testing.assert_close(H_res.diagonal(dim1=-2, dim2=-1), torch.full((3, 5, n), 0.9), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            H_res.diagonal(dim1=-2, dim2=-1), torch.full((3, 5, n), 0.9), rtol=0, atol=1e-6
+        )
 
 
 def test_lite_block_gradcheck_float64():
@@ -174,7 +178,9 @@ def test_lite_block_keeps_a_nan_token_local():
 
 def test_lite_block_learns():
     torch.manual_seed(0)
-    blocks = nn.Sequential(*[MHCBlock(nn.Linear(C, C), C, 4, projection="lite", layer_index=i) for i in range(3)])
+    blocks = nn.Sequential(
+        *[MHCBlock(nn.Linear(C, C), C, 4, projection="lite", layer_index=i) for i in range(3)]
+    )
     x, target = torch.randn(16, 4, C), torch.randn(16, 4, C)
     opt = torch.optim.Adam(blocks.parameters(), lr=1e-2)
     losses = []
@@ -222,7 +228,9 @@ def test_sinkhorn_h_res_matches_a_plain_loop_of_the_recipe(n, iters, eps):
     got = sinkhorn_h_res(logits, iters, eps)
     for b in range(6):
         expected = torch.tensor(plain_recipe(logits[b].tolist(), iters, eps), dtype=torch.float64)
-        torch.testing.assert_close(got[b], expected, rtol=1e-12, atol=1e-14, msg=lambda m: f"{seed_of(g)}: {m}")
+        torch.testing.assert_close(
+            got[b], expected, rtol=1e-12, atol=1e-14, msg=lambda m: f"{seed_of(g)}: {m}"
+        )
 
 
 def test_sinkhorn_block_runs_the_recipe_on_its_logits():
@@ -240,7 +248,9 @@ def test_sinkhorn_block_runs_the_recipe_on_its_logits():
     H_res = block.coefficients(x)[2]
     for b in range(5):
         expected = torch.tensor(plain_recipe(logits[b].tolist(), 20, 1e-6), dtype=torch.float64)
-        torch.testing.assert_close(H_res[b], expected, rtol=1e-10, atol=1e-12, msg=lambda m: f"{seed_of(g)}: {m}")
+        torch.testing.assert_close(
+            H_res[b], expected, rtol=1e-10, atol=1e-12, msg=lambda m: f"{seed_of(g)}: {m}"
+        )
 
 
 def test_sinkhorn_without_eps_is_classic_sinkhorn_on_the_transpose():
@@ -299,7 +309,9 @@ def test_bad_variant_values_raise_naming_the_option(kwargs, error, match):
 
 
 def test_block_epsilons_are_read_only_and_shown():
-    block = MHCBlock(nn.Linear(C, C), C, 4, projection="sinkhorn", pre_eps=1e-5, sinkhorn_eps=1e-4, sinkhorn_iters=7)
+    block = MHCBlock(
+        nn.Linear(C, C), C, 4, projection="sinkhorn", pre_eps=1e-5, sinkhorn_eps=1e-4, sinkhorn_iters=7
+    )
     assert "pre_eps=1e-05" in repr(block) and "sinkhorn_iters=7, sinkhorn_eps=0.0001" in repr(block)
     with pytest.raises(AttributeError):
         block.pre_eps = 0.0
@@ -409,7 +421,13 @@ def test_the_block_forward_skips_the_public_checks(projection, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the block's forward called a checked public function")
 
-    for name in ("sinkhorn_h_res", "lite_h_res", "lite_logit_count", "permutation_matrices", "check_lite_streams"):
+    for name in (
+        "sinkhorn_h_res",
+        "lite_h_res",
+        "lite_logit_count",
+        "permutation_matrices",
+        "check_lite_streams",
+    ):
         monkeypatch.setattr(mhc.mixing, name, refuse)
         monkeypatch.setattr(mhc.site, name, refuse, raising=False)
     assert torch.equal(block(x), expected)
