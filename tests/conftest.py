@@ -67,3 +67,11 @@ def cli():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The training tests' tiny run, trained once per module (tests/training_support.py)."""
+    from training_support import train_full_run  # imports mhc: only once a test asks (see pytest_configure)
+
+    return train_full_run(tmp_path_factory)

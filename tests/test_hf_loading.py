@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_hf import ids, perturb_mhc, tiny_base, tiny_config
+from test_hf import ARCHS, ids, perturb_mhc, tiny_base, tiny_config
 from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 
 import mhc
-from mhc import MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, StreamReduce, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
 from mhc.hf.custom_code import AUTO_MAP, CODE_FILE, code_source
 from mhc.hf.verify import NonFiniteWeightsError
@@ -346,3 +347,153 @@ def test_nonfinite_tensors_covers_every_dtype_once_and_skips_computed_buffers():
         m.child.bias[1] = math.nan
     m.alias = m.child  # the same parameters under a second name
     assert nonfinite_tensors(m) == ["bad0", "bad1", "bad2", "bad3", "bad4", "cbad", "child.bias"]
+
+
+# ----------------------------------------------------------------------------- checkpoints of other settings
+
+
+@contextlib.contextmanager
+def empty_memory_is_nan():
+    """torch.empty gives NaN-filled tensors, so a parameter nobody initialised cannot pass for a value."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(3).isnan().all()
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+
+
+def mhc_parameters(model: MHCForCausalLM) -> dict[str, torch.Tensor]:
+    return {
+        n: p
+        for m_name, m in model.named_modules()
+        if isinstance(m, (MHCBlock, StreamReduce))
+        for n, p in ((f"{m_name}.{k}", v) for k, v in m.named_parameters(recurse=False))
+    }
+
+
+@pytest.mark.parametrize("reduce", ["mean", "learned"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_plain_checkpoint_gets_the_documented_init(arch, reduce, tmp_path):
+    """MHCForCausalLM.from_pretrained(plain checkpoint, config=MHCConfig(...)) starts mHC as convert_to_mhc does."""
+    base = tiny_base(arch)
+    base.save_pretrained(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        ref = base(x).logits
+    with empty_memory_is_nan():
+        model, info = MHCForCausalLM.from_pretrained(
+            tmp_path,
+            config=MHCConfig(base_config=base.config, n_streams=4, reduce=reduce),
+            output_loading_info=True,
+        )
+    fresh = mhc_parameters(model)
+    assert fresh and all(k in info["missing_keys"] for k in fresh)  # "newly initialized", and now they are
+    converted = mhc_parameters(convert_to_mhc(tiny_base(arch), n_streams=4, reduce=reduce))
+    assert fresh.keys() == converted.keys()
+    for name, p in fresh.items():
+        assert p.dtype == torch.float32 and torch.equal(p, converted[name]), name
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits, ref)  # the base model's logits, bit for bit
+
+
+def test_from_pretrained_plain_checkpoint_paper_init(tmp_path):
+    base = tiny_base("llama")
+    base.save_pretrained(tmp_path)
+    with empty_memory_is_nan():
+        model = MHCForCausalLM.from_pretrained(
+            tmp_path, config=MHCConfig(base_config=base.config, init="paper")
+        )
+    for name, p in mhc_parameters(model).items():
+        assert torch.isfinite(p).all(), name
+    phi = model.model.model.layers[0].attn_mhc.phi
+    assert 0.5 < phi.std().item() * phi.shape[1] ** 0.5 < 2  # drawn with std 1/sqrt(fan_in)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids()).logits).all()
+
+
+def test_loaded_mhc_parameters_are_not_reinitialised(tmp_path):
+    model = convert_to_mhc(tiny_base("gpt2"), n_streams=4, reduce="learned", init="paper")
+    perturb_mhc(model)
+    with torch.no_grad():
+        model.stream_reduce.weight.copy_(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    model.save_pretrained(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        out = model(x).logits
+    with empty_memory_is_nan():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    saved = mhc_parameters(model)
+    for name, p in mhc_parameters(loaded).items():
+        assert torch.equal(p, saved[name]), name
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, out)
+
+
+def edit_saved_config(path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if key in config["base_config"]:
+            config["base_config"][key] = value
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_config_with_more_layers_initialises_only_the_new_ones(tmp_path):
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path)
+    edit_saved_config(tmp_path, num_hidden_layers=3)
+    with empty_memory_is_nan():
+        loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    saved, got = mhc_parameters(model), mhc_parameters(loaded)
+    new = {k for k in got if ".layers.2." in k}
+    assert new and new <= info["missing_keys"] and got.keys() - new == saved.keys()
+    for name in saved:
+        assert torch.equal(got[name], saved[name]), name
+    defaults = mhc_parameters(convert_to_mhc(tiny_base("llama", layers=3), n_streams=4))
+    for name in new:
+        assert torch.equal(got[name], defaults[name]), name
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids()).logits).all()
+
+
+def test_config_switched_to_learned_reduce_starts_at_the_mean(tmp_path):
+    model = convert_to_mhc(tiny_base("qwen3"), n_streams=4)
+    perturb_mhc(model)
+    model.save_pretrained(tmp_path)
+    edit_saved_config(tmp_path, reduce="learned")
+    with empty_memory_is_nan():
+        loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"stream_reduce.weight"}
+    assert torch.equal(loaded.stream_reduce.weight, torch.full((4,), 0.25))
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, model(x).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_config_with_other_stream_count_raises_or_reinitialises(tmp_path):
+    model = convert_to_mhc(tiny_base("llama"), n_streams=4, reduce="learned")
+    perturb_mhc(model)
+    for block in model.modules():
+        if isinstance(block, MHCBlock):
+            block.alpha.data.fill_(0.3)  # α has 3 entries for any n: it still loads
+    model.save_pretrained(tmp_path)
+    edit_saved_config(tmp_path, n_streams=2)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # the load report names the keys
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with empty_memory_is_nan():
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            tmp_path, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+    got = mhc_parameters(loaded)
+    resized = {k for k in got if not k.endswith(".alpha")}
+    assert {k for k, *_ in info["mismatched_keys"]} == resized
+    defaults = mhc_parameters(convert_to_mhc(tiny_base("llama"), n_streams=2, reduce="learned"))
+    for name, p in got.items():
+        assert torch.equal(p, defaults[name] if name in resized else torch.full((3,), 0.3)), name

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from test_training import _losses, _torchrun, tiny_cfg
+from test_training_processes import torchrun
+from training_support import tiny_cfg, train_losses
 
 import mhc
 from mhc import train as T
@@ -30,7 +31,7 @@ COEFFICIENTS = ("phi", "alpha", "b_pre", "b_post", "b_res")  # an MHCBlock's par
 
 def _fsdp_run(tmp: Path, name: str, **extra) -> Path:
     run_dir = tmp / name
-    proc = _torchrun(tmp, WORLD, run_dir, {**FSDP, **extra})
+    proc = torchrun(tmp, WORLD, run_dir, {**FSDP, **extra})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dist"] == "fsdp" and summary["world_size"] == WORLD and summary["steps"] == 4, summary
@@ -145,7 +146,7 @@ def test_fsdp2_recompute_trains_like_without(fsdp_run, fsdp_recompute_run):
         config["recompute"] is True
         and json.loads((fsdp_run / "model" / "config.json").read_text())["recompute"] is False
     )
-    plain, recompute = _losses(fsdp_run), _losses(fsdp_recompute_run)
+    plain, recompute = train_losses(fsdp_run), train_losses(fsdp_recompute_run)
     assert sorted(recompute) == sorted(plain) == [1, 2, 3, 4]
     for step in plain:
         assert recompute[step] == pytest.approx(plain[step], rel=1e-4, abs=1e-4), (
@@ -178,7 +179,7 @@ def test_fsdp2_bf16_autocast_keeps_mhc_coefficients_float32(fsdp_bf16_run, runs_
     single = runs_tmp / "bf16_single"
     T.train(tiny_cfg(runs_tmp, "bf16_single", max_steps=4, ckpt_interval=0, batch_size=4, precision="bf16",
                      plots=False, attention_dropout=0.0))  # fmt: skip
-    l_fsdp, l_one = _losses(fsdp_bf16_run), _losses(single)
+    l_fsdp, l_one = train_losses(fsdp_bf16_run), train_losses(single)
     assert sorted(l_fsdp) == sorted(l_one) == [1, 2, 3, 4]
     # bf16 tolerance: the batch split changes bf16 roundings (measured: <= 1.1e-4 in 4 steps); another batch or a
     # lost update moves the loss by more than 1e-2

@@ -1,0 +1,404 @@
+"""The training-throughput benchmark (``benchmarks/step/bench_training.py``) and the fused site's kernel sweep
+(``benchmarks/site/sweep_site_kernels.py``) on a machine without a GPU: their options, shapes, error bounds and
+reports, and small runs on CPU models or in Triton's interpreter. Tests that run a script as a subprocess are
+marked ``slow``.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_benchmarks import run_in_repo
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _bench_training():
+    sys.path.insert(0, str(BENCHMARKS / "step"))
+    try:
+        import bench_training
+    finally:
+        sys.path.remove(str(BENCHMARKS / "step"))
+    return bench_training
+
+
+def test_bench_training_options_shapes_report_and_json(tmp_path):
+    """benchmarks/step/bench_training.py's pieces without running a model: its options, the shapes (the small_gpu
+    preset's model and batch), the compile call mhc.train makes, the kernel figures at the streams' element size,
+    the markdown tables and the JSON header."""
+    from types import SimpleNamespace
+
+    bt = _bench_training()
+    common = bt.common
+
+    args = bt.parse_args([])
+    assert (args.shapes, args.recipes, args.modes) == (
+        ["small_gpu", "134m", "1b"],
+        ["bf16", "autocast"],
+        ["eager", "compiled"],
+    )
+    assert (args.rounds, args.steps, args.warmup, args.init, args.compile_backend, args.device) == (
+        2,
+        10,
+        3,
+        "paper",
+        "inductor",
+        "cuda",
+    )
+    assert bt.parse_args(["--shapes", "1b,134m,1b", "--modes", "compiled"]).shapes == ["1b", "134m"]
+    for bad in (
+        ["--shapes", "2b"],
+        ["--modes", ","],
+        ["--device", "cpu"],
+        ["--device", "cpu", "--tiny", "--kernels"],
+        ["--rounds", "0"],
+        ["--device", "mps"],
+    ):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
+
+    small, m134, b1 = (bt.shape_plan(s, tiny=False) for s in ("small_gpu", "134m", "1b"))
+    assert (small["batch"], small["seq"], small["hidden"], small["layers"], small["vocab"]) == (
+        32,
+        512,
+        512,
+        12,
+        8192,
+    )
+    assert (m134["batch"], m134["seq"], m134["hidden"], m134["layers"], m134["vocab"]) == (
+        8,
+        2048,
+        768,
+        12,
+        32000,
+    )
+    assert (b1["batch"], b1["seq"], b1["hidden"], b1["layers"], b1["heads"], b1["kv_heads"]) == (
+        4,
+        2048,
+        2048,
+        22,
+        32,
+        4,
+    )
+    mhc_cfg, res_cfg = bt.preset_config("mhc"), bt.preset_config("residual")
+    assert mhc_cfg.mhc_options == {"init": "paper"} and mhc_cfg.streams == 4 and mhc_cfg.variant == "mhc"
+    assert res_cfg.variant == "residual" and res_cfg.streams == 1 and res_cfg.mhc_options == {}
+    assert mhc_cfg.grad_clip == 1.0 and mhc_cfg.grad_accum == 1 and not mhc_cfg.compile
+    model = torch.nn.Linear(2, 2)
+    compiled = bt.compile_model(
+        model, "inductor", torch.device("cpu")
+    )  # mhc.train's wrap_model; lazy, nothing compiles
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and compiled._orig_mod is model
+
+    T, C = 8192, 2048
+    averages = [
+        SimpleNamespace(key="postmix_fwd", count=88, self_device_time_total=88 * 500.0),
+        SimpleNamespace(key="nvjet_gemm", count=10, self_device_time_total=10 * 1000.0),
+    ]
+    kernels = bt.kernel_figures(averages, 2, T, C, 4, copy=4000.0)
+    fp32_bytes = common.site_kernel_bytes(T, 4, C, 4)["postmix_fwd"]
+    assert (
+        fp32_bytes > 1.9 * common.site_kernel_bytes(T, 4, C, 2)["postmix_fwd"]
+    )  # float32 streams: twice the bytes
+    (row,) = kernels["kernels"]
+    assert (
+        row["kernel"] == "postmix_fwd"
+        and row["calls_per_step"] == 44
+        and row["us_per_call"] == pytest.approx(500.0)
+    )
+    assert row["gbps"] == pytest.approx(fp32_bytes / 500.0 / 1e3) and row["x_copy"] == pytest.approx(
+        row["gbps"] / 4000.0
+    )
+    assert kernels["site_ms_per_step"] == pytest.approx(22.0) and kernels[
+        "kernel_ms_per_step"
+    ] == pytest.approx(27.0)
+    assert kernels["site_share"] == pytest.approx(44.0 / 54.0) and kernels["stream_bytes"] == 4
+
+    def figures(ms, peak, compile_s):
+        return {
+            "ms": ms,
+            "tokens_per_s": T / ms * 1e3,
+            "round_medians": [ms + 1, ms],
+            "peak_gb": peak,
+            "compile_s": compile_s,
+            "skipped_steps": 0,
+        }
+
+    group = {
+        "shape": "1b",
+        "recipe": "autocast",
+        "mode": "compiled",
+        "batch": 4,
+        "seq": 2048,
+        "tokens_per_step": T,
+        "models": {"residual": figures(200.0, 40.0, 45.0), "mhc": figures(230.0, 50.0, 55.0)},
+        "ratio_ms": 1.15,
+        "ratio_peak": 1.25,
+        "kernels": kernels,
+    }
+    failed = {
+        "shape": "134m",
+        "recipe": "bf16",
+        "mode": "eager",
+        "error": "OutOfMemoryError: CUDA out of memory",
+    }
+    lines = bt.table([group, failed]).splitlines()
+    assert all(line.count("|") == lines[0].count("|") for line in lines), lines
+    assert lines[2] == (
+        "| 1b | autocast | compiled | 8,192 | 200.00 | 230.00 | 1.150× | 40,960 | 35,617 | 40.00 | 50.00 "
+        "| 1.250× | 45.0 / 55.0 |"
+    ), lines[2]
+    assert "failed: OutOfMemoryError" in lines[3]
+    assert "| postmix_fwd | 44 | 500.0 |" in bt.kernel_table(group) and "4-byte streams" in bt.kernel_table(
+        group
+    )
+    assert "1.150x" in bt.group_line(group) and "FAILED" in bt.group_line(failed)
+
+    argv = ["--shapes", "134m", "--commit", "abc1234"]
+    report = {**bt.header(bt.parse_args(argv), argv), "groups": [group, failed], "complete": True}
+    common.write_json(tmp_path / "training.json", report)
+    data = json.loads((tmp_path / "training.json").read_text())
+    assert data["commit"] == "abc1234" and data["environment"]["torch"] == torch.__version__
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", data["date"]) and data["command"].endswith(
+        "--shapes 134m --commit abc1234"
+    )
+    assert (
+        data["shapes"]["134m"]["batch"] == 8
+        and data["settings"]["rounds"] == 2
+        and data["groups"][0]["ratio_ms"] == 1.15
+    )
+
+
+@pytest.mark.slow
+def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
+    """bench_training.py on tiny models on the CPU (reference site, host timers, dynamo's eager backend): every
+    group of two shapes, both recipes and both modes runs and lands in the JSON."""
+    out = tmp_path / "training.json"
+    proc = run_in_repo(
+        sys.executable,
+        str(BENCHMARKS / "step" / "bench_training.py"),
+        "--device",
+        "cpu",
+        "--tiny",
+        "--shapes",
+        "small_gpu,1b",
+        "--compile-backend",
+        "eager",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--commit",
+        "abc1234",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| shape | recipe | mode |" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["commit"] == "abc1234" and data["settings"]["tiny"], data["settings"]
+    assert [(g["shape"], g["recipe"], g["mode"]) for g in data["groups"]] == [
+        (s, r, m) for s in ("small_gpu", "1b") for r in ("bf16", "autocast") for m in ("eager", "compiled")
+    ]
+    for g in data["groups"]:
+        assert "error" not in g, g
+        res, mhc = g["models"]["residual"], g["models"]["mhc"]
+        for f in (res, mhc):
+            assert (
+                f["ms"] > 0
+                and f["tokens_per_s"] > 0
+                and len(f["round_medians"]) == 1
+                and f["skipped_steps"] == 0
+            ), f
+            assert f["stream_dtype"] == ("torch.bfloat16" if g["recipe"] == "bf16" else "torch.float32"), (
+                g["recipe"],
+                f,
+            )
+            assert f["resident_gb"] > 0 and f["peak_gb"] is None  # no peak memory on the CPU
+            if g["mode"] == "compiled":
+                assert f["compile_s"] > 0 and f["dynamo"]["unique_graphs"] >= 1, f
+        assert mhc["params"] > res["params"] and g["ratio_ms"] == pytest.approx(mhc["ms"] / res["ms"])
+        if g["recipe"] == "autocast":  # mhc.train's step: two warm-up, one timed, one for memory
+            assert res["steps_run"] == mhc["steps_run"] == 4, g
+
+
+def _sweep_site_kernels():
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(BENCHMARKS / "site"))
+    try:
+        import sweep_site_kernels
+    finally:
+        sys.path.remove(str(BENCHMARKS / "site"))
+    return sweep_site_kernels
+
+
+def test_sweep_site_kernels_options_grids_and_error_bound():
+    """benchmarks/site/sweep_site_kernels.py without running a kernel: bf16 keeps its shapes, kernels, grid and
+    tolerance; float32 (issue #49) adds the small_gpu shape, the kernels the profile points at first, the
+    PRECISION dimension of the dot kernels (tf32 on the coarse grid), the float64 reference and its error bound."""
+    sw = _sweep_site_kernels()
+    bf = sw.parse_args([])
+    assert (
+        bf.shapes == [(768, 16384), (2048, 8192)] and bf.kernels == list(sw.KERNELS) and bf.precisions == ()
+    )
+    assert (bf.reference, bf.tol, bf.screen) == ("plan", 2e-2, 0)
+    f32 = sw.parse_args(["--dtype", "float32"])
+    assert f32.shapes == [(512, 16384), (768, 16384), (2048, 8192)]
+    assert f32.kernels == ["coeff_partial", "stream_grad", "phi_grad", "coeff_bwd"]
+    assert f32.precisions == ("ieee", "tf32x3", "tf32") and f32.coarse == ("tf32",)
+    assert (f32.reference, f32.tol, f32.screen, f32.rel_factor) == ("float64", 1e-5, 8, 4.0)
+    assert sw.parse_args(
+        ["--dtype", "float32", "--precisions", "ieee", "--shapes", "512x16384"]
+    ).precisions == ("ieee",)
+    for bad in (
+        ["--shapes", "512"],
+        ["--shapes", "0x16"],
+        ["--kernels", "coeff_partial,gemm"],
+        ["--dtype", "float16"],
+        ["--jobs", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            sw.parse_args(bad)
+
+    # bf16: the grid the plan was swept on, no PRECISION; every variant also counted before.
+    bf16 = {k: sw.grid_variants(k, 768) for k in sw.KERNELS}
+    assert {k: len(v) for k, v in bf16.items()} == {
+        "coeff_partial": 108,
+        "coeff_fwd": 54,
+        "postmix_fwd": 18,
+        "postmix_bwd": 24,
+        "coeff_bwd": 27,
+        "stream_grad": 72,
+        "phi_grad": 48,
+    }
+    assert not any("PRECISION" in v for vs in bf16.values() for v in vs)
+    # float32: each precision over the grid (tf32 over the coarse one); 4 stages of 128 x 128 tiles do not fit.
+    f = torch.float32
+    cp = sw.grid_variants("coeff_partial", 512, f, f32.precisions, f32.coarse)
+    by_p = {p: [v for v in cp if v["PRECISION"] == p] for p in f32.precisions}
+    assert {p: len(v) for p, v in by_p.items()} == {"ieee": 102, "tf32x3": 102, "tf32": 8}
+    assert not any(v["BM"] == v["BK"] == 128 and v["num_stages"] == 4 for v in cp)
+    assert all(v["num_warps"] == 4 and v["num_stages"] == 3 for v in by_p["tf32"])
+    for kernel in ("stream_grad", "phi_grad"):
+        vs = sw.grid_variants(kernel, 512, f, f32.precisions, f32.coarse)
+        assert {v["PRECISION"] for v in vs} == set(f32.precisions)
+    assert "PRECISION" not in sw.grid_variants("coeff_bwd", 512, f, f32.precisions, f32.coarse)[0]
+    assert (
+        len(sw.grid_variants("coeff_bwd", 512, f)) == 27 and len(sw.grid_variants("coeff_bwd", 768, f)) == 36
+    )  # BC <= C
+    limited = sw.grid_variants("stream_grad", 512, f, f32.precisions, f32.coarse, limit=2)
+    assert [v["PRECISION"] for v in limited] == ["ieee", "ieee", "tf32x3", "tf32x3", "tf32", "tf32"]
+    # splits and tokens are launch arguments: variants differing only there share a compile.
+    a, b = dict(cp[0], splits=1), dict(cp[0], splits=4)
+    assert sw.compile_key("coeff_partial", a) == sw.compile_key("coeff_partial", b)
+    assert sw.compile_key("coeff_partial", a) != sw.compile_key("coeff_partial", dict(a, PRECISION="tf32x3"))
+
+    # Against float64: 4x the plan's (ieee) error, at least 1e-6, at most --tol; against the plan: --tol.
+    bound = sw.error_bound
+    assert bound("float64", 1e-5, 3e-7, 4.0) == pytest.approx(1.2e-6)
+    assert bound("float64", 1e-5, 1e-8, 4.0) == sys.modules["sweep_grid"].REL_FLOOR == 1e-6
+    assert bound("float64", 1e-5, 8e-6, 4.0) == 1e-5
+    assert bound("float64", 1e-5, None, 4.0) == 1e-5 and bound("plan", 2e-2, 3e-7, 4.0) == 2e-2
+    assert (
+        3e-4 > bound("float64", 1e-5, 3.4e-7, 4.0) > 3.9e-7
+    )  # tf32 fails, tf32x3 passes (~ torch's CPU sums)
+    # float32 streams move twice the stream bytes (the coefficients stay float32).
+    common = sw.common
+    assert common.site_kernel_bytes(16384, 4, 512, 4)["coeff_partial"] == 16384 * (4 * 512 * 4 + 4 * 25)
+
+
+def test_sweep_site_kernels_runs_float32_in_the_interpreter(tmp_path):
+    """The float32 sweep end to end in Triton's interpreter on a tiny shape: the plan and one variant of each
+    precision per dot kernel, checked against float64 (all correct there: the interpreter's dot is numpy's),
+    the JSON written; a --budget of 0 stops before the first variant and still writes it."""
+    sw = _sweep_site_kernels()
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the sweep (the GPU runs it in benchmarks/gpu_session.sh sweep32)")
+    out = tmp_path / "sweep32.json"
+    argv = [
+        "--dtype",
+        "float32",
+        "--shapes",
+        "128x16",
+        "--limit",
+        "1",
+        "--jobs",
+        "1",
+        "--screen",
+        "2",
+        "--json",
+        str(out),
+    ]
+    rows = sw.main(argv)
+    data = json.loads(out.read_text())
+    assert (
+        data["complete"]
+        and data["dtype"] == "float32"
+        and data["reference"] == "float64"
+        and len(data["rows"]) == len(rows)
+    )
+    got = {(r["kernel"], r["precision"], r["plan"]) for r in rows}
+    assert got == {
+        ("coeff_partial", "ieee", True),
+        ("stream_grad", "ieee", True),
+        ("phi_grad", "ieee", True),
+        ("coeff_bwd", None, True),
+        ("coeff_bwd", None, False),
+    } | {
+        (k, p, False)
+        for k in ("coeff_partial", "stream_grad", "phi_grad")
+        for p in ("ieee", "tf32x3", "tf32")
+    }
+    for r in rows:
+        assert (
+            r["ok"]
+            and 0 < r["max_rel"] < 1e-6
+            and r["bound"] >= sys.modules["sweep_grid"].REL_FLOOR
+            and r["us"] > 0
+        ), r
+        assert (r["C"], r["T"]) == (128, 16) and r["x_copy"] > 0
+    assert [s["kernel"] for s in data["summary"]] == sorted(
+        ["coeff_partial", "stream_grad", "phi_grad", "coeff_bwd"]
+    )
+    assert sum(r["full"] for r in rows) >= 5  # the plans at least, timed again in full
+
+    sw.main(argv[:-1] + [str(tmp_path / "none.json"), "--budget", "0", "--kernels", "coeff_bwd"])
+    data = json.loads((tmp_path / "none.json").read_text())
+    assert not data["complete"] and data["rows"] == []
+
+
+@pytest.mark.slow
+def test_sweep_site_kernels_compiles_in_worker_processes(tmp_path):
+    """--jobs 2: the worker processes take one task per distinct compile (on CUDA Triton's warmup, nothing
+    launched; in the interpreter nothing to compile), the timing process waits for each kernel's."""
+    pytest.importorskip("triton")
+    env = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
+    out = tmp_path / "sweep.json"
+    proc = run_in_repo(
+        sys.executable,
+        str(BENCHMARKS / "site" / "sweep_site_kernels.py"),
+        "--dtype",
+        "float32",
+        "--shapes",
+        "128x16",
+        "--kernels",
+        "stream_grad",
+        "--limit",
+        "1",
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+        **env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stream_grad: 3/3 distinct variants compiled, 0 failed" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["compiles"]["stream_grad"]["done"] == 3 and len(data["rows"]) == 4
+    assert all(r["ok"] for r in data["rows"]), data["rows"]
