@@ -143,7 +143,7 @@ def test_import_and_cpu_path_without_cuda_build(tmp_path):
     assert out["warnings_before"] == [], out
     assert out["available"] == [False, False], out
     # A failing build: exactly one clear warning naming the reason, then the PyTorch path.
-    msgs = [m for m in out["warnings_after"] if "fused CUDA Birkhoff kernels are unavailable" in m]
+    msgs = [m for m in out["warnings_after"] if "fused CUDA kernels are unavailable" in m]
     assert len(msgs) == 1 and out["problem"] in msgs[0], out
     assert out["unconverged"] == 0, out
     # `python -m mhc.cuda_build` says why it cannot build, and fails.

@@ -23,7 +23,12 @@ from test_fused_block import (  # noqa: F401
 import mhc
 
 
-@pytest.mark.parametrize("token_count", [1, 5, 16, 64, 129])
+# 129 is where CUDA leaves the token kernels for Triton's; on the CPU both sides run Triton's interpreter, so
+# there it only adds time to the default tier and runs in the slow one.
+@pytest.mark.parametrize(
+    "token_count",
+    [1, 5, 16, 64, 129 if torch.cuda.is_available() else pytest.param(129, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_at_few_tokens_matches_reference(token_count, n, dtype, fresh_seed):

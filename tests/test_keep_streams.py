@@ -229,7 +229,16 @@ def test_converted_llama_recomputes_streams_between_layers(monkeypatch, fresh_se
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "gemma2", "olmo2", "granite", "mixtral", "gpt_neox", "phi", "gpt2"]
+    "family",
+    # two layouts in the default tier (pre-norm and GPT-2's), every other family in the slow one
+    [
+        "llama",
+        "gpt2",
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("gemma2", "olmo2", "granite", "mixtral", "gpt_neox", "phi")
+        ),
+    ],
 )
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_every_layout_gets_the_kept_streams_gradients(family, checkpointing, monkeypatch):
