@@ -14,8 +14,6 @@ builds cannot share a process: both register the ``torch.ops.mhc`` operators.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -67,10 +65,21 @@ def compare(a_path: str, b_path: str) -> int:
     return 1 if differ else 0
 
 
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("dump", help="project the fixed cases with the mhc on the path").add_argument("path")
+    cmp = sub.add_parser("compare", help="compare two dumps bit for bit")
+    cmp.add_argument("a")
+    cmp.add_argument("b")
+    args = ap.parse_args()
+    if args.command == "dump":
+        dump(args.path)
+        return 0
+    return compare(args.a, args.b)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "dump":
-        dump(sys.argv[2])
-    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
-        raise SystemExit(compare(sys.argv[2], sys.argv[3]))
-    else:
-        raise SystemExit(__doc__)
+    raise SystemExit(main())
