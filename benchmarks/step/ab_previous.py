@@ -20,7 +20,11 @@ Checks, each printed as ``bits <what>: identical`` or the largest difference:
 * on CUDA, the 134M (or ``--size 1b``) model's loss and every gradient.
 
 Then (CUDA) the eager training step of the residual model and of both mHC
-models, interleaved (``common.interleaved``), with the ratios.
+models, interleaved (``common.interleaved``), with the ratios. ``--recipe
+autocast`` keeps the weights float32 and runs each step under
+``torch.autocast("cuda", torch.bfloat16)`` (the streams are then float32, as
+in ``mhc.train``); ``--steps-only`` skips every bits check (for a comparison
+across a change that alters bits on purpose, e.g. a kernel's precision).
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recipe", choices=("bf16", "autocast"), default="bf16")
+    ap.add_argument("--steps-only", action="store_true", help="time the steps, check no bits")
     args = ap.parse_args()
     if args.make_base:
         make_base(args.make_base[0], Path(args.make_base[1]))
@@ -172,7 +178,7 @@ def main() -> None:
         assert projection_cuda.available(), "this tree's CUDA extension did not build"
     import mhc_base
 
-    ok = site_bits(mhc, mhc_base, device)
+    ok = args.steps_only or site_bits(mhc, mhc_base, device)
     if device == "cpu":
         raise SystemExit(0 if ok else 1)
 
@@ -187,7 +193,9 @@ def main() -> None:
 
     def build(pkg):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+        model = LlamaForCausalLM(cfg).to(
+            "cuda", torch.float32 if args.recipe == "autocast" else torch.bfloat16
+        )
         if pkg is not None:
             model = pkg.convert_to_mhc(model, n_streams=4, init="paper")
         return model.train()
@@ -202,6 +210,8 @@ def main() -> None:
     )
     # The base model's own backward is not deterministic on CUDA by default (the embedding's gradient adds
     # with atomics): deterministic algorithms for this comparison, and this tree's model twice as a control.
+    if args.steps_only:
+        return time_steps(args, common, residual, new, base, ids, ok)
     torch.use_deterministic_algorithms(True, warn_only=True)
     grads = []
     for model in (new, new, base):
@@ -230,11 +240,27 @@ def main() -> None:
         model.train()
     ok &= compare("decode: 32-token no-grad logits, generate(8 new tokens) ids and logits", *decoded)
     torch.cuda.synchronize()
+    time_steps(args, common, residual, new, base, ids, ok)
+
+
+def time_steps(args, common, residual, new, base, ids, ok: bool) -> None:
+    """The interleaved eager steps of the three models (under bf16 autocast for ``--recipe autocast``)."""
+    import torch
+
+    def under_recipe(step):
+        if args.recipe == "bf16":
+            return step
+
+        def autocast_step():
+            with torch.autocast("cuda", torch.bfloat16):
+                step()
+
+        return autocast_step
 
     steps = {
-        "residual": common.training_step(residual, ids),
-        "mhc new": common.training_step(new, ids),
-        "mhc base": common.training_step(base, ids),
+        "residual": under_recipe(common.training_step(residual, ids)),
+        "mhc new": under_recipe(common.training_step(new, ids)),
+        "mhc base": under_recipe(common.training_step(base, ids)),
     }
     for step in steps.values():  # warm-up: the first model a process runs is slower
         step()
@@ -242,7 +268,7 @@ def main() -> None:
     r = times["residual"].ms
     for name, m in times.items():
         print(
-            f"step {args.size} b{args.batch}x{args.seq} {name:9s} {m.ms:8.2f} ms  x{m.ms / r:.4f} residual  "
+            f"step {args.size} {args.recipe} b{args.batch}x{args.seq} {name:9s} {m.ms:8.2f} ms  x{m.ms / r:.4f} residual  "
             f"rounds {[round(v, 2) for v in m.round_medians]}"
         )
     print(f"step new / base: {times['mhc new'].ms / times['mhc base'].ms:.4f}")

@@ -136,10 +136,15 @@ class Plan:
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = _k.acc_type(dtype)
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
-        # (to 10 bits) on the tensor cores; fp32/fp64 streams keep full products.
+        # (to 10 bits) on the tensor cores. fp32 streams (fp32 weights under bf16 autocast)
+        # take "tf32x3", three tf32 products on the tensor cores: as near float64 as "ieee"
+        # (2-3e-7 relative) and 8.5-9.5x faster in coeff_partial, where "ieee" is an FMA loop
+        # at 1/20 of the byte floor (the fp32 sweep, notes/block_benchmarks.md). fp64 keeps "ieee".
         # coeff_fwd takes bf16 streams as they are, with φ in two bf16 parts ("bf16x2"). The
         # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
-        numerics = dict(PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32", ACC=acc)
+        fp32 = dtype == torch.float32
+        precision = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(dtype, "tf32")
+        numerics = dict(PRECISION=precision, ACC=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
         def launch(grid, ints, **meta):
@@ -153,9 +158,12 @@ class Plan:
         # programs this replaced, which left the 1.1B's GPU with 128 programs.
         # Triton's pipeline holds num_stages - 1 copies of a step's tiles in shared memory (227 KB on
         # the H200): 4 stages where they fit in 192 KB (n <= 4 in bf16 or fp32), fewer for wide n or fp64.
-        BM, BK, K = 64, 128, n * C
+        # fp32 streams: 128 tokens x 32 columns, 8 warps, 3 stages, 4 splits (~512 programs); at
+        # C = 512 / 768 / 2048 within 3% of the best of the fp32 sweep, which this plan took.
+        BM, BK, K = (128, 32, n * C) if fp32 else (64, 128, n * C)
+        programs = 512 if fp32 else 256
         step_bytes = BK * (BM * dtype.itemsize + ZP * self.cdt.itemsize)
-        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(256, _cdiv(T, BM))), BK)
+        self.coeff_k_per_split, self.coeff_splits = _split(K, min(4, _cdiv(programs, _cdiv(T, BM))), BK)
         self.coeff_partial = launch(
             (_cdiv(T, BM), self.coeff_splits),
             (T, C, self.coeff_k_per_split),
@@ -165,7 +173,8 @@ class Plan:
             ZP=ZP,
             **coeff_numerics,
             COMPILED=device.type == "cuda",
-            num_stages=max(1, min(4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
+            num_warps=8 if fp32 else 4,
+            num_stages=max(1, min(3 if fp32 else 4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
         self.coeff_fwd = launch(
             (_cdiv(T, 8),),
@@ -195,8 +204,12 @@ class Plan:
         # operand straight into the [BM, NP, BC] layout, one stream per program, or flat [BM, n·C]
         # tiles were no faster or slower. Wider n narrows the columns to keep φ's block
         # [ZP, NP·BC] at 8K values per program.
+        # fp32 streams up to n=4: 16-token steps over 32 columns, 3 stages, at 0.90-0.95x a device
+        # copy (2.6x the bf16 tiles' speed on fp32 streams; the fp32 sweep).
         BC = min(64, max(16, 8192 // (ZP * NP)), _pow2(C, 16))
         BM, self.stream_tokens, stages = (64, 256, 1) if NP <= 4 else (32, 128, 3)
+        if fp32 and NP <= 4:
+            BC, BM, self.stream_tokens, stages = min(32, BC), 16, 256, 3
         self.stream_grad = launch(
             (_cdiv(C, BC), _cdiv(T, self.stream_tokens)),
             (T, C, self.stream_tokens),
