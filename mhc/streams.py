@@ -7,7 +7,40 @@ from torch import Tensor, nn
 
 from .options import check_options
 
-__all__ = ["expand_streams", "reduce_streams", "StreamReduce"]
+__all__ = ["STREAM_DTYPES", "expand_streams", "reduce_streams", "stream_dtype_for", "StreamReduce"]
+
+# What a model's streams are kept in (MHCConfig.stream_dtype); see stream_dtype_for.
+STREAM_DTYPES = ("hidden", "autocast", "bfloat16", "float16", "float32")
+_FIXED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
+    """The dtype of the streams made from ``hidden`` under the setting ``choice``.
+
+    Args:
+        hidden: the hidden state ``[..., C]`` the streams are made from (a floating tensor).
+        choice: one of :data:`STREAM_DTYPES`:
+
+            - ``"hidden"``: ``hidden``'s dtype, as the residual model keeps its one stream (float32
+              for float32 weights, under autocast too);
+            - ``"autocast"``: autocast's dtype when autocast is on for ``hidden``'s device (bf16
+              streams under ``torch.autocast(dtype=torch.bfloat16)``, as the mHC paper trains), else
+              ``hidden``'s dtype, so evaluation without autocast stays exact;
+            - ``"bfloat16"``, ``"float16"``, ``"float32"``: that dtype.
+
+    Raises:
+        ValueError: ``choice`` is not one of :data:`STREAM_DTYPES`.
+    """
+    if choice == "hidden":
+        return hidden.dtype
+    if choice == "autocast":
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return hidden.dtype
+    if choice in _FIXED_DTYPES:
+        return _FIXED_DTYPES[choice]
+    raise ValueError(f"stream dtype must be one of {', '.join(STREAM_DTYPES)}; got {choice!r}")
 
 
 def expand_streams(h: Tensor, n: int) -> Tensor:

@@ -49,6 +49,15 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         "inductor",
         "cuda",
     )
+    assert args.stream_dtypes == ["hidden"]
+    assert bt.model_kinds("autocast", ["hidden", "autocast"]) == {
+        "residual": "hidden",
+        "mhc": "hidden",
+        "mhc[autocast]": "autocast",
+    }
+    # no autocast in the bf16 recipe: 'autocast' is 'hidden' there, run once
+    assert bt.model_kinds("bf16", ["hidden", "autocast"]) == {"residual": "hidden", "mhc": "hidden"}
+    assert bt.model_kinds("bf16", ["autocast"]) == {"residual": "hidden", "mhc": "autocast"}
     assert bt.parse_args(["--shapes", "1b,134m,1b", "--modes", "compiled"]).shapes == ["1b", "134m"]
     for bad in (
         ["--shapes", "2b"],
@@ -57,6 +66,7 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         ["--device", "cpu", "--tiny", "--kernels"],
         ["--rounds", "0"],
         ["--device", "mps"],
+        ["--stream-dtypes", "bf16"],
     ):
         with pytest.raises(SystemExit):
             bt.parse_args(bad)
@@ -118,8 +128,10 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
     ] == pytest.approx(27.0)
     assert kernels["site_share"] == pytest.approx(44.0 / 54.0) and kernels["stream_bytes"] == 4
 
-    def figures(ms, peak, compile_s):
+    def figures(ms, peak, compile_s, dtype="torch.float32", setting="hidden"):
         return {
+            "stream_dtype": dtype,
+            "stream_setting": setting,
             "ms": ms,
             "tokens_per_s": T / ms * 1e3,
             "round_medians": [ms + 1, ms],
@@ -135,10 +147,16 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         "batch": 4,
         "seq": 2048,
         "tokens_per_step": T,
-        "models": {"residual": figures(200.0, 40.0, 45.0), "mhc": figures(230.0, 50.0, 55.0)},
+        "models": {
+            "residual": figures(200.0, 40.0, 45.0),
+            "mhc": figures(230.0, 50.0, 55.0),
+            "mhc[autocast]": figures(210.0, 44.0, 50.0, "torch.bfloat16", "autocast"),
+        },
         "ratio_ms": 1.15,
         "ratio_peak": 1.25,
+        "ratios": {"mhc": {"ms": 1.15, "peak": 1.25}, "mhc[autocast]": {"ms": 1.05, "peak": 1.1}},
         "kernels": kernels,
+        "other_kernels": {"mhc[autocast]": dict(kernels, stream_bytes=2)},
     }
     failed = {
         "shape": "134m",
@@ -149,14 +167,19 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
     lines = bt.table([group, failed]).splitlines()
     assert all(line.count("|") == lines[0].count("|") for line in lines), lines
     assert lines[2] == (
-        "| 1b | autocast | compiled | 8,192 | 200.00 | 230.00 | 1.150× | 40,960 | 35,617 | 40.00 | 50.00 "
-        "| 1.250× | 45.0 / 55.0 |"
+        "| 1b | autocast | compiled | float32 | 8,192 | 200.00 | 230.00 | 1.150× | 40,960 | 35,617 | 40.00 "
+        "| 50.00 | 1.250× | 45.0 / 55.0 |"
     ), lines[2]
-    assert "failed: OutOfMemoryError" in lines[3]
-    assert "| postmix_fwd | 44 | 500.0 |" in bt.kernel_table(group) and "4-byte streams" in bt.kernel_table(
-        group
+    assert lines[3].startswith(
+        "| 1b | autocast | compiled | bfloat16 (autocast) | 8,192 | 200.00 | 210.00 | 1.050×"
     )
-    assert "1.150x" in bt.group_line(group) and "FAILED" in bt.group_line(failed)
+    assert "failed: OutOfMemoryError" in lines[4]
+    first, other = bt.kernel_tables(group)
+    assert "| postmix_fwd | 44 | 500.0 |" in first and "4-byte streams" in first and "the mhc step" in first
+    assert "2-byte streams" in other and "the mhc[autocast] step" in other
+    line = bt.group_line(group)
+    assert "1.150x" in line and "mhc[autocast] 210.00 ms" in line and "1.050x" in line
+    assert "FAILED" in bt.group_line(failed)
 
     argv = ["--shapes", "134m", "--commit", "abc1234"]
     report = {**bt.header(bt.parse_args(argv), argv), "groups": [group, failed], "complete": True}
@@ -176,7 +199,8 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
 @pytest.mark.slow
 def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
     """bench_training.py on tiny models on the CPU (reference site, host timers, dynamo's eager backend): every
-    group of two shapes, both recipes and both modes runs and lands in the JSON."""
+    group of two shapes, both recipes and both modes runs and lands in the JSON, with a second mHC model on bf16
+    streams (--stream-dtypes hidden,autocast) in the autocast recipe."""
     out = tmp_path / "training.json"
     proc = run_in_repo(
         sys.executable,
@@ -194,6 +218,8 @@ def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
         "1",
         "--warmup",
         "0",
+        "--stream-dtypes",
+        "hidden,autocast",
         "--commit",
         "abc1234",
         "--json",
@@ -224,6 +250,12 @@ def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
             if g["mode"] == "compiled":
                 assert f["compile_s"] > 0 and f["dynamo"]["unique_graphs"] >= 1, f
         assert mhc["params"] > res["params"] and g["ratio_ms"] == pytest.approx(mhc["ms"] / res["ms"])
+        if g["recipe"] == "autocast":  # the second mHC model: bf16 streams under autocast
+            bf16_streams = g["models"]["mhc[autocast]"]
+            assert bf16_streams["stream_dtype"] == "torch.bfloat16" and bf16_streams["ms"] > 0, bf16_streams
+            assert g["ratios"]["mhc[autocast]"]["ms"] == pytest.approx(bf16_streams["ms"] / res["ms"])
+        else:  # 'autocast' is 'hidden' without autocast: not run twice
+            assert set(g["models"]) == {"residual", "mhc"}, g["models"].keys()
         if g["recipe"] == "autocast":  # mhc.train's step: two warm-up, one timed, one for memory
             assert res["steps_run"] == mhc["steps_run"] == 4, g
 

@@ -2,6 +2,7 @@
 
     python benchmarks/step/bench_training.py --json out.json --commit $(git rev-parse --short HEAD)
     python benchmarks/step/bench_training.py --shapes 1b --recipes autocast --modes compiled --kernels
+    python benchmarks/step/bench_training.py --recipes autocast --stream-dtypes hidden,autocast   # bf16 streams too
     python benchmarks/step/bench_training.py --dry-run                    # the plan: groups, models, recipes
     python benchmarks/step/bench_training.py --device cpu --tiny --modes eager --json /tmp/t.json   # CPU check
 
@@ -19,7 +20,10 @@ each), so the two-call form is the safe one.
 
 Every group is one ``(shape, recipe, mode)``: the residual model and the mHC model
 (``n_streams=4``, ``init="paper"`` unless ``--init``, the default fused site) are
-built afresh for it on the device, each runs one warm-up step (compiled: the
+built afresh (with ``--stream-dtypes hidden,autocast``, one mHC model per
+``MHCConfig.stream_dtype`` setting, ``mhc`` and ``mhc[autocast]``, all timed in
+the same rounds; ``autocast`` is ``hidden`` in the ``bf16`` recipe and is then
+left out) for it on the device, each runs one warm-up step (compiled: the
 first step compiles and is timed alone as the compile time, then one more),
 then their steps are timed in interleaved rounds in this one process
 (``common.interleaved``: ``--rounds`` rounds of ``--warmup`` untimed and ``--steps``
@@ -75,8 +79,9 @@ peak above what was allocated before it, gradients included: they are freed
 first) and the ratio; compile seconds and dynamo's graphs and graph breaks.
 With ``--kernels``: each fused site kernel's µs per call and bandwidth
 against a device copy, bytes from ``common.site_kernel_bytes`` with the
-element size of the streams (the embedding's dtype: 2 bytes under ``bf16``,
-4 under ``autocast``, whose streams are float32), and the site kernels'
+element size of the streams (the embedding's dtype under the model's
+``stream_dtype``: 2 bytes under ``bf16``, 4 under ``autocast`` with the default
+``hidden``, whose streams are float32, 2 with ``autocast``), and the site kernels'
 share of the step's kernel time. A markdown table is printed at the end;
 ``--json PATH`` writes everything, with ``common.environment()``, the date and
 ``--commit`` (default: ``git rev-parse`` where there is a ``.git``).
@@ -110,14 +115,27 @@ from training_models import (  # noqa: E402  (benchmarks/step/, this script's fo
     make_step,
     preset_config,
     shape_plan,
-    stream_element_size,
+    streams_dtype,
 )
+
+from mhc.streams import STREAM_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = ("small_gpu", "134m", "1b")
 RECIPES = ("bf16", "autocast")
 MODES = ("eager", "compiled")
-MODELS = ("residual", "mhc")
+
+
+def model_kinds(recipe: str, stream_dtypes: list[str]) -> dict[str, str]:
+    """The models of a group, name -> ``MHCConfig.stream_dtype``: the residual model, then one mHC model per
+    ``--stream-dtypes`` entry, the first named ``mhc`` and the others ``mhc[<setting>]``. In the ``bf16`` recipe
+    (no autocast) ``"autocast"`` is ``"hidden"``, and left out when both are asked."""
+    kinds = {"residual": "hidden"}
+    for setting in stream_dtypes:
+        if recipe == "bf16" and setting == "autocast" and "hidden" in stream_dtypes:
+            continue
+        kinds["mhc" if len(kinds) == 1 else f"mhc[{setting}]"] = setting
+    return kinds
 
 
 # --------------------------------------------------------------------------------------
@@ -158,6 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--init", choices=("paper", "identity"), default="paper", help="the mHC models' init (default paper)"
     )
     ap.add_argument(
+        "--stream-dtypes",
+        default="hidden",
+        help=f"comma-separated MHCConfig.stream_dtype settings, of {','.join(STREAM_DTYPES)}: one mHC model each, "
+        "timed in the same rounds (default hidden, the library's default)",
+    )
+    ap.add_argument(
         "--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)"
     )
     ap.add_argument("--kernel-steps", type=int, default=3, help="steps profiled for --kernels (default 3)")
@@ -181,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes = _choices(args.shapes, SHAPES, "--shapes", ap)
     args.recipes = _choices(args.recipes, RECIPES, "--recipes", ap)
     args.modes = _choices(args.modes, MODES, "--modes", ap)
+    args.stream_dtypes = _choices(args.stream_dtypes, STREAM_DTYPES, "--stream-dtypes", ap)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.kernel_steps < 1:
         ap.error("need --rounds >= 1, --steps >= 1, --warmup >= 0, --kernel-steps >= 1")
     if args.device not in ("cuda", "cpu"):
@@ -290,10 +315,11 @@ def run_group(
     )  # the autocast step's optimizer settings
     from torch._dynamo.utils import counters
 
+    kinds = model_kinds(recipe, args.stream_dtypes)
     models, steps, figures = {}, {}, {}
-    for kind in MODELS:
+    for kind, setting in kinds.items():
         t0 = time.perf_counter()
-        model = build(shape, kind, recipe, device, args)
+        model = build(shape, "residual" if kind == "residual" else "mhc", recipe, device, args, setting)
         run = compile_model(model, args.compile_backend, device, cfg) if mode == "compiled" else model
         step = make_step(model, recipe, run, ids, device, cfg)
         models[kind], steps[kind] = model, step
@@ -310,13 +336,15 @@ def run_group(
             "params": count_parameters(model),
             "build_s": built_s,
             "first_step_s": first_s,
-            "stream_dtype": str(model.get_input_embeddings().weight.dtype),
+            "stream_setting": setting,
+            "stream_dtype": str(streams_dtype(model, recipe, device)),
         }
         if mode == "compiled":
             figures[kind]["compile_s"] = first_s
             figures[kind]["dynamo"] = dynamo_counts()
         log(
-            f"  {kind:8} {figures[kind]['params'] / 1e6:8.1f}M params, built {built_s:5.1f} s, first step {first_s:6.1f} s"
+            f"  {kind:8} {figures[kind]['params'] / 1e6:8.1f}M params, {figures[kind]['stream_dtype']} streams, "
+            f"built {built_s:5.1f} s, first step {first_s:6.1f} s"
             + (f", dynamo {figures[kind]['dynamo']}" if mode == "compiled" else "")
         )
 
@@ -324,22 +352,29 @@ def run_group(
     graphs_before = counters["stats"]["unique_graphs"]
     results = common.interleaved(steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     recompiled = counters["stats"]["unique_graphs"] - graphs_before
-    for kind in MODELS:
+    for kind in kinds:
         m = results[kind]
         figures[kind].update(
             ms=m.ms, tokens_per_s=B * S / (m.ms / 1e3), round_medians=m.round_medians, times=m.times
         )
         figures[kind].update(peak_memory(models[kind], steps[kind], device))
-    kernels = None
+    mhc_kinds = [k for k in kinds if k != "residual"]
+    kernels = {}
     if args.kernels:
-        model = models["mhc"]
-        kernels = site_kernels(
-            steps["mhc"], args.kernel_steps, B * S, plan["hidden"], stream_element_size(model), copy
-        )
-    for kind in MODELS:
+        for kind in mhc_kinds:
+            elt = streams_dtype(models[kind], recipe, device).itemsize
+            kernels[kind] = site_kernels(steps[kind], args.kernel_steps, B * S, plan["hidden"], elt, copy)
+    for kind in kinds:
         figures[kind]["skipped_steps"] = steps[kind].counts["skipped"]
         figures[kind]["steps_run"] = steps[kind].counts["steps"] if recipe == "autocast" else None
-    res, mhc_ = figures["residual"], figures["mhc"]
+    res = figures["residual"]
+    ratios = {
+        kind: {
+            "ms": figures[kind]["ms"] / res["ms"],
+            "peak": figures[kind]["peak_gb"] / res["peak_gb"] if res["peak_gb"] else None,
+        }
+        for kind in mhc_kinds
+    }
     group = {
         "shape": shape,
         "recipe": recipe,
@@ -348,10 +383,12 @@ def run_group(
         "seq": S,
         "tokens_per_step": B * S,
         "models": figures,
-        "ratio_ms": mhc_["ms"] / res["ms"],
-        "ratio_peak": mhc_["peak_gb"] / res["peak_gb"] if res["peak_gb"] else None,
+        "ratio_ms": ratios["mhc"]["ms"],  # the first mHC model's (the others': "ratios")
+        "ratio_peak": ratios["mhc"]["peak"],
+        "ratios": ratios,
         "recompiled_while_timing": recompiled if mode == "compiled" else None,
-        "kernels": kernels,
+        "kernels": kernels.get("mhc"),
+        "other_kernels": {k: v for k, v in kernels.items() if k != "mhc"},
     }
     del models, steps, model, run, step
     return group
@@ -366,33 +403,54 @@ def _f(value, spec: str, missing: str = "—") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _mhc_kinds(g: dict) -> list[str]:
+    return [k for k in g["models"] if k != "residual"]
+
+
+def _streams(figures: dict) -> str:
+    """``float32`` / ``bfloat16 (autocast)``: the streams' dtype, and the setting when it is not ``hidden``."""
+    dtype = figures.get("stream_dtype", "?").replace("torch.", "")
+    setting = figures.get("stream_setting", "hidden")
+    return dtype if setting == "hidden" else f"{dtype} ({setting})"
+
+
 def table(groups: list[dict]) -> str:
-    """The markdown table of the groups (those that failed: their error)."""
+    """The markdown table of the groups, a row per mHC model (those that failed: their error)."""
     lines = [
-        "| shape | recipe | mode | tokens/step | residual ms | mHC ms | mHC/res | residual tok/s | mHC tok/s "
-        "| residual peak GB | mHC peak GB | peak mHC/res | compile s (res / mHC) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | recipe | mode | mHC streams | tokens/step | residual ms | mHC ms | mHC/res | residual tok/s "
+        "| mHC tok/s | residual peak GB | mHC peak GB | peak mHC/res | compile s (res / mHC) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
         head = f"| {g['shape']} | {g['recipe']} | {g['mode']} |"
         if "error" in g:
-            lines.append(f"{head} failed: {g['error'][:200]} |" + " |" * 9)
+            lines.append(f"{head} failed: {g['error'][:200]} |" + " |" * 10)
             continue
-        r, m = g["models"]["residual"], g["models"]["mhc"]
-        compile_s = f"{r['compile_s']:.1f} / {m['compile_s']:.1f}" if g["mode"] == "compiled" else "—"
-        lines.append(
-            f"{head} {g['tokens_per_step']:,} | {r['ms']:.2f} | {m['ms']:.2f} | {g['ratio_ms']:.3f}× "
-            f"| {r['tokens_per_s']:,.0f} | {m['tokens_per_s']:,.0f} | {_f(r['peak_gb'], '.2f')} | {_f(m['peak_gb'], '.2f')} "
-            f"| {_f(g['ratio_peak'], '.3f', '—')}{'×' if g['ratio_peak'] else ''} | {compile_s} |"
-        )
+        r = g["models"]["residual"]
+        for kind in _mhc_kinds(g):
+            m = g["models"][kind]
+            ratio = g.get("ratios", {}).get(kind, {"ms": g["ratio_ms"], "peak": g["ratio_peak"]})
+            compile_s = f"{r['compile_s']:.1f} / {m['compile_s']:.1f}" if g["mode"] == "compiled" else "—"
+            lines.append(
+                f"{head} {_streams(m)} | {g['tokens_per_step']:,} | {r['ms']:.2f} | {m['ms']:.2f} "
+                f"| {ratio['ms']:.3f}× | {r['tokens_per_s']:,.0f} | {m['tokens_per_s']:,.0f} "
+                f"| {_f(r['peak_gb'], '.2f')} | {_f(m['peak_gb'], '.2f')} "
+                f"| {_f(ratio['peak'], '.3f', '—')}{'×' if ratio['peak'] else ''} | {compile_s} |"
+            )
     return "\n".join(lines)
 
 
-def kernel_table(g: dict) -> str:
-    """One group's fused site kernels as a markdown table, with a line on their total."""
-    k = g["kernels"]
+def kernel_tables(g: dict) -> list[str]:
+    """A :func:`kernel_table` per mHC model of ``g`` that has kernel figures."""
+    found = {"mhc": g.get("kernels"), **(g.get("other_kernels") or {})}
+    return [kernel_table(g, kind) for kind, k in found.items() if k]
+
+
+def kernel_table(g: dict, kind: str = "mhc") -> str:
+    """The fused site kernels of one mHC model of a group as a markdown table, with a line on their total."""
+    k = g["kernels"] if kind == "mhc" else g["other_kernels"][kind]
     lines = [
-        f"site kernels of the mHC step, {g['shape']} {g['recipe']} {g['mode']}: {k['tokens']} tokens, n={k['n']}, "
+        f"site kernels of the {kind} step, {g['shape']} {g['recipe']} {g['mode']}: {k['tokens']} tokens, n={k['n']}, "
         f"C={k['C']}, {k['stream_bytes']}-byte streams, bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
         "",
         "| kernel | calls/step | µs/call | GB/s | × copy |",
@@ -414,17 +472,21 @@ def group_line(g: dict) -> str:
     """One finished group in a line (progress)."""
     if "error" in g:
         return f"[{g['shape']} {g['recipe']} {g['mode']}] FAILED: {g['error'][:500]}"
-    r, m = g["models"]["residual"], g["models"]["mhc"]
     medians = lambda f: "/".join(f"{x:.2f}" for x in f["round_medians"])  # noqa: E731
-    return (
-        f"[{g['shape']} {g['recipe']} {g['mode']}] residual {r['ms']:.2f} ms ({medians(r)}), mHC {m['ms']:.2f} ms "
-        f"({medians(m)}): {g['ratio_ms']:.3f}x; peak {_f(r['peak_gb'], '.2f')} / {_f(m['peak_gb'], '.2f')} GB "
-        f"({_f(g['ratio_peak'], '.3f')}x)"
-        + (
-            f"; skipped steps {r['skipped_steps']}/{m['skipped_steps']}"
-            if r["skipped_steps"] or m["skipped_steps"]
-            else ""
+    r = g["models"]["residual"]
+    parts = [f"[{g['shape']} {g['recipe']} {g['mode']}] residual {r['ms']:.2f} ms ({medians(r)})"]
+    for kind in _mhc_kinds(g):
+        m = g["models"][kind]
+        ratio = g.get("ratios", {}).get(kind, {"ms": g["ratio_ms"], "peak": g["ratio_peak"]})
+        parts.append(
+            f"{'mHC' if kind == 'mhc' else kind} {m['ms']:.2f} ms ({medians(m)}): {ratio['ms']:.3f}x, "
+            f"peak {_f(m['peak_gb'], '.2f')} GB ({_f(ratio['peak'], '.3f')}x)"
         )
+    skipped = [g["models"][k]["skipped_steps"] for k in g["models"]]
+    return (
+        ", ".join(parts)
+        + f"; residual peak {_f(r['peak_gb'], '.2f')} GB"
+        + (f"; skipped steps {'/'.join(map(str, skipped))}" if any(skipped) else "")
     )
 
 
@@ -460,6 +522,7 @@ def header(args, argv: list[str]) -> dict:
             "shapes": args.shapes,
             "recipes": args.recipes,
             "modes": args.modes,
+            "stream_dtypes": args.stream_dtypes,
             "kernels": args.kernels,
         },
         "shapes": {s: shape_plan(s, args.tiny, args.init) for s in args.shapes},
@@ -525,8 +588,8 @@ def main(argv: list[str] | None = None) -> None:
             f", {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated" if device.type == "cuda" else ""
         )
         log(group_line(group) + f"  [{group['group_s']:.0f} s{left}]")
-        if group.get("kernels"):
-            log(kernel_table(group))
+        for text in kernel_tables(group):
+            log(text)
         if args.json:
             common.write_json(args.json, report)
     report["complete"] = True
@@ -536,8 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     log(table(report["groups"]))
     for g in report["groups"]:
-        if g.get("kernels"):
-            log("\n" + kernel_table(g))
+        for text in kernel_tables(g):
+            log("\n" + text)
     if args.json:
         common.write_json(args.json, report)
         log(f"wrote {args.json}")

@@ -27,18 +27,26 @@ TINY = {
 
 
 def preset_config(
-    kind: str, batch: int | None = None, seq: int | None = None, init: str = "paper", tiny: bool = False
+    kind: str,
+    batch: int | None = None,
+    seq: int | None = None,
+    init: str = "paper",
+    tiny: bool = False,
+    stream_dtype: str = "hidden",
 ):
     """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
 
-    The mHC one gets ``mhc_options.init = init``; ``batch``/``seq`` replace the preset's (the Llama shapes'
-    optimizer settings are the preset's too); ``tiny`` shrinks the model.
+    The mHC one gets ``mhc_options.init = init`` (and ``mhc_options.stream_dtype`` unless ``"hidden"``, the
+    default); ``batch``/``seq`` replace the preset's (the Llama shapes' optimizer settings are the preset's too);
+    ``tiny`` shrinks the model.
     """
     from mhc.train import load_config
 
     overrides: dict = {}
     if kind == "mhc":
         overrides["mhc_options"] = {"init": init}
+        if stream_dtype != "hidden":
+            overrides["mhc_options"]["stream_dtype"] = stream_dtype
     if tiny:
         overrides.update(
             hidden_size=TINY["hidden_size"],
@@ -103,14 +111,17 @@ def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
     }
 
 
-def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> torch.nn.Module:
-    """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode."""
+def build(
+    shape: str, kind: str, recipe: str, device: torch.device, args, stream_dtype: str = "hidden"
+) -> torch.nn.Module:
+    """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode;
+    the mHC one keeps its streams in ``stream_dtype`` (``MHCConfig.stream_dtype``)."""
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     torch.manual_seed(0)
     if shape == "small_gpu":  # as mhc.train.loop.train: seed, build_model on the CPU, model.to(device)
         from mhc.train.model import build_model
 
-        cfg = preset_config(kind, init=args.init, tiny=args.tiny)
+        cfg = preset_config(kind, init=args.init, tiny=args.tiny, stream_dtype=stream_dtype)
         vocab = (
             TINY["vocab"] if args.tiny else cfg.bpe_vocab_size
         )  # the preset's BPE has bpe_vocab_size tokens
@@ -125,7 +136,7 @@ def build(shape: str, kind: str, recipe: str, device: torch.device, args) -> tor
         if kind == "mhc":
             import mhc
 
-            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init)
+            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init, stream_dtype=stream_dtype)
     return model.train()
 
 
@@ -186,10 +197,15 @@ def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, devic
     return step
 
 
-def stream_element_size(model: torch.nn.Module) -> int:
-    """Bytes per stream element: the streams are the embedding's output copied n times, in its dtype (autocast leaves
-    embeddings alone, so float32 weights give float32 streams)."""
-    return model.get_input_embeddings().weight.element_size()
+def streams_dtype(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.dtype:
+    """The dtype of ``model``'s streams in ``recipe``: the embedding's output (autocast leaves embeddings alone, so
+    float32 weights give float32 streams) under the model's ``stream_dtype`` setting (``"hidden"`` for the residual
+    model), with autocast on in the ``autocast`` recipe."""
+    from mhc.streams import stream_dtype_for
+
+    hidden = torch.empty(0, dtype=model.get_input_embeddings().weight.dtype, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe == "autocast"):
+        return stream_dtype_for(hidden, getattr(model, "stream_dtype", "hidden"))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -19,6 +19,7 @@ except ImportError:  # transformers 4.x
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..options import MHCOptions, check_options, close_option
+from ..streams import STREAM_DTYPES
 from .adapters import Adapter, registered_adapter, supported_model_types
 
 __all__ = ["MHCConfig", "MHC_FIELDS"]
@@ -42,7 +43,7 @@ _NOT_DELEGATED = frozenset(
 
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
 _BLOCK_FIELDS = ("n_streams", *MHCOptions.fields())
-MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce")
+MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce", "stream_dtype")
 # Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
 _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
     {
@@ -118,6 +119,14 @@ class MHCConfig(_BaseConfig):
             one) puts the same hidden state in every stream.
         reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
             starting at ``1/n``) to merge the streams before the final norm.
+        stream_dtype: what the streams are kept in (:func:`mhc.streams.stream_dtype_for`):
+            ``"hidden"`` (default: the hidden state's dtype, so float32 for
+            float32 weights under bf16 autocast, as the residual model keeps
+            its stream), ``"autocast"`` (autocast's dtype while autocast is on,
+            the paper's bf16 streams; the hidden state's dtype otherwise),
+            ``"bfloat16"``, ``"float16"`` or ``"float32"``. The coefficients
+            are float32 whatever it is. Other than ``"hidden"``, the merged
+            streams go back to the embeddings' dtype before the final norm.
         adapter: how the base model's decoder layers are wrapped, an
             :class:`mhc.hf.adapters.Adapter` or its ``to_dict()`` (stored as the
             dict). :func:`mhc.convert_to_mhc` records the adapter it used, so a
@@ -152,6 +161,7 @@ class MHCConfig(_BaseConfig):
         norm_eps: float = 1e-6,
         expand: str = "copy",
         reduce: str = "mean",
+        stream_dtype: str = "hidden",
         adapter: Adapter | dict | None = None,
         **kwargs,
     ):
@@ -188,12 +198,15 @@ class MHCConfig(_BaseConfig):
             raise ValueError(f"expand must be 'copy', got {expand!r}")
         if reduce not in ("mean", "learned"):
             raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
+        if stream_dtype not in STREAM_DTYPES:
+            raise ValueError(f"stream_dtype must be one of {', '.join(STREAM_DTYPES)}; got {stream_dtype!r}")
         self.base_config = base_config
         self.n_streams = n_streams
         for name, value in opts.to_dict().items():
             setattr(self, name, value)
         self.expand = expand
         self.reduce = reduce
+        self.stream_dtype = stream_dtype
         if isinstance(adapter, dict):
             adapter = Adapter.from_dict(adapter)
         elif adapter is not None and not isinstance(adapter, Adapter):

@@ -85,8 +85,10 @@ def convert_to_mhc(
             :data:`mhc.hf.verify.VERIFY_AUTO_MAX_PARAMETERS` (4e9)
             parameters with no weights on the meta device.
         **mhc_options: any other mHC setting of :class:`MHCConfig` (``mode``,
-            ``init``, ``projection``, ``tol``, ``reduce``, ...); anything else
-            raises ``TypeError`` naming the closest setting.
+            ``init``, ``projection``, ``tol``, ``reduce``, ``stream_dtype``, ...);
+            anything else raises ``TypeError`` naming the closest setting. The
+            self-check runs with ``stream_dtype="hidden"`` whatever is asked:
+            it checks the adapter, and bf16 streams of an fp32 model round.
     """
     reject_unknown_options(mhc_options, [f for f in MHC_FIELDS if f != "base_config"], "convert_to_mhc")
     if verify is not None and not isinstance(verify, bool):
@@ -127,8 +129,14 @@ def convert_to_mhc(
             module.to(device=ref.device)  # stays float32
     if check:
         try:
-            with identity_coefficients(mhc_model):
-                _, converted = reference_logits(mhc_model, probe_ids)
+            # The check tests the adapter: streams in the hidden state's dtype, as the original's.
+            chosen = mhc_model.stream_dtype
+            mhc_model.set_stream_dtype("hidden")
+            try:
+                with identity_coefficients(mhc_model):
+                    _, converted = reference_logits(mhc_model, probe_ids)
+            finally:
+                mhc_model.set_stream_dtype(chosen)
             check_logits(
                 reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})"
             )

@@ -66,7 +66,7 @@ except ImportError:  # pragma: no cover - very old transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..block import MHCBlock
-from ..streams import StreamReduce, expand_streams
+from ..streams import STREAM_DTYPES, StreamReduce, expand_streams, stream_dtype_for
 from .adapters import Adapter
 from .branch import SiteBranch
 from .config import MHCConfig
@@ -149,6 +149,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.n_streams = config.n_streams
         self.expand_input = expand_input
+        self.stream_dtype = config.stream_dtype
         hidden = config.get_text_config().hidden_size
         opts = config.options()
         k = len(adapter.sites)
@@ -201,7 +202,13 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
                 raise NotImplementedError(
                     f"mHC does not wrap {name!r} (cross-attention) in {self.wrapped_class}"
                 )
-        x = expand_streams(hidden_states, self.n_streams) if self.expand_input else hidden_states
+        if self.expand_input:
+            dtype = stream_dtype_for(hidden_states, self.stream_dtype)
+            if dtype != hidden_states.dtype:  # (no dispatcher call otherwise: decoding is host-bound)
+                hidden_states = hidden_states.to(dtype)
+            x = expand_streams(hidden_states, self.n_streams)
+        else:
+            x = hidden_states
         modules = self._modules  # (as in site_branch)
         for name, takes_inputs in zip(self.site_names, self._site_takes_inputs):
             x = modules[name](x, **inputs) if takes_inputs else modules[name](x)
@@ -260,6 +267,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
+        self.stream_dtype = config.stream_dtype
 
         layers = self.model.get_submodule(adapter.layers)
         for i in range(len(layers)):
@@ -282,6 +290,22 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     def mhc_module_names(self) -> list[str]:
         """The mHC blocks' names in a decoder layer (``["attn_mhc", "mlp_mhc"]``, ...), for PEFT's ``modules_to_save``."""
         return [site.module_name for site in self.adapter.sites]
+
+    def set_stream_dtype(self, stream_dtype: str) -> None:
+        """Keep the streams in ``stream_dtype`` from the next forward on (``config.stream_dtype`` follows).
+
+        Args:
+            stream_dtype: one of :data:`mhc.streams.STREAM_DTYPES` (see :class:`MHCConfig`).
+
+        Raises:
+            ValueError: an unknown value.
+        """
+        if stream_dtype not in STREAM_DTYPES:
+            raise ValueError(f"stream_dtype must be one of {', '.join(STREAM_DTYPES)}; got {stream_dtype!r}")
+        self.config.stream_dtype = stream_dtype
+        self.stream_dtype = stream_dtype
+        for layer in self.decoder_layers():
+            layer.stream_dtype = stream_dtype
 
     def decoder_layers(self) -> list[MHCDecoderLayer]:
         """The wrapped decoder layers, in order."""
@@ -354,7 +378,14 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         """
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
-        return (self.stream_reduce(args[0]), *args[1:])
+        hidden = self.stream_reduce(args[0])
+        if self.stream_dtype != "hidden":
+            # Back to the dtype the streams were made from: the embeddings' (a quantised, non-float
+            # embedding leaves the merged streams as they are).
+            weight = self.model.get_input_embeddings().weight
+            if weight.is_floating_point() and hidden.dtype != weight.dtype:
+                hidden = hidden.to(weight.dtype)
+        return (hidden, *args[1:])
 
     def _init_weights(self, module: nn.Module) -> None:
         # The mHC parameters get their documented init, each one only if it is

@@ -1,0 +1,181 @@
+"""The streams' dtype (MHCConfig.stream_dtype): the rule, the HF model under autocast, the self-check, training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import mhc
+from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
+from mhc.streams import STREAM_DTYPES, stream_dtype_for
+from mhc.train import config as train_config
+
+VOCAB = 64
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def site_and_norm_dtypes(model: MHCForCausalLM, ids: torch.Tensor) -> tuple[set, torch.dtype, torch.Tensor]:
+    """The dtypes of the streams every site sees, the final norm's input dtype, and the logits."""
+    seen, norm_in = set(), []
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].dtype))
+        for m in model.modules()
+        if isinstance(m, MHCBlock)
+    ]
+    # (registered after the model's own pre-hook, which merges the streams: this one sees its output)
+    hooks.append(
+        model.model.model.norm.register_forward_pre_hook(lambda mod, args: norm_in.append(args[0].dtype))
+    )
+    try:
+        logits = model(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, norm_in[0], logits
+
+
+def test_stream_dtype_for_follows_the_setting_and_autocast():
+    h = torch.randn(2, 8)
+    assert stream_dtype_for(h, "hidden") is torch.float32
+    assert stream_dtype_for(h, "autocast") is torch.float32  # autocast off
+    assert stream_dtype_for(h.double(), "autocast") is torch.float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert stream_dtype_for(h, "autocast") is torch.bfloat16
+        assert stream_dtype_for(h, "hidden") is torch.float32
+        assert stream_dtype_for(h, "float32") is torch.float32
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert stream_dtype_for(h, "autocast") is torch.float16
+    assert stream_dtype_for(h, "bfloat16") is torch.bfloat16
+    assert stream_dtype_for(h, "float16") is torch.float16
+    with pytest.raises(ValueError, match="stream dtype must be one of hidden, autocast"):
+        stream_dtype_for(h, "bf16")
+
+
+def test_config_checks_and_saves_stream_dtype(tmp_path):
+    base = tiny_llama().config
+    assert MHCConfig(base_config=base).stream_dtype == "hidden"
+    with pytest.raises(ValueError, match="stream_dtype must be one of"):
+        MHCConfig(base_config=base, stream_dtype="bf16")
+    with pytest.raises(TypeError, match="did you mean 'stream_dtype'"):
+        MHCConfig(base_config=base, stream_dtypes="autocast")
+    model = MHCForCausalLM(MHCConfig(base_config=base, stream_dtype="autocast"))
+    model.save_pretrained(tmp_path)
+    loaded = MHCForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.stream_dtype == "autocast" and loaded.stream_dtype == "autocast"
+    assert all(layer.stream_dtype == "autocast" for layer in loaded.decoder_layers())
+    with pytest.raises(ValueError, match="stream_dtype must be one of"):
+        loaded.set_stream_dtype("half")
+    assert set(STREAM_DTYPES) == {"hidden", "autocast", "bfloat16", "float16", "float32"}
+
+
+def test_autocast_streams_are_bf16_under_autocast_and_exact_without():
+    """'autocast': bf16 streams under bf16 autocast (the final norm still gets float32, as the residual
+    model's), float32 streams without it, where the converted model is bit-identical to the original;
+    under autocast the logits differ from the residual model's by a few bf16 roundings only."""
+    base = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = base(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_autocast = base(ids).logits.float()
+    hidden = convert_to_mhc(copy.deepcopy(base), stream_dtype="hidden")
+    model = convert_to_mhc(copy.deepcopy(base), stream_dtype="autocast")
+    with torch.no_grad():
+        seen, norm_dtype, logits = site_and_norm_dtypes(model, ids)
+        assert seen == {torch.float32} and norm_dtype is torch.float32 and torch.equal(logits, ref)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen, norm_dtype, logits = site_and_norm_dtypes(model, ids)
+            _, _, logits_hidden = site_and_norm_dtypes(hidden, ids)
+    assert seen == {torch.bfloat16} and norm_dtype is torch.float32
+    assert torch.equal(logits_hidden.float(), ref_autocast)  # 'hidden' streams: the residual model's bits
+    scale = ref_autocast.abs().max().item()
+    assert (logits.float() - ref_autocast).abs().max().item() <= 4 * 2**-8 * scale
+
+
+def test_fixed_bf16_streams_pass_the_self_check_and_stay_bf16():
+    """The self-check runs with the hidden state's dtype (it tests the adapter), then the asked one is back;
+    the merged streams return to the embeddings' float32 before the final norm."""
+    base = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = base(ids).logits
+    model = convert_to_mhc(copy.deepcopy(base), stream_dtype="bfloat16", verify=True)
+    assert model.stream_dtype == "bfloat16" and model.config.stream_dtype == "bfloat16"
+    with torch.no_grad():
+        seen, norm_dtype, logits = site_and_norm_dtypes(model, ids)
+    assert seen == {torch.bfloat16} and norm_dtype is torch.float32 and logits.dtype is torch.float32
+    err = (logits - ref).abs().max().item()
+    assert 0 < err <= 4 * 2**-8 * ref.abs().max().item()  # rounded streams: close, not equal
+
+
+def test_bf16_streams_train_with_float32_gradients_under_autocast():
+    """Backward through bf16 streams under autocast: every gradient finite and float32 (the weights'),
+    and close to the float32 streams' gradients."""
+    base = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for choice in ("hidden", "autocast"):
+        model = convert_to_mhc(copy.deepcopy(base), stream_dtype=choice).train()
+        # move φ off zero so the dynamic coefficients (and their gradients) depend on the streams
+        with torch.no_grad():
+            for block in (m for m in model.modules() if isinstance(m, MHCBlock)):
+                block.phi.normal_(0, 0.05, generator=torch.Generator().manual_seed(4))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(ids).logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        grads[choice] = {n: p.grad for n, p in model.named_parameters()}
+    total = torch.cat([g.flatten() for g in grads["hidden"].values()]).norm()
+    for name, g in grads["autocast"].items():
+        ref = grads["hidden"][name]
+        assert g is not None and g.dtype is torch.float32 and torch.isfinite(g).all(), name
+        # (H_res's gradients are ~1e-7 of the total here: streams that barely differ yet)
+        assert (g - ref).norm() <= 0.1 * ref.norm() + 1e-4 * total, name
+    flat = torch.cat([g.flatten() for g in grads["autocast"].values()])
+    assert (flat - torch.cat([g.flatten() for g in grads["hidden"].values()])).norm() <= 0.05 * total
+
+
+def test_trainer_passes_stream_dtype_through_mhc_options():
+    cfg = train_config.TrainConfig(variant="mhc", mhc_options={"stream_dtype": "autocast"})
+    assert train_config.mhc_config_options(cfg)["stream_dtype"] == "autocast"
+    with pytest.raises(ValueError, match="stream_dtype must be one of"):
+        mhc.MHCConfig(
+            base_config=tiny_llama().config,
+            **train_config.mhc_config_options(
+                train_config.TrainConfig(variant="mhc", mhc_options={"stream_dtype": "fp8"})
+            ),
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused site on bf16 streams)")
+def test_autocast_streams_on_the_fused_site_match_the_reference_path():
+    """fp32 weights under bf16 autocast with 'autocast' streams: the fused site (bf16 streams, fp32
+    coefficients) against the PyTorch reference path, outputs and gradients."""
+    base = tiny_llama().cuda()
+    ids = torch.randint(0, VOCAB, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    out = {}
+    for fused in (True, False):
+        model = convert_to_mhc(copy.deepcopy(base), stream_dtype="autocast", fused=fused).train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids).logits.float()
+        logits.square().mean().backward()
+        out[fused] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=2e-2, atol=2e-2)
+    for name, g in out[True][1].items():
+        ref = out[False][1][name]
+        assert torch.isfinite(g).all() and (g - ref).norm() <= 0.05 * ref.norm() + 1e-5, name
