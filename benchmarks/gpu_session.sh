@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The H200 checks of issues #23 and #27, in stages, logs under $OUT (default ./gpu_out):
 #   setup    install mhc (editable) and build the CUDA projection
-#   tests    the CUDA tests of the projection, the fused site, keep_streams_every, non-finite input and torch.compile
+#   tests    the test files that hold CUDA tests (GPU_TEST_FILES, default the list below), one pytest process per file,
+#            TESTS_JOBS (8) at a time, each under TESTS_TIMEOUT (500 s), marker TESTS_MARK ("not slow"; "slow or not
+#            slow" for both tiers); logs $OUT/pytest_<file>.log and $OUT/pytest_summary.log; fails if any file fails
 #   peers    build mHC-proj / mHC.cu (benchmarks/projection/build_peers.sh), then bench_projection_peers.py
 #   decode   benchmarks/decode/bench_decode.py (eager and static-cache compiled generate, batch 1 and 16, --profile --step-times)
 #   sitehost benchmarks/decode/bench_site_host.py (host and device time of a decode-sized site, piece by piece)
@@ -20,8 +22,7 @@
 #   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
-# Environment: OUT, COMMIT; PROJECTION_TESTS (default tests/test_projection_cuda.py; empty skips it), SITE_TESTS
-# (default tests/test_fused_block.py; empty skips it), TESTS_TIMEOUT (default 300 s),
+# Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
 # (bench_training.py options added after the stage's), SWEEP_ARGS / SWEEP32_ARGS (likewise), OLD_TREE (ab).
 USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep sweep32 ab)"
@@ -32,8 +33,14 @@ done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
 OUT=${OUT:-$PWD/gpu_out}
+# The test files that hold CUDA tests (each skips them without CUDA), for the stage tests.
+DEFAULT_GPU_TEST_FILES="tests/test_projection_cuda.py tests/test_projection_zeros.py tests/test_fused_block.py
+  tests/test_fused_tokens.py tests/test_fused_launches.py tests/test_fused_norm.py tests/test_keep_streams.py
+  tests/test_nonfinite.py tests/test_compile.py tests/test_generate.py tests/test_block.py tests/test_stream_dtype.py
+  tests/test_training_config.py"
 COMMIT=${COMMIT:-unknown}
 mkdir -p "$OUT"
+status=0  # 1 once a test file failed (stage tests); the exit status
 for stage in "$@"; do
   SECONDS=0
   echo "=== $stage (commit $COMMIT)"
@@ -43,10 +50,16 @@ for stage in "$@"; do
       python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
       python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider ${PROJECTION_TESTS-tests/test_projection_cuda.py} ${SITE_TESTS-tests/test_fused_block.py} tests/test_fused_tokens.py tests/test_fused_launches.py \
-        tests/test_keep_streams.py tests/test_nonfinite.py "tests/test_compile.py::test_cuda_model_compiles_as_one_graph_and_matches_eager" \
-        "tests/test_compile.py::test_cuda_projection_autograd_compiles_as_one_graph" 2>&1 | tee "$OUT/pytest.log" | tail -25
-      timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_generate.py -k "cuda or boundaries or other_input" 2>&1 | tee "$OUT/pytest_generate.log" | tail -8 ;;
+      # One pytest process per file, TESTS_JOBS at a time (Triton's compiles are CPU-bound and the machine has 16
+      # cores; the GPU is shared): each file's verbose log in $OUT/pytest_<file>.log, its last line printed here.
+      files=${GPU_TEST_FILES-$DEFAULT_GPU_TEST_FILES}
+      export OUT TESTS_MARK=${TESTS_MARK-not slow} TESTS_TIMEOUT=${TESTS_TIMEOUT:-500}
+      printf '%s\n' $files | xargs -P "${TESTS_JOBS:-8}" -I{} bash -c \
+        'f={}; log="$OUT/pytest_$(basename "$f" .py).log"; timeout "$TESTS_TIMEOUT" python3 -m pytest -v -rs \
+           -p no:cacheprovider --durations=10 -m "$TESTS_MARK" "$f" >"$log" 2>&1; rc=$?;
+         echo "$f: rc=$rc: $(grep -E "(passed|failed|error|skipped|no tests ran)" "$log" | tail -n 1)"' \
+        | sort | tee "$OUT/pytest_summary.log"
+      grep -qv ": rc=0: " "$OUT/pytest_summary.log" && status=1 ;;
     peers)
       OUT=$OUT timeout 200 bash benchmarks/projection/build_peers.sh
       timeout 240 python3 benchmarks/projection/bench_projection_peers.py --commit "$COMMIT" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" ;;
@@ -74,3 +87,4 @@ for stage in "$@"; do
   esac
   echo "=== $stage: ${SECONDS}s"
 done
+exit $status

@@ -112,6 +112,37 @@ def test_gpu_session_refuses_unknown_stages_before_running():
 
 
 @pytest.mark.slow
+def test_gpu_session_tests_stage_runs_each_file_and_fails_if_one_fails(tmp_path):
+    """The stage tests: one pytest process per file, each file's log and a summary line with its exit status;
+    the script exits 1 when a file fails (and 0 when none does)."""
+    (tmp_path / "test_good.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (tmp_path / "test_bad.py").write_text("def test_broken():\n    assert 1 + 1 == 3\n")
+    out = tmp_path / "out"
+    files = f"{tmp_path / 'test_good.py'} {tmp_path / 'test_bad.py'}"
+    proc = run_in_repo(
+        "bash",
+        str(BENCHMARKS / "gpu_session.sh"),
+        "tests",
+        OUT=str(out),
+        GPU_TEST_FILES=files,
+        TESTS_JOBS="2",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = (out / "pytest_summary.log").read_text().splitlines()
+    assert len(summary) == 2 and ": rc=1: " in summary[0] and "1 failed" in summary[0], summary
+    assert ": rc=0: " in summary[1] and "1 passed" in summary[1], summary
+    assert "test_broken FAILED" in (out / "pytest_test_bad.log").read_text()
+    proc = run_in_repo(
+        "bash",
+        str(BENCHMARKS / "gpu_session.sh"),
+        "tests",
+        OUT=str(out),
+        GPU_TEST_FILES=str(tmp_path / "test_good.py"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 def test_step_ab_prints_its_usage_and_refuses_unknown_runs_before_running(tmp_path):
     proc = run_in_repo("bash", str(BENCHMARKS / "step" / "step_ab.sh"))
     assert proc.returncode == 2 and "usage: benchmarks/step/step_ab.sh" in proc.stderr, (
