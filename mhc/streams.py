@@ -10,8 +10,9 @@ from .options import check_options
 __all__ = ["STREAM_DTYPES", "expand_streams", "reduce_streams", "stream_dtype_for", "StreamReduce"]
 
 # What a model's streams are kept in (MHCConfig.stream_dtype); see stream_dtype_for.
-STREAM_DTYPES = ("hidden", "autocast", "bfloat16", "float16", "float32")
-_FIXED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# (No fixed dtype: a sublayer gets its input in the streams' dtype, and float32 weights outside autocast
+# take no bf16 input, nor bf16 weights a float32 one.)
+STREAM_DTYPES = ("hidden", "autocast")
 
 
 def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
@@ -23,10 +24,10 @@ def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
 
             - ``"hidden"``: ``hidden``'s dtype, as the residual model keeps its one stream (float32
               for float32 weights, under autocast too);
-            - ``"autocast"``: autocast's dtype when autocast is on for ``hidden``'s device (bf16
-              streams under ``torch.autocast(dtype=torch.bfloat16)``, as the mHC paper trains), else
-              ``hidden``'s dtype, so evaluation without autocast stays exact;
-            - ``"bfloat16"``, ``"float16"``, ``"float32"``: that dtype.
+            - ``"autocast"``: for a float32 ``hidden``, autocast's dtype when autocast is on for its
+              device (bf16 streams under ``torch.autocast(dtype=torch.bfloat16)``, as the mHC paper
+              trains); ``hidden``'s dtype otherwise, so evaluation without autocast stays exact (and
+              a bf16 or float64 model keeps its own).
 
     Raises:
         ValueError: ``choice`` is not one of :data:`STREAM_DTYPES`.
@@ -35,11 +36,9 @@ def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
         return hidden.dtype
     if choice == "autocast":
         device_type = hidden.device.type
-        if torch.is_autocast_enabled(device_type):
+        if hidden.dtype is torch.float32 and torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
         return hidden.dtype
-    if choice in _FIXED_DTYPES:
-        return _FIXED_DTYPES[choice]
     raise ValueError(f"stream dtype must be one of {', '.join(STREAM_DTYPES)}; got {choice!r}")
 
 

@@ -123,10 +123,10 @@ class MHCConfig(_BaseConfig):
             ``"hidden"`` (default: the hidden state's dtype, so float32 for
             float32 weights under bf16 autocast, as the residual model keeps
             its stream), ``"autocast"`` (autocast's dtype while autocast is on,
-            the paper's bf16 streams; the hidden state's dtype otherwise),
-            ``"bfloat16"``, ``"float16"`` or ``"float32"``. The coefficients
-            are float32 whatever it is. Other than ``"hidden"``, the merged
-            streams go back to the embeddings' dtype before the final norm.
+            the paper's bf16 streams; the hidden state's dtype otherwise).
+            The coefficients are float32 whatever it is. With ``"autocast"``
+            the merged streams go back to the embeddings' dtype before the
+            final norm.
         adapter: how the base model's decoder layers are wrapped, an
             :class:`mhc.hf.adapters.Adapter` or its ``to_dict()`` (stored as the
             dict). :func:`mhc.convert_to_mhc` records the adapter it used, so a
