@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The H200 checks of issues #23 and #27, in stages, logs under $OUT (default ./gpu_out):
-#   setup    install mhc (editable) and build the CUDA projection
+#   setup    install mhc (editable) and build the CUDA extension into .ext_cache/ (TORCH_EXTENSIONS_DIR); a build
+#            carried there from an earlier call is reused (the sources' fresh copy is dated back so ninja keeps it), else
+#            the new build comes back as $OUT/ext_cache.tgz: `mkdir -p .ext_cache && tar -xzf ext_cache.tgz` here, then
+#            `carry: [".ext_cache"]` saves the next cold machine the 60-150 s build
 #   tests    the test files that hold CUDA tests (GPU_TEST_FILES, default the list below), one pytest process per file,
 #            TESTS_JOBS (8) at a time, each under TESTS_TIMEOUT (500 s), marker TESTS_MARK ("not slow"; "slow or not
 #            slow" for both tiers); logs $OUT/pytest_<file>.log and $OUT/pytest_summary.log; fails if any file fails
@@ -31,7 +34,7 @@ for stage in "$@"; do
   case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|sweep32|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
 OUT=${OUT:-$PWD/gpu_out}
 # The test files that hold CUDA tests (each skips them without CUDA), for the stage tests.
 DEFAULT_GPU_TEST_FILES="tests/test_projection_cuda.py tests/test_projection_zeros.py tests/test_fused_block.py
@@ -48,7 +51,12 @@ for stage in "$@"; do
     setup)
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
       python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
-      python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; } ;;
+      # ninja rebuilds when a source is newer than its recorded output; the carried tree's sources are fresh copies
+      carried=$(find "$TORCH_EXTENSIONS_DIR" -name '*.so' 2>/dev/null | head -n 1)
+      [ -n "$carried" ] && touch -d 2001-01-01 mhc/csrc/*
+      python3 -m mhc.cuda_build >/tmp/build.log 2>&1 || { tail -60 /tmp/build.log; exit 1; }
+      echo "extension: $(find "$TORCH_EXTENSIONS_DIR" -name '*.so' -newer /tmp/pip.log | wc -l) .so built here (0: the carried build was reused)"
+      [ -z "$carried" ] && tar -czf "$OUT/ext_cache.tgz" -C "$TORCH_EXTENSIONS_DIR" . ;;
     tests)
       # One pytest process per file, TESTS_JOBS at a time (Triton's compiles are CPU-bound and the machine has 16
       # cores; the GPU is shared): each file's verbose log in $OUT/pytest_<file>.log, its last line printed here.
