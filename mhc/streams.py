@@ -7,12 +7,23 @@ from torch import Tensor, nn
 
 from .options import check_options
 
-__all__ = ["STREAM_DTYPES", "expand_streams", "reduce_streams", "stream_dtype_for", "StreamReduce"]
+__all__ = [
+    "STREAM_DTYPES",
+    "DEFAULT_STREAM_DTYPE",
+    "effective_stream_dtype",
+    "expand_streams",
+    "reduce_streams",
+    "stream_dtype_for",
+    "StreamReduce",
+]
 
 # What a model's streams are kept in (MHCConfig.stream_dtype); see stream_dtype_for.
 # (No fixed dtype: a sublayer gets its input in the streams' dtype, and float32 weights outside autocast
 # take no bf16 input, nor bf16 weights a float32 one.)
 STREAM_DTYPES = ("hidden", "autocast")
+# bf16 streams under bf16 autocast: the paper's recipe, and the only one whose stream traffic fits
+# issue #49's training-cost bars (fp32 streams double the site's bytes; notes/stream_dtype.md).
+DEFAULT_STREAM_DTYPE = "autocast"
 
 
 def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
@@ -40,6 +51,15 @@ def stream_dtype_for(hidden: Tensor, choice: str) -> torch.dtype:
             return torch.get_autocast_dtype(device_type)
         return hidden.dtype
     raise ValueError(f"stream dtype must be one of {', '.join(STREAM_DTYPES)}; got {choice!r}")
+
+
+def effective_stream_dtype(mode: str, choice: str) -> str:
+    """The setting a model of ``mode`` applies for ``MHCConfig.stream_dtype = choice``.
+
+    ``mode="residual"`` is the base model itself, so it keeps its one stream as the base model
+    does (``"hidden"``) whatever is asked; ``"hc"`` and ``"mhc"`` apply ``choice``.
+    """
+    return "hidden" if mode == "residual" else choice
 
 
 def expand_streams(h: Tensor, n: int) -> Tensor:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import mhc
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, convert_to_mhc
-from mhc.streams import STREAM_DTYPES, stream_dtype_for
+from mhc.streams import DEFAULT_STREAM_DTYPE, STREAM_DTYPES, effective_stream_dtype, stream_dtype_for
 from mhc.train import config as train_config
 
 VOCAB = 64
@@ -68,7 +68,7 @@ def test_stream_dtype_for_follows_the_setting_and_autocast():
 
 def test_config_checks_and_saves_stream_dtype(tmp_path):
     base = tiny_llama().config
-    assert MHCConfig(base_config=base).stream_dtype == "hidden"
+    assert MHCConfig(base_config=base).stream_dtype == "autocast" == DEFAULT_STREAM_DTYPE
     with pytest.raises(ValueError, match="stream_dtype must be one of"):
         MHCConfig(base_config=base, stream_dtype="bf16")
     with pytest.raises(TypeError, match="did you mean 'stream_dtype'"):
@@ -149,6 +149,32 @@ def test_bf16_streams_train_with_float32_gradients_under_autocast():
         assert (g - ref).norm() <= 0.1 * ref.norm() + 1e-4 * total, name
     flat = torch.cat([g.flatten() for g in grads["autocast"].values()])
     assert (flat - torch.cat([g.flatten() for g in grads["hidden"].values()])).norm() <= 0.05 * total
+
+
+def test_default_streams_are_bf16_under_autocast_and_residual_mode_keeps_its_stream():
+    """The default ('autocast'): a converted float32 model runs bf16 streams under bf16 autocast. mode='residual'
+    is the base model: float32 stream under autocast whatever the setting, logits the base model's bit for bit."""
+    base = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    model = convert_to_mhc(copy.deepcopy(base))
+    assert model.stream_dtype == "autocast"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = base(ids).logits
+        seen, _, _ = site_and_norm_dtypes(model, ids)
+        assert seen == {torch.bfloat16}
+        for choice in STREAM_DTYPES:
+            residual = convert_to_mhc(copy.deepcopy(base), mode="residual", n_streams=1, stream_dtype=choice)
+            assert residual.stream_dtype == "hidden" and residual.config.stream_dtype == choice
+            seen, norm_dtype, logits = site_and_norm_dtypes(residual, ids)
+            assert seen == {torch.float32} and torch.equal(logits, ref), choice
+            residual.set_stream_dtype("autocast")
+            assert residual.stream_dtype == "hidden"
+            assert all(layer.stream_dtype == "hidden" for layer in residual.decoder_layers())
+    assert [effective_stream_dtype(m, "autocast") for m in ("residual", "hc", "mhc")] == [
+        "hidden",
+        "autocast",
+        "autocast",
+    ]
 
 
 def test_trainer_passes_stream_dtype_through_mhc_options():

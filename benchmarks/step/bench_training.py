@@ -2,7 +2,7 @@
 
     python benchmarks/step/bench_training.py --json out.json --commit $(git rev-parse --short HEAD)
     python benchmarks/step/bench_training.py --shapes 1b --recipes autocast --modes compiled --kernels
-    python benchmarks/step/bench_training.py --recipes autocast --stream-dtypes hidden,autocast   # bf16 streams too
+    python benchmarks/step/bench_training.py --recipes autocast --stream-dtypes autocast,hidden   # fp32 streams too
     python benchmarks/step/bench_training.py --dry-run                    # the plan: groups, models, recipes
     python benchmarks/step/bench_training.py --device cpu --tiny --modes eager --json /tmp/t.json   # CPU check
 
@@ -20,10 +20,10 @@ each), so the two-call form is the safe one.
 
 Every group is one ``(shape, recipe, mode)``: the residual model and the mHC model
 (``n_streams=4``, ``init="paper"`` unless ``--init``, the default fused site) are
-built afresh (with ``--stream-dtypes hidden,autocast``, one mHC model per
-``MHCConfig.stream_dtype`` setting, ``mhc`` and ``mhc[autocast]``, all timed in
-the same rounds; ``autocast`` is ``hidden`` in the ``bf16`` recipe and is then
-left out) for it on the device, each runs one warm-up step (compiled: the
+built afresh (with ``--stream-dtypes autocast,hidden``, one mHC model per
+``MHCConfig.stream_dtype`` setting, ``mhc`` and ``mhc[hidden]``, all timed in
+the same rounds; without autocast the two settings are one, so the ``bf16``
+recipe runs only the first) for it on the device, each runs one warm-up step (compiled: the
 first step compiles and is timed alone as the compile time, then one more),
 then their steps are timed in interleaved rounds in this one process
 (``common.interleaved``: ``--rounds`` rounds of ``--warmup`` untimed and ``--steps``
@@ -80,8 +80,8 @@ first) and the ratio; compile seconds and dynamo's graphs and graph breaks.
 With ``--kernels``: each fused site kernel's µs per call and bandwidth
 against a device copy, bytes from ``common.site_kernel_bytes`` with the
 element size of the streams (the embedding's dtype under the model's
-``stream_dtype``: 2 bytes under ``bf16``, 4 under ``autocast`` with the default
-``hidden``, whose streams are float32, 2 with ``autocast``), and the site kernels'
+``stream_dtype``: 2 bytes under ``bf16``; under ``autocast`` 2 with the default
+``autocast``, 4 with ``hidden``, whose streams are float32), and the site kernels'
 share of the step's kernel time. A markdown table is printed at the end;
 ``--json PATH`` writes everything, with ``common.environment()``, the date and
 ``--commit`` (default: ``git rev-parse`` where there is a ``.git``).
@@ -118,7 +118,7 @@ from training_models import (  # noqa: E402  (benchmarks/step/, this script's fo
     streams_dtype,
 )
 
-from mhc.streams import STREAM_DTYPES  # noqa: E402
+from mhc.streams import DEFAULT_STREAM_DTYPE, STREAM_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = ("small_gpu", "134m", "1b")
@@ -129,11 +129,9 @@ MODES = ("eager", "compiled")
 def model_kinds(recipe: str, stream_dtypes: list[str]) -> dict[str, str]:
     """The models of a group, name -> ``MHCConfig.stream_dtype``: the residual model, then one mHC model per
     ``--stream-dtypes`` entry, the first named ``mhc`` and the others ``mhc[<setting>]``. In the ``bf16`` recipe
-    (no autocast) ``"autocast"`` is ``"hidden"``, and left out when both are asked."""
+    (no autocast) every setting keeps the hidden state's dtype, so only the first is run."""
     kinds = {"residual": "hidden"}
-    for setting in stream_dtypes:
-        if recipe == "bf16" and setting == "autocast" and "hidden" in stream_dtypes:
-            continue
+    for setting in stream_dtypes[:1] if recipe == "bf16" else stream_dtypes:
         kinds["mhc" if len(kinds) == 1 else f"mhc[{setting}]"] = setting
     return kinds
 
@@ -177,9 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--stream-dtypes",
-        default="hidden",
+        default=DEFAULT_STREAM_DTYPE,
         help=f"comma-separated MHCConfig.stream_dtype settings, of {','.join(STREAM_DTYPES)}: one mHC model each, "
-        "timed in the same rounds (default hidden, the library's default)",
+        f"timed in the same rounds (default {DEFAULT_STREAM_DTYPE}, the library's default)",
     )
     ap.add_argument(
         "--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)"

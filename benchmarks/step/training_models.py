@@ -32,12 +32,12 @@ def preset_config(
     seq: int | None = None,
     init: str = "paper",
     tiny: bool = False,
-    stream_dtype: str = "hidden",
+    stream_dtype: str | None = None,
 ):
     """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
 
-    The mHC one gets ``mhc_options.init = init`` (and ``mhc_options.stream_dtype`` unless ``"hidden"``, the
-    default); ``batch``/``seq`` replace the preset's (the Llama shapes' optimizer settings are the preset's too);
+    The mHC one gets ``mhc_options.init = init`` (and ``mhc_options.stream_dtype`` unless ``None``, the
+    library's default); ``batch``/``seq`` replace the preset's (the Llama shapes' optimizer settings are the preset's too);
     ``tiny`` shrinks the model.
     """
     from mhc.train import load_config
@@ -45,7 +45,7 @@ def preset_config(
     overrides: dict = {}
     if kind == "mhc":
         overrides["mhc_options"] = {"init": init}
-        if stream_dtype != "hidden":
+        if stream_dtype is not None:
             overrides["mhc_options"]["stream_dtype"] = stream_dtype
     if tiny:
         overrides.update(
@@ -112,10 +112,12 @@ def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
 
 
 def build(
-    shape: str, kind: str, recipe: str, device: torch.device, args, stream_dtype: str = "hidden"
+    shape: str, kind: str, recipe: str, device: torch.device, args, stream_dtype: str | None = None
 ) -> torch.nn.Module:
     """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode;
-    the mHC one keeps its streams in ``stream_dtype`` (``MHCConfig.stream_dtype``)."""
+    the mHC one keeps its streams in ``stream_dtype`` (``MHCConfig.stream_dtype``; ``None``: the library's default).
+    The residual one is the base model: a Llama, or the preset's ``mode="residual"``, which keeps its stream in the
+    hidden state's dtype whatever ``stream_dtype`` says."""
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     torch.manual_seed(0)
     if shape == "small_gpu":  # as mhc.train.loop.train: seed, build_model on the CPU, model.to(device)
@@ -136,7 +138,8 @@ def build(
         if kind == "mhc":
             import mhc
 
-            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init, stream_dtype=stream_dtype)
+            options = {} if stream_dtype is None else {"stream_dtype": stream_dtype}
+            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init, **options)
     return model.train()
 
 

@@ -19,7 +19,7 @@ except ImportError:  # transformers 4.x
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..options import MHCOptions, check_options, close_option
-from ..streams import STREAM_DTYPES
+from ..streams import DEFAULT_STREAM_DTYPE, STREAM_DTYPES
 from .adapters import Adapter, registered_adapter, supported_model_types
 
 __all__ = ["MHCConfig", "MHC_FIELDS"]
@@ -120,13 +120,16 @@ class MHCConfig(_BaseConfig):
         reduce: ``"mean"`` or ``"learned"`` (one fp32 weight per stream,
             starting at ``1/n``) to merge the streams before the final norm.
         stream_dtype: what the streams are kept in (:func:`mhc.streams.stream_dtype_for`):
-            ``"hidden"`` (default: the hidden state's dtype, so float32 for
+            ``"autocast"`` (default: bf16 streams while bf16 autocast is on,
+            as the mHC paper trains, for half the site's stream traffic; the
+            hidden state's dtype otherwise, so a model without autocast is
+            exact) or ``"hidden"`` (the hidden state's dtype: float32 for
             float32 weights under bf16 autocast, as the residual model keeps
-            its stream), ``"autocast"`` (autocast's dtype while autocast is on,
-            the paper's bf16 streams; the hidden state's dtype otherwise).
-            The coefficients are float32 whatever it is. With ``"autocast"``
-            the merged streams go back to the embeddings' dtype before the
-            final norm.
+            its stream, and bit-exact to the base model under autocast too).
+            The coefficients are float32 whatever it is. The merged streams go
+            back to the embeddings' dtype before the final norm. ``mode="residual"``
+            is the base model and keeps its stream in the hidden state's dtype
+            whatever this says.
         adapter: how the base model's decoder layers are wrapped, an
             :class:`mhc.hf.adapters.Adapter` or its ``to_dict()`` (stored as the
             dict). :func:`mhc.convert_to_mhc` records the adapter it used, so a
@@ -161,7 +164,7 @@ class MHCConfig(_BaseConfig):
         norm_eps: float = 1e-6,
         expand: str = "copy",
         reduce: str = "mean",
-        stream_dtype: str = "hidden",
+        stream_dtype: str = DEFAULT_STREAM_DTYPE,
         adapter: Adapter | dict | None = None,
         **kwargs,
     ):

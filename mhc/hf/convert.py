@@ -130,7 +130,7 @@ def convert_to_mhc(
     if check:
         try:
             # The check tests the adapter: streams in the hidden state's dtype, as the original's.
-            chosen = mhc_model.stream_dtype
+            chosen = mhc_model.config.stream_dtype
             mhc_model.set_stream_dtype("hidden")
             try:
                 with identity_coefficients(mhc_model):

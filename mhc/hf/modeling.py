@@ -66,7 +66,7 @@ except ImportError:  # pragma: no cover - very old transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..block import MHCBlock
-from ..streams import STREAM_DTYPES, StreamReduce, expand_streams, stream_dtype_for
+from ..streams import STREAM_DTYPES, StreamReduce, effective_stream_dtype, expand_streams, stream_dtype_for
 from .adapters import Adapter
 from .branch import SiteBranch
 from .config import MHCConfig
@@ -149,7 +149,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.n_streams = config.n_streams
         self.expand_input = expand_input
-        self.stream_dtype = config.stream_dtype
+        self.stream_dtype = effective_stream_dtype(config.mode, config.stream_dtype)
         hidden = config.get_text_config().hidden_size
         opts = config.options()
         k = len(adapter.sites)
@@ -267,7 +267,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
-        self.stream_dtype = config.stream_dtype
+        self.stream_dtype = effective_stream_dtype(config.mode, config.stream_dtype)
 
         layers = self.model.get_submodule(adapter.layers)
         for i in range(len(layers)):
@@ -292,7 +292,8 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         return [site.module_name for site in self.adapter.sites]
 
     def set_stream_dtype(self, stream_dtype: str) -> None:
-        """Keep the streams in ``stream_dtype`` from the next forward on (``config.stream_dtype`` follows).
+        """Keep the streams in ``stream_dtype`` from the next forward on (``config.stream_dtype`` follows;
+        ``mode="residual"`` keeps the hidden state's dtype whatever it is).
 
         Args:
             stream_dtype: one of :data:`mhc.streams.STREAM_DTYPES` (see :class:`MHCConfig`).
@@ -303,9 +304,9 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         if stream_dtype not in STREAM_DTYPES:
             raise ValueError(f"stream_dtype must be one of {', '.join(STREAM_DTYPES)}; got {stream_dtype!r}")
         self.config.stream_dtype = stream_dtype
-        self.stream_dtype = stream_dtype
+        self.stream_dtype = effective_stream_dtype(self.config.mode, stream_dtype)
         for layer in self.decoder_layers():
-            layer.stream_dtype = stream_dtype
+            layer.stream_dtype = self.stream_dtype
 
     def decoder_layers(self) -> list[MHCDecoderLayer]:
         """The wrapped decoder layers, in order."""
