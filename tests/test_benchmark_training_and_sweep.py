@@ -127,6 +127,25 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         "kernel_ms_per_step"
     ] == pytest.approx(27.0)
     assert kernels["site_share"] == pytest.approx(44.0 / 54.0) and kernels["stream_bytes"] == 4
+    # The mHC step's non-site kernels against the residual step's: site kernels left out, largest excess first,
+    # kernels the residual step lacks counted from zero, ones that take no more left out.
+    mhc_ms = bt.kernel_ms(
+        averages
+        + [
+            SimpleNamespace(key="cast_kernel", count=4, self_device_time_total=4000.0),
+            SimpleNamespace(key="rms_norm", count=4, self_device_time_total=3000.0),
+            SimpleNamespace(key="idle_entry", count=1, self_device_time_total=0.0),
+        ],
+        2,
+    )
+    assert mhc_ms == {"postmix_fwd": 22.0, "nvjet_gemm": 5.0, "cast_kernel": 2.0, "rms_norm": 1.5}
+    residual_ms = {"nvjet_gemm": 5.0, "rms_norm": 1.0}
+    extra = bt.extra_kernels(mhc_ms, residual_ms, set(common.site_kernel_bytes(T, 4, C, 4)))
+    assert extra == [("cast_kernel", 2.0, 0.0), ("rms_norm", 1.5, 1.0)]
+    kernels.update(residual_kernel_ms_per_step=6.0, extra_kernels=extra)
+    text = bt.kernel_table({"kernels": kernels, "shape": "1b", "recipe": "autocast", "mode": "eager"})
+    assert "residual step's kernel time 6.00 ms" in text and "take -1.00 ms more" in text
+    assert "| `cast_kernel` | 2.000 | 0.000 |" in text
 
     def figures(ms, peak, compile_s, dtype="torch.float32", setting="hidden"):
         return {
@@ -277,7 +296,9 @@ def test_sweep_site_kernels_options_grids_and_error_bound():
     sw = _sweep_site_kernels()
     bf = sw.parse_args([])
     assert (
-        bf.shapes == [(768, 16384), (2048, 8192)] and bf.kernels == list(sw.KERNELS) and bf.precisions == ()
+        bf.shapes == [(512, 16384), (768, 16384), (2048, 8192)]
+        and bf.kernels == list(sw.KERNELS)
+        and bf.precisions == ()
     )
     assert (bf.reference, bf.tol, bf.screen) == ("plan", 2e-2, 0)
     f32 = sw.parse_args(["--dtype", "float32"])
@@ -303,7 +324,7 @@ def test_sweep_site_kernels_options_grids_and_error_bound():
     assert {k: len(v) for k, v in bf16.items()} == {
         "coeff_partial": 108,
         "coeff_fwd": 54,
-        "postmix_fwd": 18,
+        "postmix_fwd": 36,
         "postmix_bwd": 24,
         "coeff_bwd": 27,
         "stream_grad": 72,

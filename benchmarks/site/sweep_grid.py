@@ -13,10 +13,10 @@ N_STREAMS = 4
 KERNELS = ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
 DOT_KERNELS = ("coeff_partial", "stream_grad", "phi_grad")  # the kernels with a tl.dot (PRECISION)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Shapes (C, T): the 134M step (batch 8 x 2048) and the 1.1B step (batch 4 x 2048); for float32 also
-# the small_gpu preset's (batch 32 x 512 at hidden 512), which issue #49's profile was taken at.
+# Shapes (C, T): the small_gpu preset's step (batch 32 x 512 at hidden 512, issue #49's profile), the 134M
+# step (batch 8 x 2048) and the 1.1B step (batch 4 x 2048).
 DEFAULT_SHAPES = {
-    "bfloat16": ((768, 16384), (2048, 8192)),
+    "bfloat16": ((512, 16384), (768, 16384), (2048, 8192)),
     "float32": ((512, 16384), (768, 16384), (2048, 8192)),
 }
 DEFAULT_KERNELS = {"bfloat16": KERNELS, "float32": ("coeff_partial", "stream_grad", "phi_grad", "coeff_bwd")}
@@ -29,7 +29,7 @@ GRID = {  # bf16, as swept for the plan (notes/block_benchmarks.md)
         BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
     ),
     "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
-    "postmix_fwd": dict(BC=(512, 1024), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
+    "postmix_fwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4, 8), num_stages=(1, 2, 3)),
     "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
     "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
     "stream_grad": dict(

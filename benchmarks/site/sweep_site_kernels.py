@@ -1,6 +1,6 @@
 """Launch-configuration sweep of the fused site's seven Triton kernels (CUDA).
 
-    python benchmarks/site/sweep_site_kernels.py                          # bf16: 134M and 1.1B shapes, every kernel
+    python benchmarks/site/sweep_site_kernels.py                          # bf16: small_gpu, 134M and 1.1B shapes, every kernel
     python benchmarks/site/sweep_site_kernels.py --shapes 2048x8192 --kernels coeff_partial,stream_grad
     python benchmarks/site/sweep_site_kernels.py --jobs 12 --json sweep.json
     python benchmarks/site/sweep_site_kernels.py --dtype float32 --jobs 14 --json sweep32.json --budget 460
@@ -11,7 +11,7 @@ then times each kernel under its :class:`mhc.fused.plan.Plan` launch
 (``plan``) and under every variant of a grid: tile sizes, ``num_warps`` and
 ``num_stages`` (the plan leaves Triton's default of 3 unless it says).
 
-bfloat16 (the default; the 134M and 1.1B shapes, every kernel): each
+bfloat16 (the default; the small_gpu, 134M and 1.1B shapes, every kernel): each
 variant's outputs are checked against the plan's (``max rel``: the largest
 difference over the largest value of each output); a variant over ``--tol``
 (2e-2) is marked ``WRONG`` and never counted best. Every variant is timed in

@@ -81,8 +81,10 @@ With ``--kernels``: each fused site kernel's µs per call and bandwidth
 against a device copy, bytes from ``common.site_kernel_bytes`` with the
 element size of the streams (the embedding's dtype under the model's
 ``stream_dtype``: 2 bytes under ``bf16``; under ``autocast`` 2 with the default
-``autocast``, 4 with ``hidden``, whose streams are float32), and the site kernels'
-share of the step's kernel time. A markdown table is printed at the end;
+``autocast``, 4 with ``hidden``, whose streams are float32), the site kernels'
+share of the step's kernel time, the residual step's kernel time (profiled
+the same way) and the non-site kernels that take most more time in the mHC
+step than in the residual one (casts, norms, copies around the sites). A markdown table is printed at the end;
 ``--json PATH`` writes everything, with ``common.environment()``, the date and
 ``--commit`` (default: ``git rev-parse`` where there is a ``.git``).
 
@@ -257,8 +259,8 @@ def dynamo_counts() -> dict:
     }
 
 
-def site_kernels(step, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
-    """The fused site kernels of ``steps`` calls of ``step`` under ``torch.profiler`` (:func:`kernel_figures`)."""
+def profiled_kernels(step, steps: int):
+    """``torch.profiler``'s ``key_averages()`` of ``steps`` calls of ``step`` (CUDA activity only)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -266,7 +268,29 @@ def site_kernels(step, steps: int, T: int, C: int, elt: int, copy: float) -> dic
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return kernel_figures(prof.key_averages(), steps, T, C, elt, copy)
+    return prof.key_averages()
+
+
+def kernel_ms(averages, steps: int) -> dict[str, float]:
+    """``{kernel name: ms per step}`` of every kernel with device time in ``averages``."""
+    return {e.key: e.self_device_time_total / steps / 1e3 for e in averages if e.self_device_time_total > 0}
+
+
+def extra_kernels(
+    mhc_ms: dict[str, float], residual_ms: dict[str, float], site: set[str], top: int = 12
+) -> list:
+    """The non-site kernels that take most more time per step in the mHC step than in the residual one.
+
+    ``[(name, mHC ms, residual ms)]``, largest difference first; what the step costs beyond the site kernels
+    (casts, norms, reductions, copies the site's neighbours make). Names are cut to 120 characters.
+    """
+    rows = [
+        (name[:120], ms, residual_ms.get(name, 0.0))
+        for name, ms in mhc_ms.items()
+        if not any(name == k or name.startswith(k + "_") for k in site)
+    ]
+    rows.sort(key=lambda r: r[2] - r[1])
+    return [r for r in rows[:top] if r[1] - r[2] > 0.005]
 
 
 def kernel_figures(averages, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
@@ -359,9 +383,16 @@ def run_group(
     mhc_kinds = [k for k in kinds if k != "residual"]
     kernels = {}
     if args.kernels:
+        # The residual step's kernels too: what the mHC step spends beyond its site kernels, and where.
+        residual_ms = kernel_ms(profiled_kernels(steps["residual"], args.kernel_steps), args.kernel_steps)
         for kind in mhc_kinds:
             elt = streams_dtype(models[kind], recipe, device).itemsize
-            kernels[kind] = site_kernels(steps[kind], args.kernel_steps, B * S, plan["hidden"], elt, copy)
+            averages = profiled_kernels(steps[kind], args.kernel_steps)
+            k = kernel_figures(averages, args.kernel_steps, B * S, plan["hidden"], elt, copy)
+            k["residual_kernel_ms_per_step"] = sum(residual_ms.values())
+            site = set(common.site_kernel_bytes(B * S, N_STREAMS, plan["hidden"], elt))
+            k["extra_kernels"] = extra_kernels(kernel_ms(averages, args.kernel_steps), residual_ms, site)
+            kernels[kind] = k
     for kind in kinds:
         figures[kind]["skipped_steps"] = steps[kind].counts["skipped"]
         figures[kind]["steps_run"] = steps[kind].counts["steps"] if recipe == "autocast" else None
@@ -463,6 +494,14 @@ def kernel_table(g: dict, kind: str = "mhc") -> str:
         f"\nsite kernels {k['site_ms_per_step']:.2f} ms of {k['kernel_ms_per_step']:.2f} ms kernel time "
         f"per step ({share} %), over {k['profiled_steps']} profiled steps"
     )
+    if k.get("residual_kernel_ms_per_step") is not None:
+        res = k["residual_kernel_ms_per_step"]
+        other = k["kernel_ms_per_step"] - k["site_ms_per_step"] - res
+        lines.append(
+            f"residual step's kernel time {res:.2f} ms: the mHC step's other kernels take {other:+.2f} ms more; "
+            "most more:\n\n| kernel | mHC ms/step | residual ms/step |\n|---|---|---|"
+        )
+        lines += [f"| `{name}` | {m:.3f} | {r:.3f} |" for name, m, r in k.get("extra_kernels", [])]
     return "\n".join(lines)
 
 
