@@ -215,6 +215,27 @@ def test_plan_runs_fp32_stream_dots_as_three_tf32_products_in_small_tiles(T, C, 
     assert {plan64.coeff_partial.meta["PRECISION"], plan64.stream_grad.meta["PRECISION"]} == {"ieee"}
 
 
+@pytest.mark.parametrize(
+    "dtype, C, n, warps",
+    [
+        (torch.bfloat16, 512, 4, 2),  # small_gpu: 4 warps ran at 0.16x a copy, 2 at 0.92x
+        (torch.bfloat16, 768, 4, 4),  # 134M and 1.1B: [4, 1024] tiles, 4 warps at copy speed
+        (torch.bfloat16, 2048, 4, 4),
+        (torch.float32, 512, 4, 4),
+        (torch.float32, 2048, 4, 4),
+        (torch.bfloat16, 64, 4, 1),
+        (torch.bfloat16, 2048, 8, 2),
+    ],
+)
+def test_plan_gives_postmix_fwd_no_more_warps_than_a_row_of_loads_fills(dtype, C, n, warps):
+    """postmix_fwd's warps: one 16-byte load per lane across a tile row, so no warp holds part of the n rows only."""
+    from mhc.fused import plan as fused_plan
+
+    meta = fused_plan.Plan(torch.Size((16384, n, C)), dtype, torch.device("cpu")).postmix_fwd.meta
+    assert meta["num_warps"] == warps
+    assert meta["BC"] * dtype.itemsize >= 32 * 16 * warps or warps == 1
+
+
 @pytest.mark.parametrize("lead", [(), (5,), (2, 1, 3)])
 def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
     """The nodes pass the streams' leading shape through (no flattening outside them): u, x', dx and dy keep it."""

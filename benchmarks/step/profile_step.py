@@ -38,6 +38,12 @@ Functions' forward and backward, launches), then one more with
 it reports, by message. A step whose host time exceeds the sum of its parts
 here waited on the GPU somewhere.
 
+``--recipe autocast`` profiles instead the step of ``bench_training.py``'s autocast recipe
+(``benchmarks/step/training_models.py``: float32 weights under bf16 autocast, ``mhc.train``'s loop
+body with its two host syncs) for ``--shape`` (134m, 1b or small_gpu, at that shape's batch x seq; the
+mHC model's streams per ``--stream-dtype``, default the library's). ``--steps`` needs the
+default recipe (its step marks the forward's end); ``--timeline`` and ``--host-table`` take both.
+
 ``--timeline`` follows one more step: at the start of each decoder layer's
 forward and backward, and at the end of the forward (with the loss), of the
 backward and of the optimizer step, it prints when the host enqueued that point and when the GPU
@@ -88,31 +94,63 @@ def main() -> None:
         action="store_true",
         help="also one step's ops by self CPU time, and the syncs of one step",
     )
+    ap.add_argument(
+        "--recipe",
+        choices=("bf16", "autocast"),
+        default="bf16",
+        help="bf16: the model cast to bf16 (default); autocast: bench_training.py's autocast step",
+    )
+    ap.add_argument(
+        "--shape", choices=("134m", "1b", "small_gpu"), default="134m", help="with --recipe autocast"
+    )
+    ap.add_argument(
+        "--stream-dtype",
+        choices=("autocast", "hidden"),
+        default=None,
+        help="with --recipe autocast: the mHC model's MHCConfig.stream_dtype (default: the library's)",
+    )
     args = ap.parse_args()
+    if args.recipe == "autocast" and (args.steps or args.compile or args.keep_streams_every):
+        ap.error(
+            "--recipe autocast takes --timeline and --host-table; not --steps, --compile, --keep-streams-every"
+        )
     common.require_cuda("profile_step.py")
-    cfg = common.llama_134m(max(2048, args.seq))
+    if args.recipe == "autocast":
+        import training_models  # benchmarks/step/, this script's folder
+
+        plan = training_models.shape_plan(args.shape, tiny=False)
+        args.batch, args.seq, hidden, vocab = plan["batch"], plan["seq"], plan["hidden"], plan["vocab"]
+    else:
+        cfg = common.llama_134m(max(2048, args.seq))
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
 
     copy = common.copy_gbps()
-    print(f"device copy: {copy:.0f} GB/s")
+    print(
+        f"device copy: {copy:.0f} GB/s; recipe {args.recipe}"
+        + (f", {args.shape}" if args.recipe != "bf16" else "")
+    )
     models = [("residual", None, {}), ("mhc n=4 fused", 4, {"init": "paper"})]
     if args.keep_streams_every:
         k = args.keep_streams_every
         models.append((f"mhc n=4 keep {k}", 4, {"init": "paper", "keep_streams_every": k}))
     for name, streams, options in models:
-        model = common.llama_model(cfg, streams, **options) if streams else common.llama_model(cfg)
-        if args.compile:
-            model.forward = torch.compile(model.forward, fullgraph=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
+        ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
+        if args.recipe == "autocast":
+            model, step = autocast_step(args, "mhc" if streams else "residual", ids)
+        else:
+            model = common.llama_model(cfg, streams, **options) if streams else common.llama_model(cfg)
+            if args.compile:
+                model.forward = torch.compile(model.forward, fullgraph=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def step(mark=lambda label: None):
-            loss = model(input_ids=ids, labels=ids).loss
-            mark("forward done")
-            loss.backward()
-            mark("backward done")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            mark("optimizer done")
+            def step(mark=lambda label: None):
+                loss = model(input_ids=ids, labels=ids).loss
+                mark("forward done")
+                loss.backward()
+                mark("backward done")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mark("optimizer done")
 
         for _ in range(3):
             step()
@@ -152,20 +190,41 @@ def main() -> None:
                 )
             )
         if streams:
-            print(
-                site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, cfg.hidden_size, copy)
+            elt = (
+                2
+                if args.recipe == "bf16"
+                else training_models.streams_dtype(model, "autocast", ids.device).itemsize
             )
-        model = opt = None  # freed (the step closures above read these names)
+            print(site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, hidden, copy, elt))
+        model = opt = step = None  # freed (the step closures above read these names)
         torch.cuda.empty_cache()
 
 
-def site_kernel_table(averages, T: int, n: int, C: int, copy: float) -> str:
+def autocast_step(args, kind: str, ids):
+    """``(model, step(mark))``: ``kind``'s model of ``args.shape`` and bench_training.py's autocast-recipe step."""
+    import types
+
+    import training_models
+
+    options = types.SimpleNamespace(init="paper", tiny=False)
+    model = training_models.build(args.shape, kind, "autocast", ids.device, options, args.stream_dtype)
+    cfg = training_models.preset_config("mhc", batch=args.batch, seq=args.seq, init="paper", tiny=False)
+    inner = training_models.make_step(model, "autocast", model, ids, ids.device, cfg)
+
+    def step(mark=lambda label: None):
+        inner()
+        mark("optimizer done")
+
+    return model, step
+
+
+def site_kernel_table(averages, T: int, n: int, C: int, copy: float, elt: int = 2) -> str:
     """The fused site's kernels in one profiled step: µs per call and bandwidth over a device copy's.
 
-    Bytes are :func:`common.site_kernel_bytes` (bf16 streams, each array counted once): what the
-    kernel must move, so ``× copy`` is how near it runs to the memory floor (issue #22 asks 0.85).
+    Bytes are :func:`common.site_kernel_bytes` (streams of ``elt`` bytes, each array counted once): what
+    the kernel must move, so ``× copy`` is how near it runs to the memory floor (issue #22 asks 0.85).
     """
-    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C), copy)
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C, elt), copy)
     lines = [
         f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
         f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}",

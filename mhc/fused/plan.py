@@ -187,9 +187,12 @@ class Plan:
             COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
-        # were 8-30x slower (n=4, C=2048).
+        # were 8-30x slower (n=4, C=2048). As many warps as 16-byte loads of a row fill (up to 4):
+        # more split the n rows across warps, and the sum over them then goes through shared memory.
+        # bf16 at C = 512 (small_gpu): 4 warps 326 µs, 2 warps 56.4 (0.92x a copy; H100, the sweep).
         BC = min(4096 // NP, _pow2(C, 16))
-        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc)
+        warps = max(1, min(4, BC * dtype.itemsize // (32 * 16)))
+        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=warps)
         # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
         self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
