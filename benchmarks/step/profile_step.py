@@ -41,8 +41,10 @@ here waited on the GPU somewhere.
 ``--recipe autocast`` profiles instead the step of ``bench_training.py``'s autocast recipe
 (``benchmarks/step/training_models.py``: float32 weights under bf16 autocast, ``mhc.train``'s loop
 body with its two host syncs) for ``--shape`` (134m, 1b or small_gpu, at that shape's batch x seq; the
-mHC model's streams per ``--stream-dtype``, default the library's). ``--steps`` needs the
-default recipe (its step marks the forward's end); ``--timeline`` and ``--host-table`` take both.
+mHC model's streams per ``--stream-dtype``, default the library's; ``--compile`` compiles as
+``mhc.train`` does). ``--steps`` needs the default recipe (its step marks the forward's end);
+``--timeline`` and ``--host-table`` take both (``--timeline`` not compiled: its hooks are on the
+layers). ``--mhc-only`` skips the residual model.
 
 ``--timeline`` follows one more step: at the start of each decoder layer's
 forward and backward, and at the end of the forward (with the loss), of the
@@ -109,10 +111,16 @@ def main() -> None:
         default=None,
         help="with --recipe autocast: the mHC model's MHCConfig.stream_dtype (default: the library's)",
     )
+    ap.add_argument(
+        "--mhc-only", action="store_true", help="profile the mHC model only, not the residual one"
+    )
     args = ap.parse_args()
-    if args.recipe == "autocast" and (args.steps or args.compile or args.keep_streams_every):
+    if args.recipe == "autocast" and (
+        args.steps or args.keep_streams_every or (args.compile and args.timeline)
+    ):
         ap.error(
-            "--recipe autocast takes --timeline and --host-table; not --steps, --compile, --keep-streams-every"
+            "--recipe autocast takes --timeline, --host-table and --compile (not with --timeline); "
+            "not --steps or --keep-streams-every"
         )
     common.require_cuda("profile_step.py")
     if args.recipe == "autocast":
@@ -129,7 +137,7 @@ def main() -> None:
         f"device copy: {copy:.0f} GB/s; recipe {args.recipe}"
         + (f", {args.shape}" if args.recipe != "bf16" else "")
     )
-    models = [("residual", None, {}), ("mhc n=4 fused", 4, {"init": "paper"})]
+    models = [("residual", None, {}), ("mhc n=4 fused", 4, {"init": "paper"})][1 if args.mhc_only else 0 :]
     if args.keep_streams_every:
         k = args.keep_streams_every
         models.append((f"mhc n=4 keep {k}", 4, {"init": "paper", "keep_streams_every": k}))
@@ -209,7 +217,9 @@ def autocast_step(args, kind: str, ids):
     options = types.SimpleNamespace(init="paper", tiny=False)
     model = training_models.build(args.shape, kind, "autocast", ids.device, options, args.stream_dtype)
     cfg = training_models.preset_config("mhc", batch=args.batch, seq=args.seq, init="paper", tiny=False)
-    inner = training_models.make_step(model, "autocast", model, ids, ids.device, cfg)
+    # --compile: as mhc.train compiles (torch.compile of the model, default mode); the warm-up steps compile
+    run = training_models.compile_model(model, "inductor", ids.device, cfg) if args.compile else model
+    inner = training_models.make_step(model, "autocast", run, ids, ids.device, cfg)
 
     def step(mark=lambda label: None):
         inner()
