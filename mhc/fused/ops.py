@@ -38,8 +38,11 @@ __all__ = ["site_pre", "post_mix", "SitePre", "PostMix"]
 
 
 def _on_device(x: Tensor):
-    # Triton launches on the current CUDA device; the op may run under another.
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    # Triton launches on the current CUDA device; the op may run under another. Entering a device
+    # context costs host time on every call, so only when it is another.
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def _coefficient_dtype(x: Tensor) -> torch.dtype:
@@ -92,13 +95,13 @@ def _site_pre_backward_op(
     zr: Tensor,
     h: Tensor,
     H_res: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dφ, dα, db_pre, db_post, db_res)`` of :func:`mhc.fused.steps.pre_backward`."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dφ, sums)`` of :func:`mhc.fused.steps.pre_backward_sums` (``sums``: the small gradients)."""
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
     with _on_device(x):
-        grads = _steps.pre_backward(
+        return _steps.pre_backward_sums(
             plan,
             d_out,
             du,
@@ -113,8 +116,6 @@ def _site_pre_backward_op(
             True,
             True,
         )
-    # outputs of a custom op may not be views of one another
-    return tuple(g.clone() if g._base is not None else g for g in grads)
 
 
 @_site_pre_backward_op.register_fake
@@ -124,10 +125,7 @@ def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
     return (
         torch.empty_like(x),
         phi.new_empty(phi.shape, dtype=cdt),
-        x.new_empty((3,), dtype=cdt),
-        x.new_empty((n,), dtype=cdt),
-        x.new_empty((n,), dtype=cdt),
-        x.new_empty((n, n), dtype=cdt),
+        x.new_empty((2 * (n * n + 2 * n) + 4,), dtype=cdt),
     )
 
 
@@ -178,7 +176,7 @@ class SitePre(torch.autograd.Function):
         x, phi, alpha, zr, h, H_res = ctx.saved_tensors
         # d_link is dx' (what PostMix's backward returns for link), not a gradient of x itself.
         zeros = torch.zeros_like
-        dx, dphi, d_alpha, db_pre, db_post, db_res = _site_pre_backward_op(
+        dx, dphi, sums = _site_pre_backward_op(
             zeros(x) if d_link is None else d_link,
             zeros(x[..., 0, :]) if du is None else du,
             zeros(h) if d_h is None else d_h,
@@ -190,7 +188,7 @@ class SitePre(torch.autograd.Function):
             h,
             H_res,
         )
-        return dx, dphi, d_alpha, db_pre, db_post, db_res, None, None
+        return dx, dphi, *_steps.coefficient_grads(sums, x.shape[-2]), None, None
 
 
 class PostMix(torch.autograd.Function):

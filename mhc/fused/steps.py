@@ -16,7 +16,15 @@ from ..projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
 from ..projection import cuda as _projection_cuda
 from . import plan as _plans
 
-__all__ = ["dense", "pre_forward", "pre_backward", "post_forward", "post_backward"]
+__all__ = [
+    "dense",
+    "pre_forward",
+    "pre_backward",
+    "pre_backward_sums",
+    "coefficient_grads",
+    "post_forward",
+    "post_backward",
+]
 
 _coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = (
     _plans.LAUNCHERS.values()
@@ -66,7 +74,31 @@ def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs
     ``d_out`` is ``dx'``, the post-mix's output gradient (its ``H_resᵀ dx'``
     term is added here, in the same pass that writes ``dx``), or ``None``
     when the site's output took no part in the loss. ``dx`` / ``dφ`` are
-    ``None`` unless asked for.
+    ``None`` unless asked for. The four small gradients are views of one
+    vector (:func:`pre_backward_sums`).
+    """
+    dx, dphi, sums = pre_backward_sums(
+        plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs_dx, needs_dphi
+    )
+    return dx, dphi, *coefficient_grads(sums, plan.n)
+
+
+def coefficient_grads(sums: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dα [3], db_pre [n], db_post [n], db_res [n, n])``: views of :func:`pre_backward_sums`' ``sums``."""
+    Z = n * n + 2 * n
+    _, db_pre, db_post, db_res, d_alpha, _ = sums.split_with_sizes([Z, n, n, n * n, 3, 1])
+    return d_alpha, db_pre, db_post, db_res.view(n, n)
+
+
+def pre_backward_sums(
+    plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs_dx: bool, needs_dphi: bool
+):
+    """:func:`pre_backward` with the small gradients left in one vector: ``(dx, dφ, sums [2Z + 4])``.
+
+    ``sums`` is the token sum of the coefficient backward's per-token rows;
+    :func:`coefficient_grads` takes it apart. A custom op returns it whole,
+    since its outputs may not be views of one another and copying four small
+    views costs host time on every call.
     """
     T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
     d_res = dense(d_res, plan.cdt)
@@ -78,7 +110,7 @@ def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs
     du = dense(du)
     work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
     _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, C)
-    _, db_pre, db_post, db_res, d_alpha, _ = work.sum(0).split_with_sizes([Z, n, n, n * n, 3, 1])
+    sums = work.sum(0)
 
     dx = dphi = None
     if needs_dx:
@@ -89,7 +121,7 @@ def pre_backward(plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, needs
         part = zr.new_empty((plan.phi_splits, Z, n * C))
         _phi_grad(plan.phi_grad, work, x, part, T, n * C, Z, plan.phi_tokens)
         dphi = part.sum(0)
-    return dx, dphi, d_alpha, db_pre, db_post, db_res.view(n, n)
+    return dx, dphi, sums
 
 
 def post_forward(plan, x, y, h, H_res) -> Tensor:
