@@ -529,7 +529,8 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
-    """Under torch.compile(fullgraph=True) the fused site runs as custom ops (mhc.fused.ops): no graph break,
+    """Under torch.compile(fullgraph=True) the fused site runs as torch.library ops (mhc.fused.ops; triton_ops on
+    CUDA, whose kernels inductor launches): no graph break,
     the eager fused numbers, forward and backward, for a stack whose sites hand dx' on through the graph."""
     from torch._dynamo.utils import counters
 
@@ -572,3 +573,42 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
     torch.testing.assert_close(dx_c, dx_e, **tol, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
     for a, b in zip(grads_c, grads_e):
         assert _rel(a, b) < (1e-4 if dtype == torch.float32 else 3e-2), f"seed {fresh_seed}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=f"{NO_CUDA}: inductor launches Triton kernels only on a GPU")
+def test_inductor_launches_the_site_kernels_itself(fresh_seed):
+    """On CUDA the step ops are triton_ops: inductor's code launches all seven site kernels, and no opaque
+    step op is left in it (each opaque call cost 75-300 µs of host time). 256 tokens, past the decode kernels."""
+    from torch._inductor.utils import run_and_get_code
+
+    C, n = 64, 4
+    block = fused_block(torch.nn.Linear(C, C).to(DEVICE), C, n, init="paper").to(DEVICE)
+    x = torch.randn(4, 64, n, C, device=DEVICE)
+    g = torch.randn_like(x)
+
+    def step(fn):
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        (out * g).sum().backward()
+        return out.detach(), xi.grad, [p.grad.clone() for p in block.parameters()]
+
+    out_e, dx_e, grads_e = step(block)
+    torch._dynamo.reset()
+    (out_c, dx_c, grads_c), code = run_and_get_code(step, torch.compile(block, fullgraph=True))
+    code = "\n".join(code)
+    for kernel in (
+        "coeff_partial",
+        "coeff_fwd",
+        "postmix_fwd",
+        "postmix_bwd",
+        "coeff_bwd",
+        "stream_grad",
+        "phi_grad",
+    ):
+        assert kernel in code, f"{kernel} is not launched by inductor's code"
+    assert "mhc.fused_" not in code, "an opaque step op is left in inductor's code"
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(dx_c, dx_e, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
+    for a, b in zip(grads_c, grads_e):
+        assert _rel(a, b) < 1e-4, f"seed {fresh_seed}"

@@ -1,4 +1,4 @@
-"""Fused mHC site for CUDA: the site's steps on Triton kernels, in a few passes over the streams.
+r"""Fused mHC site for CUDA: the site's steps on Triton kernels, in a few passes over the streams.
 
 :class:`mhc.MHCBlock` owns the site's flow (design.md §1): coefficients and
 pre-mix, then the sublayer ``F``, called once, then the post-mix. For CUDA
@@ -18,9 +18,10 @@ The modules, by what they hold:
   variants; :mod:`~mhc.fused.steps`: the kernel sequence of each step, forward
   and backward, written once.
 * :mod:`~mhc.fused.nodes`: the eager autograd nodes over those sequences;
-  :mod:`~mhc.fused.ops`: the same sequences as ``torch.library`` custom ops for
-  ``torch.compile``; :mod:`~mhc.fused.tokens`: a decode step's few tokens on the
-  CUDA extension's kernels.
+  :mod:`~mhc.fused.ops`: the same sequences as ``torch.library`` ops for
+  ``torch.compile`` (triton ops, whose kernels inductor launches itself);
+  :mod:`~mhc.fused.tokens`: a decode step's few tokens on the CUDA
+  extension's kernels.
 * :mod:`~mhc.fused.site`: the two steps on a chosen backend (what the block
   calls); :mod:`~mhc.fused.chain`: linked sites, whose post-mix serves the next
   site (decoding, ``keep_streams_every``); :mod:`~mhc.fused.record`: the

@@ -8,7 +8,10 @@ in the last column; ``h [T, 2n]`` = σ of H_pre's and H_post's columns, so
 The backward keeps one row per token, ``work [T, 2Z + 4]`` = ``[r·dz (Z) |
 dv (Z) | α's three group sums | c2]``: its column sums give ``db`` and
 ``dα``. ``ACC`` is float32, or float64 for float64 streams (gradcheck);
-every product and reduction runs in it.
+every product and reduction runs in it. Kernels take it as the flag
+``ACC64``: a bool constexpr, which inductor can put in the launch code it
+writes for them (``torch.library.triton_op``), where a Triton dtype is not
+assured to be.
 
 One kernel per memory pass (design.md §1 for the maths):
 
@@ -38,7 +41,6 @@ on CPU tensors (the tests do, on machines without CUDA).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -72,9 +74,10 @@ def coeff_partial(
     BK: tl.constexpr,
     ZP: tl.constexpr,
     PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     # One program: BM tokens over one split of the n·C columns. Its row of
     # part[split, t] holds x φᵀ in columns [0, Z) and Σ x² in column Z (ZP > Z always).
     Z: tl.constexpr = n * n + 2 * n
@@ -181,9 +184,10 @@ def coeff_fwd(
     BM: tl.constexpr,
     BC: tl.constexpr,
     ZP: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     K = n * C
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rz = tl.arange(0, ZP)
@@ -241,8 +245,9 @@ def postmix_fwd(
     n: tl.constexpr,
     NP: tl.constexpr,
     BC: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     t = tl.program_id(0).to(tl.int64)
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     rj = tl.arange(0, NP)
@@ -274,8 +279,9 @@ def postmix_bwd(
     n: tl.constexpr,
     NP: tl.constexpr,
     BC: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     # Everything is loaded straight into the 3-d layout of the [i, j, c]
     # products, so that no register layout has to be converted in the loop.
     t = tl.program_id(0).to(tl.int64)
@@ -315,8 +321,9 @@ def coeff_bwd(
     NP: tl.constexpr,
     ZP: tl.constexpr,
     BC: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     Z: tl.constexpr = n * n + 2 * n
     t = tl.program_id(0).to(tl.int64)
     ri = tl.arange(0, NP)
@@ -381,8 +388,9 @@ def stream_grad(
     BM: tl.constexpr,
     BC: tl.constexpr,
     PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
     # block, for every stream, are loaded once and kept across its token loop
     # (re-reading them per 16 tokens made the kernel 1.6-1.9x slower on the H200).
@@ -445,8 +453,9 @@ def phi_grad(
     BT: tl.constexpr,
     BN: tl.constexpr,
     PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
 ):
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
     rz = tl.arange(0, ZP)
@@ -469,8 +478,3 @@ def phi_grad(
     tl.store(
         out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :]
     )
-
-
-def acc_type(dtype: torch.dtype):
-    """The ``ACC`` of streams of this torch dtype: float64 for float64, else float32."""
-    return tl.float64 if dtype == torch.float64 else tl.float32

@@ -1,20 +1,31 @@
-"""The fused site under ``torch.compile``: its steps as ``torch.library`` custom ops (internal to :mod:`mhc.fused`).
+"""The fused site under ``torch.compile``: its steps as ``torch.library`` ops (internal to :mod:`mhc.fused`).
 
 Dynamo cannot trace the eager nodes of :mod:`mhc.fused.nodes`: they launch compiled
 Triton kernels directly and hand ``dx'`` from the post-mix node to the
 pre-step node through a Python object. Under ``torch.compile``
-:func:`mhc.fused.site.pre` and :func:`mhc.fused.site.post`
-come here instead: four opaque custom ops (``mhc::fused_site_pre``,
-``mhc::fused_site_pre_backward``, ``mhc::fused_post_mix``,
-``mhc::fused_post_mix_backward``) with fake impls, running the same kernel
-sequences (:mod:`mhc.fused.steps`) at run time, and two autograd nodes that
+:func:`mhc.fused.site.pre` and :func:`mhc.fused.site.post` come here instead:
+four ops (``mhc::fused_site_pre``, ``mhc::fused_site_pre_backward``,
+``mhc::fused_post_mix``, ``mhc::fused_post_mix_backward``) whose bodies are
+the kernel sequences of :mod:`mhc.fused.steps`, and two autograd nodes that
 dynamo traces. The ``dx'`` hand-off goes through the graph: the pre-step node
 returns its streams as a view (``link``) that the post-mix node reads, and
 the post-mix backward returns ``dx'`` as ``link``'s gradient, which the
 pre-step backward folds into ``dx`` (``H_resᵀ dx'``), as the eager nodes do.
 
-Why the eager backend does not run these ops as well: a ``custom_op`` call
-goes through the dispatcher and its Python wrapper, more host time than
+The four ops are ``torch.library.triton_op``s: inductor traces their bodies,
+launches the Triton kernels from the code it generates, allocates their
+buffers with the rest of the graph's and fuses the small sums and casts
+around them. As opaque custom ops, each call went through the dispatcher and
+Python, 75-300 µs of host time per call under the profiler (small_gpu,
+notes/training_cost.md), which made the compiled step host-bound. Two cases
+stay opaque custom ops: a decode step's few tokens
+(``mhc::fused_site_pre_tokens``, ``mhc::fused_post_mix_tokens``), which run
+the extension's CUDA token kernels, and Triton's interpreter (the CPU tests),
+whose kernels cannot be traced; there the four ops are custom ops with the
+same bodies, traced on fake tensors only for their output shapes.
+
+Why the eager backend does not run these ops as well: an op call goes
+through the dispatcher and its Python wrapper, more host time than
 :mod:`mhc.fused.nodes`' direct launches, and its outputs must be fresh tensors, so ``dx'`` could not
 reach the pre-step's backward without autograd adding it to ``dx`` in a pass
 of its own. Both backends run the same kernel sequences (:mod:`mhc.fused.steps`);
@@ -39,8 +50,9 @@ __all__ = ["site_pre", "post_mix", "SitePre", "PostMix"]
 
 def _on_device(x: Tensor):
     # Triton launches on the current CUDA device; the op may run under another. Entering a device
-    # context costs host time on every call, so only when it is another.
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
+    # context costs host time on every call, so only when it is another. Traced, inductor places
+    # the launches itself.
+    if x.is_cuda and not torch.compiler.is_compiling() and x.device.index != torch.cuda.current_device():
         return torch.cuda.device(x.device)
     return contextlib.nullcontext()
 
@@ -49,7 +61,58 @@ def _coefficient_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("mhc::fused_site_pre", mutates_args=())
+def _step_op(name: str):
+    """Register a step as ``mhc::<name>``: a ``triton_op``, or an opaque custom op under Triton's interpreter."""
+
+    def register(fn):
+        if _plans.TRACEABLE:
+            return torch.library.triton_op(f"mhc::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"mhc::{name}", fn, mutates_args=())
+        op.register_fake(fn)  # traced on fake tensors, the launches are skipped (plan.Launcher)
+        return op
+
+    return register
+
+
+@torch.library.custom_op("mhc::fused_site_pre_tokens", mutates_args=())
+def _site_pre_tokens_op(
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    eps: float,
+    tol_eff: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(u, zr, h, H_res)`` of a decode step's few tokens (:func:`mhc.fused.tokens.pre`)."""
+    return _tokens.pre(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff, NEWTON_MAX_ITER)
+
+
+@_site_pre_tokens_op.register_fake
+def _site_pre_tokens_fake(x, phi, alpha, b_pre, b_post, b_res, eps, tol_eff):
+    n, C = x.shape[-2:]
+    T, cdt = x.numel() // (n * C), _coefficient_dtype(x)
+    return (
+        x.new_empty((*x.shape[:-2], C)),
+        x.new_empty((T, n * n + 2 * n + 1), dtype=cdt),
+        x.new_empty((T, 2 * n), dtype=cdt),
+        x.new_empty((T, n, n), dtype=cdt),
+    )
+
+
+@torch.library.custom_op("mhc::fused_post_mix_tokens", mutates_args=())
+def _post_mix_tokens_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
+    """``x' = H_res·x + H_post ⊗ y`` of a decode step's few tokens (:func:`mhc.fused.tokens.post`)."""
+    return _tokens.post(x, y, h, H_res)
+
+
+@_post_mix_tokens_op.register_fake
+def _post_mix_tokens_fake(x, y, h, H_res):
+    return torch.empty_like(x)
+
+
+@_step_op("fused_site_pre")
 def _site_pre_op(
     x: Tensor,
     phi: Tensor,
@@ -64,26 +127,14 @@ def _site_pre_op(
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
-    if plan.tokens:  # a decode step's few tokens, as in eager mode
-        return _tokens.pre(x, *params, eps, plan.projection_tol(tol), NEWTON_MAX_ITER)
+    if plan.tokens:
+        return _site_pre_tokens_op(x, *params, eps, plan.projection_tol(tol))
     with _on_device(x):
         u, zr, h, H_res = _steps.pre_forward(plan, x, *params, eps, tol)
     return u, zr, h, H_res
 
 
-@_site_pre_op.register_fake
-def _site_pre_fake(x, phi, alpha, b_pre, b_post, b_res, eps, tol):
-    n, C = x.shape[-2:]
-    T, cdt = x.numel() // (n * C), _coefficient_dtype(x)
-    return (
-        x.new_empty((*x.shape[:-2], C)),
-        x.new_empty((T, n * n + 2 * n + 1), dtype=cdt),
-        x.new_empty((T, 2 * n), dtype=cdt),
-        x.new_empty((T, n, n), dtype=cdt),
-    )
-
-
-@torch.library.custom_op("mhc::fused_site_pre_backward", mutates_args=())
+@_step_op("fused_site_pre_backward")
 def _site_pre_backward_op(
     d_out: Tensor,
     du: Tensor,
@@ -118,35 +169,19 @@ def _site_pre_backward_op(
         )
 
 
-@_site_pre_backward_op.register_fake
-def _site_pre_backward_fake(d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res):
-    n = x.shape[-2]
-    cdt = _coefficient_dtype(x)
-    return (
-        torch.empty_like(x),
-        phi.new_empty(phi.shape, dtype=cdt),
-        x.new_empty((2 * (n * n + 2 * n) + 4,), dtype=cdt),
-    )
-
-
-@torch.library.custom_op("mhc::fused_post_mix", mutates_args=())
+@_step_op("fused_post_mix")
 def _post_mix_op(x: Tensor, y: Tensor, h: Tensor, H_res: Tensor) -> Tensor:
     """``x' = H_res·x + H_post ⊗ y`` (:func:`mhc.fused.steps.post_forward`)."""
     x = _steps.dense(x)
     plan = _plans.plan_for(x)
     y, h, H_res = _steps.dense(y, x.dtype), _steps.dense(h), _steps.dense(H_res)
     if plan.tokens:
-        return _tokens.post(x, y, h, H_res)
+        return _post_mix_tokens_op(x, y, h, H_res)
     with _on_device(x):
         return _steps.post_forward(plan, x, y, h, H_res)
 
 
-@_post_mix_op.register_fake
-def _post_mix_fake(x, y, h, H_res):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("mhc::fused_post_mix_backward", mutates_args=())
+@_step_op("fused_post_mix_backward")
 def _post_mix_backward_op(dout: Tensor, x: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(dy, dh, dH_res)`` of :func:`mhc.fused.steps.post_backward`."""
     x = _steps.dense(x)
@@ -154,12 +189,6 @@ def _post_mix_backward_op(dout: Tensor, x: Tensor, y: Tensor, h: Tensor) -> tupl
         return _steps.post_backward(
             _plans.plan_for(x), _steps.dense(dout), x, _steps.dense(y, x.dtype), _steps.dense(h)
         )
-
-
-@_post_mix_backward_op.register_fake
-def _post_mix_backward_fake(dout, x, y, h):
-    n = x.shape[-2]
-    return torch.empty_like(y, dtype=x.dtype), torch.empty_like(h), h.new_empty((h.shape[0], n, n))
 
 
 class SitePre(torch.autograd.Function):

@@ -19,7 +19,11 @@ from . import tokens as _tokens
 # Bytes of shared memory a kernel's pipelined tiles may take (the H200 has 227 KB a block).
 SHARED_MEMORY_BUDGET = 192 * 1024
 
-__all__ = ["Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
+# Whether torch.compile can trace the kernels' launches: not under Triton's interpreter
+# (TRITON_INTERPRET=1), whose kernels are plain Python functions.
+TRACEABLE = isinstance(_k.coeff_fwd, _k.triton.runtime.JITFunction)
+
+__all__ = ["TRACEABLE", "Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
 
 
 class Launcher:
@@ -34,8 +38,8 @@ class Launcher:
     builds once per shape. After Triton's own first launch of a variant this
     keeps it and makes the call Triton would make (launch hooks included).
     Positional arguments are the kernel's runtime parameters; the spec holds its
-    constexprs. Under Triton's interpreter and under ``torch.compile`` every
-    call takes Triton's own path.
+    constexprs. Under Triton's interpreter every call takes Triton's own path;
+    under ``torch.compile`` the launch is traced (:mod:`mhc.fused.ops`).
     """
 
     def __init__(self, kernel):
@@ -43,8 +47,14 @@ class Launcher:
         self.variants = {}
 
     def __call__(self, spec: Launch, *args) -> None:
-        # torch.compile traces Triton's own launch as a user-defined kernel.
-        if not spec.cached or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            # Traced inside a custom op of mhc.fused.ops. With Triton compiled, the op is a
+            # triton_op, and this records the launch for inductor to make. Under Triton's
+            # interpreter the op stays opaque and this trace only works out its output shapes.
+            if TRACEABLE:
+                torch.library.wrap_triton(self.kernel)[spec.grid](*args, **spec.meta)
+            return
+        if not spec.cached:
             self.kernel[spec.grid](*args, **spec.meta)
             return
         hit = self.variants.get(spec.variant)
@@ -134,7 +144,7 @@ class Plan:
         self.T, self.n, self.C, self.Z, self.ZP = T, n, C, Z, ZP
         self.cuda_device = device.index if device.type == "cuda" else None
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        acc = _k.acc_type(dtype)
+        acc = dtype == torch.float64  # ACC64: the kernels' accumulator is float64
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
         # (to 10 bits) on the tensor cores. fp32 streams (fp32 weights under bf16 autocast)
         # take "tf32x3", three tf32 products on the tensor cores: as near float64 as "ieee"
@@ -144,7 +154,7 @@ class Plan:
         # same split of r·dz in phi_grad was 9-10% slower than tf32 at every C (768-4096).
         fp32 = dtype == torch.float32
         precision = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(dtype, "tf32")
-        numerics = dict(PRECISION=precision, ACC=acc)
+        numerics = dict(PRECISION=precision, ACC64=acc)
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
         def launch(grid, ints, **meta):
@@ -183,7 +193,7 @@ class Plan:
             BM=8,
             BC=min(256, _pow2(C, 16)),
             ZP=ZP,
-            ACC=acc,
+            ACC64=acc,
             COMPILED=device.type == "cuda",
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
@@ -192,13 +202,13 @@ class Plan:
         # bf16 at C = 512 (small_gpu): 4 warps 326 µs, 2 warps 56.4 (0.92x a copy; H100, the sweep).
         BC = min(4096 // NP, _pow2(C, 16))
         warps = max(1, min(4, BC * dtype.itemsize // (32 * 16)))
-        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=warps)
+        self.postmix_fwd = launch((T, _cdiv(C, BC)), (C,), n=n, NP=NP, BC=BC, ACC64=acc, num_warps=warps)
         # One warp per token beat two by 30% (83 vs 116 µs at C=768, 360 vs 526 µs at C=4096).
         BC = min(max(16, 4096 // (NP * NP)), _pow2(C, 16))
-        self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC=acc, num_warps=1)
+        self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC64=acc, num_warps=1)
         # 1 warp, 256 columns: 42.6 / 52.2 µs at C = 768 / 2048 against 46.5 / 53.1 for 2 warps x 512.
         self.coeff_bwd = launch(
-            (T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC=acc, num_warps=1
+            (T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC64=acc, num_warps=1
         )
         # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
         # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
@@ -256,6 +266,8 @@ _PLANS: dict = {}
 def plan_for(x: Tensor) -> Plan:
     """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device), made on first use."""
     key = (x.shape, x.dtype, x.device)
+    if torch.compiler.is_compiling():
+        return Plan(*key)  # traced once; the shape may be symbolic, and then not a key
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 256:  # e.g. generation, one token count per step

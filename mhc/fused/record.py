@@ -25,7 +25,7 @@ class Backend(enum.Enum):
     EAGER = "fused"
     """Triton kernels inside two autograd nodes (:mod:`mhc.fused.nodes`)."""
     COMPILED = "compiled"
-    """The same kernels as ``torch.library`` custom ops, which dynamo traces (:mod:`mhc.fused.ops`)."""
+    """The same kernels as ``torch.library`` ops, which dynamo and inductor trace (:mod:`mhc.fused.ops`)."""
     TOKENS = "tokens"
     """The CUDA extension's few-token kernels without grad: decoding (:mod:`mhc.fused.tokens`)."""
 

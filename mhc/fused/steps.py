@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..projection import NEWTON_MAX_ITER, birkhoff_backward, birkhoff_project
+from ..projection import NEWTON_MAX_ITER, birkhoff_project
 from ..projection import cuda as _projection_cuda
 from . import plan as _plans
 
@@ -42,6 +42,8 @@ def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         t = t.to(dtype)
     if not t.is_contiguous():
         return t.contiguous()
+    if torch.compiler.is_compiling():
+        return t  # a traced tensor has no address; inductor works out the alignment of what it launches on
     return t if t.data_ptr() % 16 == 0 else t.clone()  # a view at an unaligned offset
 
 
@@ -103,10 +105,11 @@ def pre_backward_sums(
     T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
     d_res = dense(d_res, plan.cdt)
     # The projection's implicit backward needs only its output (design.md §2).
+    # Both as ops: a traced body (mhc.fused.ops) keeps the reference's data-dependent solve opaque.
     if plan.cuda_projection:
         dR = torch.ops.mhc.birkhoff_backward(H_res, d_res)
     else:
-        dR = birkhoff_backward(H_res, d_res)
+        dR = torch.ops.mhc.birkhoff_reference_backward(H_res, d_res)
     du = dense(du)
     work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
     _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, C)

@@ -5,8 +5,8 @@ A decode step runs every site on 1-16 tokens, where the Triton kernels of
 program, so a few programs walk all ``n·C`` columns, and each Triton launch
 costs more host time than the work. For CUDA streams of at most
 :data:`MAX_TOKENS` tokens (``n`` in {4, 8}) the forward of both steps runs
-these instead, with or without grad, eagerly or inside :mod:`mhc.fused.ops`
-under ``torch.compile``: a cluster of blocks per token on Hopper, else one
+these instead, with or without grad, eagerly or as custom ops of
+:mod:`mhc.fused.ops` under ``torch.compile``: a cluster of blocks per token on Hopper, else one
 block (``csrc/site_tokens.cuh``), one launch per step, called through the
 extension's Python module. Same maths and layouts as ``coeff_partial``/``coeff_fwd``
 and ``postmix_fwd`` (products in float32 FMA rather than on the tensor cores, so
