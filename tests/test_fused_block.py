@@ -612,3 +612,37 @@ def test_inductor_launches_the_site_kernels_itself(fresh_seed):
     torch.testing.assert_close(dx_c, dx_e, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
     for a, b in zip(grads_c, grads_e):
         assert _rel(a, b) < 1e-4, f"seed {fresh_seed}"
+
+
+@pytest.mark.parametrize("T", [40, 200])  # on CUDA: the decode kernels' token count, then the Triton kernels'
+def test_step_ops_pass_opcheck(T, fresh_seed):
+    """torch.library.opcheck of the four step ops of mhc.fused.ops: schema, autograd registration, the fake
+    pass outside dynamo (no address read, no launch on fake tensors) and AOT dispatch with dynamic shapes."""
+    n, C = 4, 32
+    Z = n * n + 2 * n
+    x = torch.randn(T, n, C, device=DEVICE)
+    phi, alpha = 0.1 * torch.randn(Z, n * C, device=DEVICE), torch.full((3,), 0.1, device=DEVICE)
+    b, b_res = torch.zeros(n, device=DEVICE), torch.randn(n, n, device=DEVICE)
+    u, zr, h, H_res = torch.ops.mhc.fused_site_pre(x, phi, alpha, b, b, b_res, 1e-6, 1e-6)
+    y, dx = torch.randn_like(u), torch.randn_like(x)
+    for op, args in [
+        (torch.ops.mhc.fused_site_pre, (x, phi, alpha, b, b, b_res, 1e-6, 1e-6)),
+        (torch.ops.mhc.fused_post_mix, (x, y, h, H_res)),
+        (torch.ops.mhc.fused_post_mix_backward, (dx, x, y, h)),
+        (
+            torch.ops.mhc.fused_site_pre_backward,
+            (
+                dx,
+                torch.randn_like(u),
+                torch.randn_like(h),
+                torch.randn_like(H_res),
+                x,
+                phi,
+                alpha,
+                zr,
+                h,
+                H_res,
+            ),
+        ),
+    ]:
+        torch.library.opcheck(op.default, args)

@@ -39,7 +39,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ..projection.common import NEWTON_MAX_ITER
+from ..projection.common import NEWTON_MAX_ITER, is_traced
 from . import plan as _plans
 from . import steps as _steps
 from . import tokens as _tokens
@@ -52,7 +52,7 @@ def _on_device(x: Tensor):
     # Triton launches on the current CUDA device; the op may run under another. Entering a device
     # context costs host time on every call, so only when it is another. Traced, inductor places
     # the launches itself.
-    if x.is_cuda and not torch.compiler.is_compiling() and x.device.index != torch.cuda.current_device():
+    if x.is_cuda and not is_traced(x) and x.device.index != torch.cuda.current_device():
         return torch.cuda.device(x.device)
     return contextlib.nullcontext()
 

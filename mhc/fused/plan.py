@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..projection import cuda as _projection_cuda
 from ..projection import effective_tol
+from ..projection.common import is_traced
 from . import kernels as _k
 from . import tokens as _tokens
 
@@ -47,9 +48,9 @@ class Launcher:
         self.variants = {}
 
     def __call__(self, spec: Launch, *args) -> None:
-        if torch.compiler.is_compiling():
-            # Traced inside a custom op of mhc.fused.ops. With Triton compiled, the op is a
-            # triton_op, and this records the launch for inductor to make. Under Triton's
+        if is_traced(args[0]):
+            # Inside an op of mhc.fused.ops under torch.compile. With Triton compiled, the op is
+            # a triton_op, and this records the launch for inductor to make. Under Triton's
             # interpreter the op stays opaque and this trace only works out its output shapes.
             if TRACEABLE:
                 torch.library.wrap_triton(self.kernel)[spec.grid](*args, **spec.meta)
@@ -266,7 +267,7 @@ _PLANS: dict = {}
 def plan_for(x: Tensor) -> Plan:
     """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device), made on first use."""
     key = (x.shape, x.dtype, x.device)
-    if torch.compiler.is_compiling():
+    if is_traced(x):
         return Plan(*key)  # traced once; the shape may be symbolic, and then not a key
     plan = _PLANS.get(key)
     if plan is None:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..projection import NEWTON_MAX_ITER, birkhoff_project
 from ..projection import cuda as _projection_cuda
+from ..projection.common import is_traced
 from . import plan as _plans
 
 __all__ = [
@@ -42,8 +43,8 @@ def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         t = t.to(dtype)
     if not t.is_contiguous():
         return t.contiguous()
-    if torch.compiler.is_compiling():
-        return t  # a traced tensor has no address; inductor works out the alignment of what it launches on
+    if is_traced(t):
+        return t  # no address; inductor works out the alignment of what it launches on
     return t if t.data_ptr() % 16 == 0 else t.clone()  # a view at an unaligned offset
 
 

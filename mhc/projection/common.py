@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 __all__ = [
     "METHODS",
@@ -24,6 +26,7 @@ __all__ = [
     "check_arguments",
     "compute_dtype",
     "effective_tol",
+    "is_traced",
     "marginal_error",
     "newton_report",
     "warn_unconverged",
@@ -32,6 +35,17 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 METHODS = ("newton", "sinkhorn")
 NEWTON_MAX_ITER = 100  # birkhoff_project's default iteration cap (the fused site uses it too)
+
+
+def is_traced(t: Tensor) -> bool:
+    """Whether ``t`` is a tensor of a trace, with no data: a fake or functional tensor.
+
+    What ``torch.compile`` hands an op's fake impl (its fake pass) and a
+    ``triton_op``'s body (AOTAutograd's functionalisation). Such code must
+    record ops, not read addresses or launch kernels. ``torch.compiler.is_compiling()``
+    does not tell: on torch 2.11 it is ``False`` inside a fake impl that dynamo calls.
+    """
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 class ConvergenceWarning(RuntimeWarning):

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from .common import ConvergenceWarning, effective_tol, newton_report
+from .common import ConvergenceWarning, effective_tol, is_traced, newton_report
 from .reference import birkhoff_backward
 
 __all__ = [
@@ -262,7 +262,7 @@ def project_no_autograd(R: Tensor, tol_eff: float, max_iter: int) -> Tensor:
     :func:`~mhc.projection.common.effective_tol`'s. Polls the convergence
     counter like :func:`project`.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or is_traced(R):
         return torch.ops.mhc.birkhoff_forward(R, tol_eff, max_iter)
     T = torch.ops.mhc.birkhoff_forward.default.redispatch(_KERNEL_KEYS, R, tol_eff, max_iter)
     poll(R)
