@@ -461,3 +461,19 @@ def test_cuda_token_kernel_projects_like_birkhoff_project(n, fresh_seed):
     assert bool(H.isnan().all()), case
     assert projection_cuda.unconverged_count(reset=True) == x.shape[0], case
     projection_cuda.reset_convergence_tracking()
+
+
+def test_double_backward_is_finite_where_the_dual_hessian_factorisation_fails():
+    """A decomposable support whose ridged Cholesky fails for one matrix of the batch (found at seed 952011028 of
+    the gradgradcheck above): the failed factor must not reach the other matrices' double backward (it made
+    every entry NaN through cholesky_solve's backward)."""
+    mask = torch.tensor(SUPPORTS["pruned"], dtype=torch.bool)
+    torch.manual_seed(952011028)
+    values = (1.5 * torch.randn(2, int(mask.sum()), dtype=torch.float64)).requires_grad_()
+    R = torch.full((2, 4, 4), NEG, dtype=torch.float64)
+    R[:, mask] = values
+    T = mhc.birkhoff_project(R, tol=1e-13)
+    G = torch.randn_like(T, requires_grad=True)
+    (g,) = torch.autograd.grad(T, values, G, create_graph=True)
+    second = torch.autograd.grad(g, (values, G), torch.randn_like(g))
+    assert all(bool(s.isfinite().all()) for s in second)

@@ -107,8 +107,13 @@ def _spd_solve(H: Tensor, rhs: Tensor, damping: Tensor | None = None) -> tuple[T
     eye = torch.eye(H.shape[-1], dtype=torch.float64, device=H.device)
     H64 = H64 + ridge[:, None, None] * eye
     L, info = torch.linalg.cholesky_ex(H64)
-    x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
     failed = (info != 0).nonzero().squeeze(-1)  # NaN in H makes a pivot NaN, which fails
+    if failed.numel():
+        # A failed factor holds garbage, which cholesky_solve's backward would carry into the whole
+        # batch's gradient (0·NaN under double backward): those matrices are factored as the identity,
+        # and their x comes from the pseudo-inverse below.
+        L, _ = torch.linalg.cholesky_ex(torch.where((info != 0)[:, None, None], eye, H64))
+    x = torch.cholesky_solve(rhs64.unsqueeze(-1), L).squeeze(-1)
     if failed.numel():
         H_failed = H64[failed]
         # eigh raises for the whole batch on one non-finite matrix (a NaN/Inf
