@@ -4,7 +4,8 @@ the 134M Llama model step, and JSON output.
 The scripts live in subfolders by what they measure (``step/``, ``site/``,
 ``projection/``, ``decode/``); each puts this folder on ``sys.path`` and
 imports it as ``import common``. Nothing here is mhc-specific except
-:func:`llama_model`'s ``convert_to_mhc``.
+:func:`llama_model`'s ``convert_to_mhc`` and :func:`environment`'s record of
+which mhc was imported (an A/B against an older tree imports that one).
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ def require_cuda(script: str) -> None:
 
 
 def environment() -> dict[str, str]:
-    """The device and library versions a measurement ran with."""
+    """The device and library versions a measurement ran with, and where the mhc it imported lives."""
+    import mhc
+
     info = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
+        "mhc": str(Path(mhc.__file__).resolve().parent),
     }
     try:
         import triton

@@ -24,14 +24,18 @@
 #            Needs no setup stage (this tree's mhc, Triton kernels only)
 #   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
+#   trainab  benchmarks/step/training_ab.sh: bench_training.py on this tree against $OLD_TREE's mhc (made before
+#            the call with `git archive OLD mhc | tar -x -C old_tree`), process by process, TRAINING_AB_RUNS
+#            (default "new old new old") with TRAINING_AB_ARGS (default "--recipes autocast --modes eager")
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
-# (bench_training.py options added after the stage's), SWEEP_ARGS / SWEEP32_ARGS (likewise), OLD_TREE (ab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep sweep32 ab)"
+# (bench_training.py options added after the stage's), SWEEP_ARGS / SWEEP32_ARGS (likewise), OLD_TREE (ab,
+# trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep sweep32 ab trainab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|sweep32|ab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
@@ -92,6 +96,11 @@ for stage in "$@"; do
       [ -d "${OLD_TREE-}" ] || { echo "ab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
       OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 1b 4 new old new old
       OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 134m 8 new old new old ;;
+    trainab)
+      [ -d "${OLD_TREE-}" ] || { echo "trainab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
+      # shellcheck disable=SC2086  # the runs are a list
+      OUT=$OUT bash benchmarks/step/training_ab.sh "$OLD_TREE" "${TRAINING_AB_ARGS---recipes autocast --modes eager}" \
+        ${TRAINING_AB_RUNS-new old new old} || status=1 ;;
   esac
   echo "=== $stage: ${SECONDS}s"
 done

@@ -24,6 +24,7 @@ SHELL_SCRIPTS = {
     "gpu_check.sh",
     "gpu_session.sh",
     "step/step_ab.sh",
+    "step/training_ab.sh",
     "step/wheel_and_ab.sh",
     "projection/build_peers.sh",
 }

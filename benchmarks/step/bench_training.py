@@ -577,9 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     log = functools.partial(print, flush=True)
     report = header(args, argv)
     groups = [(s, r, m) for s in args.shapes for r in args.recipes for m in args.modes]
-    log(
-        f"{report['environment']['device']}, torch {report['environment']['torch']}, commit {report['commit']}"
-    )
+    env = report["environment"]
+    log(f"{env['device']}, torch {env['torch']}, commit {report['commit']}, mhc: {env['mhc']}")
     for s in args.shapes:
         p = report["shapes"][s]
         log(
