@@ -22,8 +22,9 @@
 #            phi_grad, coeff_bwd at 512x16384, 768x16384 and 2048x8192, the dot kernels over PRECISION ieee / tf32x3 /
 #            tf32, outputs against float64; --budget 450 under timeout 500, JSON after each kernel (SWEEP32_ARGS).
 #            Needs no setup stage (this tree's mhc, Triton kernels only)
-#   ab       benchmarks/step/step_ab.sh: the eager step of this tree against $OLD_TREE's (made before the call with
-#            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old
+#   ab       benchmarks/step/step_ab.sh: the bf16 step of this tree against $OLD_TREE's (made before the call with
+#            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old; eager, or the
+#            variants in STEP_AB_VARIANTS (e.g. "residual eager,mhc eager,residual compiled,mhc compiled")
 #   trainab  benchmarks/step/training_ab.sh: bench_training.py on this tree against $OLD_TREE's mhc (made before
 #            the call with `git archive OLD mhc | tar -x -C old_tree`), process by process, TRAINING_AB_RUNS
 #            (default "new old new old") with TRAINING_AB_ARGS (default "--recipes autocast --modes eager")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The model step of this tree against an older commit's, through bench_compile.py ("residual eager,mhc eager").
+# The model step of this tree against an older commit's, through bench_compile.py (the bf16 recipe), variants
+# $STEP_AB_VARIANTS (default "residual eager,mhc eager"; add "residual compiled,mhc compiled" for the compiled step).
 # Each run is its own process with the residual and mHC models interleaved, so compare the ratios to residual.
 #
 #   git archive OLD mhc benchmarks | (mkdir -p old_tree && tar -x -C old_tree)    # here, before the device call
@@ -22,10 +23,11 @@ i=0
 for which in "$@"; do
   i=$((i + 1)); SECONDS=0
   log="$OUT/step_${size}_${which}${i}.log"
-  args=(--size "$size" --batch "$batch" --variants "residual eager,mhc eager")
+  args=(--size "$size" --batch "$batch" --variants "${STEP_AB_VARIANTS:-residual eager,mhc eager}")
   case "$which" in
     new) timeout 280 python3 benchmarks/step/bench_compile.py "${args[@]}" >"$log" 2>&1 ;;
     old) MHC_CSRC_DIR=$PWD/mhc/csrc PYTHONPATH=$old_tree timeout 280 python3 "$old_script" "${args[@]}" >"$log" 2>&1 ;;
   esac
-  echo "$which $i: rc=$? ${SECONDS}s $(grep -h 'mhc eager  ' "$log" | tr -s ' ')"
+  echo "$which $i: rc=$? ${SECONDS}s"
+  grep -hE '^  mhc (eager|compiled) ' "$log" | tr -s ' ' 
 done
