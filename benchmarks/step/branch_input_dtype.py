@@ -4,8 +4,8 @@ A converted Llama layer under ``torch.autocast(bfloat16)`` with float32 weights 
 branch input ``u`` in the streams' dtype (bf16), where the residual model's norm gets a
 float32 hidden state. LlamaRMSNorm then casts ``u`` up, back down and multiplies a float32
 weight by a bf16 tensor, and autograd casts the gradients back. This times the norm and the
-first projection (forward and backward) on a bf16 and on a float32 ``u`` of the same values,
-interleaved, best of two medians (CUDA events).
+first projection (forward and backward) on a bf16 and on a float32 ``u`` of the same values
+(``common.interleaved``: best of two interleaved round medians).
 
 Usage: python benchmarks/step/branch_input_dtype.py [--tokens 8192] [--hidden 2048]
 """
@@ -13,7 +13,11 @@ Usage: python benchmarks/step/branch_input_dtype.py [--tokens 8192] [--hidden 20
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, where common.py is
+import common  # noqa: E402
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -24,42 +28,31 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    common.require_cuda("branch_input_dtype.py")
     T, C = args.tokens, args.hidden
-    norm = LlamaRMSNorm(C).to(dev)
-    proj = torch.nn.Linear(C, 3 * C, bias=False).to(dev)  # q, k, v as one
-    base = torch.randn(T, C, device=dev).bfloat16()
-    inputs = {"bf16": base.clone(), "fp32": base.float()}
-    grad = torch.randn(T, 3 * C, device=dev).bfloat16()
+    norm = LlamaRMSNorm(C).cuda()
+    proj = torch.nn.Linear(C, 3 * C, bias=False).cuda()  # q, k, v as one
+    base = torch.randn(T, C, device="cuda").bfloat16()
+    grad = torch.randn(T, 3 * C, device="cuda").bfloat16()
 
-    def step(u: torch.Tensor) -> None:
-        u = u.detach().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = proj(norm(u))
-        out.backward(grad)
+    def step(u: torch.Tensor):
+        def run() -> None:
+            leaf = u.detach().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = proj(norm(leaf))
+            out.backward(grad)
 
-    times = {k: [] for k in inputs}
-    for _ in range(2):
-        for name, u in inputs.items():
-            for _ in range(5):
-                step(u)
-            runs = []
-            for _ in range(args.steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step(u)
-                b.record()
-                b.synchronize()
-                runs.append(a.elapsed_time(b))
-            runs.sort()
-            times[name].append(runs[len(runs) // 2])
-    best = {k: min(v) for k, v in times.items()}
-    print(
-        f"{torch.cuda.get_device_name()}: T={T} C={C}, norm + [C, 3C] projection, forward + backward, autocast bf16"
+        return run
+
+    results = common.interleaved(
+        {"bf16": step(base), "fp32": step(base.float())}, rounds=2, steps=args.steps, warmup=5
     )
-    for k, v in best.items():
-        print(f"  u {k}: {v * 1e3:8.1f} µs (round medians {', '.join(f'{t * 1e3:.1f}' for t in times[k])})")
-    print(f"  fp32 - bf16: {(best['fp32'] - best['bf16']) * 1e3:+.1f} µs per norm")
+    env = common.environment()
+    print(f"{env['device']}: T={T} C={C}, norm + [C, 3C] projection, forward + backward, autocast bf16")
+    for name, m in results.items():
+        medians = ", ".join(f"{t * 1e3:.1f}" for t in m.round_medians)
+        print(f"  u {name}: {m.ms * 1e3:8.1f} µs (round medians {medians})")
+    print(f"  fp32 - bf16: {(results['fp32'].ms - results['bf16'].ms) * 1e3:+.1f} µs per norm")
 
 
 if __name__ == "__main__":
