@@ -29,5 +29,5 @@ for which in "$@"; do
     old) MHC_CSRC_DIR=$PWD/mhc/csrc PYTHONPATH=$old_tree timeout 280 python3 "$old_script" "${args[@]}" >"$log" 2>&1 ;;
   esac
   echo "$which $i: rc=$? ${SECONDS}s"
-  grep -hE '^  mhc (eager|compiled) ' "$log" | tr -s ' ' 
+  grep -hE '^  mhc (eager|compiled) ' "$log" | tr -s ' '
 done

@@ -30,7 +30,7 @@ for which in "$@"; do
            $bench_args --json "$base.json" >"$base.log" 2>&1 ;;
   esac
   rc=$?; [ $rc -eq 0 ] || status=1
-  echo "$which $i: rc=$rc ${SECONDS}s mhc from $(grep -m1 -o 'mhc: [^ ]*' "$base.log" || echo '?')"
+  echo "$which $i: rc=$rc ${SECONDS}s, $(grep -m1 -o 'mhc: [^ ]*' "$base.log" || echo 'mhc: ?')"
   grep -E '^\| (small_gpu|134m|1b) ' "$base.log" | sort -u
 done
 exit $status
