@@ -592,6 +592,15 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
     assert "1 error" in out and mutations.BROKEN_KERNELS_MESSAGE in out, out
 
 
+def _loss_and_grads(fn, blocks, x, g):
+    """``fn(x)`` (a copy of ``x`` that takes a gradient) against ``g``: ``(output, dx, the blocks' gradients)``."""
+    blocks.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    out = fn(xi)
+    (out.float() * g.float()).sum().backward()
+    return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
     """Under torch.compile(fullgraph=True) the fused site runs as torch.library ops (mhc.fused.ops; triton_ops on
@@ -620,18 +629,11 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
     assert blocks[0].uses_fused(x)
     g = torch.randn_like(x)
 
-    def loss_and_grads(fn):
-        blocks.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        (out.float() * g.float()).sum().backward()
-        return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
-
-    out_e, dx_e, grads_e = loss_and_grads(run)
+    out_e, dx_e, grads_e = _loss_and_grads(run, blocks, x, g)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(run, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
-    out_c, dx_c, grads_c = loss_and_grads(compiled)
+    out_c, dx_c, grads_c = _loss_and_grads(compiled, blocks, x, g)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"seed {fresh_seed}: {m}")
@@ -659,21 +661,14 @@ def test_compiled_site_under_autocast_matches_eager(fresh_seed):
                 x = b(x)
         return x
 
-    def loss_and_grads(fn):
-        blocks.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        (out.float() * g.float()).sum().backward()
-        return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
-
-    out_e, dx_e, grads_e = loss_and_grads(run)
+    out_e, dx_e, grads_e = _loss_and_grads(run, blocks, x, g)
     assert all(u.dtype == torch.float32 for b in blocks for u in b.branch.seen)
     torch._dynamo.reset()
     counters.clear()
     for b in blocks:
         b.branch.seen.clear()
     compiled = torch.compile(run, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
-    out_c, dx_c, grads_c = loss_and_grads(compiled)
+    out_c, dx_c, grads_c = _loss_and_grads(compiled, blocks, x, g)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert out_c.dtype == torch.bfloat16 and dx_c.dtype == torch.bfloat16
     assert [u.dtype for b in blocks for u in b.branch.seen] == [torch.float32] * 2
