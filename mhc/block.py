@@ -62,10 +62,13 @@ class MHCBlock(nn.Module):
         branch: the sublayer ``F``, an ``nn.Module`` (registered as a submodule)
             or any callable (its weights then stay out of this block's
             parameters); called once per forward as ``branch(u, *args, **kwargs)``
-            with ``u: [..., C]``. If it returns a tuple (as HF attention does), its
-            first element is mixed into the streams and the rest is returned
-            beside the new streams. Avoid a bound method of the module that
-            holds this block: ``copy.deepcopy(block)`` would deep-copy that
+            with ``u: [..., C]`` in the streams' dtype, except under autocast with
+            parameters wider than the streams (float32 weights, bf16 streams), where
+            ``u`` is in the parameters' dtype, as a residual model's sublayer gets
+            its hidden state (:func:`mhc.site.branch_input_dtype`). If it returns a
+            tuple (as HF attention does), its first element is mixed into the
+            streams and the rest is returned beside the new streams. Avoid a
+            bound method of the module that holds this block: ``copy.deepcopy(block)`` would deep-copy that
             whole module with it (:mod:`mhc.hf` uses a callable that rebinds
             on copy instead).
         hidden_size: ``C``, an int ``>= 1``.
@@ -315,6 +318,8 @@ class MHCBlock(nn.Module):
         params = self._coefficient_parameters()
         if params[0].get_device() != x.get_device():
             return None
+        if site.branch_input_dtype(x, params[0].dtype) != x.dtype:
+            return None  # the token kernels write u in the streams' dtype
         return params, self._options.norm_eps, self._options.tol, self._branch_norm()
 
     def _branch_norm(self) -> tuple[Tensor, float] | None:
@@ -438,10 +443,9 @@ class MHCBlock(nn.Module):
         else:
             recipe = waiting[0] if waiting is not None else None  # x recomputed in backward
             norm = self._branch_norm() if backend is Backend.TOKENS else None
-            opts = self._options
-            u, fused_site = fused.pre(
-                backend, x, *self._coefficient_parameters(), opts.norm_eps, opts.tol, recipe, norm
-            )
+            opts, params = self._options, self._coefficient_parameters()
+            u_dtype = site.branch_input_dtype(x, params[0].dtype)
+            u, fused_site = fused.pre(backend, x, *params, opts.norm_eps, opts.tol, recipe, norm, u_dtype)
 
         # 2. the sublayer, whose input norm the token kernels may have applied already
         y, rest = self._call_branch(u, fused_site.normed, args, kwargs)
@@ -453,7 +457,8 @@ class MHCBlock(nn.Module):
     def _reference_site(self, x: Tensor, args: tuple, kwargs: dict):
         """The site on PyTorch ops (:mod:`mhc.site`)."""
         H_pre, H_post, H_res = self.coefficients(x)
-        u, anchor, dev = site.pre_mix(x, H_pre)
+        weight_dtype = None if self._options.mode == "residual" else self._coefficient_parameters()[0].dtype
+        u, anchor, dev = site.pre_mix(x, H_pre, site.branch_input_dtype(x, weight_dtype))
         y, rest = self._call_branch(u, None, args, kwargs)
         if self._options.mode == "residual":
             x_new = x + y.unsqueeze(-2)

@@ -5,7 +5,8 @@ around the sublayer ``F`` that :class:`mhc.MHCBlock` calls in between:
 
 * :func:`coefficients`: ``(H_pre, H_post, H_res)`` per token, in float32
   (float64 for float64 streams) whatever the streams' dtype;
-* :func:`pre_mix`: ``u = Σ_i H_pre[i] x_i``, the sublayer's input;
+* :func:`pre_mix`: ``u = Σ_i H_pre[i] x_i``, the sublayer's input, in
+  :func:`branch_input_dtype`;
 * :func:`post_mix`: ``x'_i = Σ_j H_res[i, j] x_j + H_post[i] y``.
 
 :mod:`mhc.fused` provides the same steps on fused Triton kernels for CUDA
@@ -32,9 +33,33 @@ from .mixing import SINKHORN_EPS, lite_h_res_unchecked, sinkhorn_h_res_unchecked
 from .options import MHCOptions
 from .projection import birkhoff_project
 
-__all__ = ["coefficients", "residual_coefficients", "pre_mix", "post_mix"]
+__all__ = ["branch_input_dtype", "coefficients", "residual_coefficients", "pre_mix", "post_mix"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+
+
+def branch_input_dtype(x: Tensor, weight_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of the sublayer's input ``u`` for streams ``x``: ``x``'s, or wider under autocast.
+
+    Under autocast on ``x``'s device, ``u`` takes ``torch.promote_types(x.dtype, weight_dtype)``:
+    with float32 weights and bf16 streams (``MHCConfig.stream_dtype="autocast"``), the sublayer
+    gets a float32 input, as the residual model's sublayer gets its float32 hidden state. Its
+    input norm then makes no casts (in eager mode a bf16 input costs it four passes over
+    ``[T, C]``: up to float32, back down, and both again in backward), and ``u`` keeps the
+    pre-mix's float32 value instead of its rounding to the streams' dtype. Without autocast, or
+    with weights no wider than the streams (a model cast to bf16), ``u`` has ``x``'s dtype.
+
+    Args:
+        x: the streams ``[..., n, C]``.
+        weight_dtype: the block's parameters' dtype, or ``None`` for a block without any
+            (``mode="residual"``), whose ``u`` keeps ``x``'s dtype.
+    """
+    if weight_dtype is None or weight_dtype == x.dtype:
+        return x.dtype
+    device_type = x.device.type
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.promote_types(x.dtype, weight_dtype)
+    return x.dtype
 
 
 def _without_autocast(step):
@@ -138,22 +163,23 @@ def residual_coefficients(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @_without_autocast
-def pre_mix(x: Tensor, H_pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def pre_mix(x: Tensor, H_pre: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``u = Σ_i H_pre[i] x_i``, around stream 0.
 
     Args:
         x: streams ``[..., n, C]``.
         H_pre: ``[..., n]``, the coefficients' dtype.
+        dtype: of ``u`` (default ``x``'s; :func:`branch_input_dtype`).
 
     Returns:
-        ``(u [..., C]`` in ``x``'s dtype, ``anchor [..., 1, C]``, ``dev [..., n, C]``)``: stream 0 and
+        ``(u [..., C]`` in ``dtype``, ``anchor [..., 1, C]``, ``dev [..., n, C]``)``: stream 0 and
         the deviations ``x_i - x_0``, in ``H_pre``'s dtype, which :func:`post_mix` mixes.
     """
     xs = x.to(H_pre.dtype)
     anchor = xs[..., :1, :]
     dev = xs - anchor
     u = H_pre.sum(-1, keepdim=True) * anchor.squeeze(-2) + torch.einsum("...n,...nc->...c", H_pre, dev)
-    return u.to(x.dtype), anchor, dev
+    return u.to(x.dtype if dtype is None else dtype), anchor, dev
 
 
 @_without_autocast

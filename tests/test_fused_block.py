@@ -168,6 +168,71 @@ def test_fused_site_many_tokens(fresh_seed):
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
+class _RecordingBranch(nn.Module):
+    """RMSNorm and Linear (float32 weights, any input dtype), recording each input ``u``."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.norm, self.lin, self.seen = nn.RMSNorm(C), nn.Linear(C, C), []
+
+    def forward(self, u):
+        self.seen.append(u.detach().clone())
+        return self.lin(self.norm(u.float()))
+
+
+def test_branch_gets_float32_input_under_autocast_on_both_backends(fresh_seed):
+    """float32 weights, bf16 streams, bf16 autocast (mhc.train's recipe with stream_dtype="autocast"): the
+    branch gets u in float32, as a residual model's branch gets its float32 hidden state, on the fused
+    path as on the reference; outside autocast it gets the streams' bf16. The fused kernels then read a
+    float32 du, a variant of their own: both u dtypes run on one shape, each checked against the reference."""
+    torch.manual_seed(fresh_seed)
+    n, C = 4, 64
+    ref = mhc.MHCBlock(_RecordingBranch(C), C, n, init="paper", fused=False).to(DEVICE)
+    with torch.no_grad():
+        ref.b_res.normal_(0, 3)
+        ref.b_pre.normal_()
+        ref.alpha.copy_(torch.tensor([0.5, 0.7, 2.0]))
+    fast = fused_block(copy.deepcopy(ref.branch), C, n, init="paper")
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 9, n, C, device=DEVICE).bfloat16()
+    g = torch.randn_like(x)
+    for autocast, u_dtype in ((False, torch.bfloat16), (True, torch.float32), (False, torch.bfloat16)):
+        results = []
+        for block in (ref, fast):
+            block.zero_grad(set_to_none=True)
+            block.branch.seen.clear()
+            xi = x.clone().requires_grad_()
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+                out = block(xi)
+            out.backward(g)
+            (u,) = block.branch.seen
+            assert u.dtype == u_dtype, f"autocast={autocast}: u is {u.dtype}"
+            assert out.dtype == torch.bfloat16
+            results.append((u, out.detach(), xi.grad, [p.grad for p in block.parameters()]))
+        (u_r, out_r, dx_r, grads_r), (u_f, out_f, dx_f, grads_f) = results
+        where = f"seed {fresh_seed}, autocast={autocast}"
+        # u from the same bf16 streams and float32 coefficients: float32 u agrees to float32 rounding
+        assert _rel(u_f, u_r) < (1e-5 if u_dtype == torch.float32 else 1e-2), where
+        assert _rel(out_f, out_r) < 1e-2, where
+        assert _rel(dx_f, dx_r) < 2e-2, where
+        for a, b in zip(grads_f, grads_r):
+            assert _rel(a, b) < 5e-2, where
+
+
+def test_site_pre_u_dtype():
+    """mhc.fused.site_pre writes u in u_dtype (default the streams'), rejects an unsupported one."""
+    n, C = 4, 32
+    block = fused_block(nn.Identity(), C, n, init="paper")
+    params = [block.phi, block.alpha, block.b_pre, block.b_post, block.b_res]
+    x = torch.randn(3, n, C, device=DEVICE).bfloat16()
+    u16, _ = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6)
+    u32, _ = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6, u_dtype=torch.float32)
+    assert u16.dtype == torch.bfloat16 and u32.dtype == torch.float32
+    assert torch.equal(u32.bfloat16().float(), u16.float()) or _rel(u32, u16) < 1e-2
+    with pytest.raises(TypeError, match="u_dtype=torch.int32"):
+        fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6, u_dtype=torch.int32)
+
+
 @pytest.mark.parametrize(
     "T, n, C, splits", [(16384, 4, 768, 1), (8192, 4, 2048, 2), (100, 3, 200, 3), (64, 4, 32, 1)]
 )
@@ -527,6 +592,15 @@ def test_broken_kernels_raise_with_their_cause_instead_of_skipping():
     assert "1 error" in out and mutations.BROKEN_KERNELS_MESSAGE in out, out
 
 
+def _loss_and_grads(fn, blocks, x, g):
+    """``fn(x)`` (a copy of ``x`` that takes a gradient) against ``g``: ``(output, dx, the blocks' gradients)``."""
+    blocks.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    out = fn(xi)
+    (out.float() * g.float()).sum().backward()
+    return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
     """Under torch.compile(fullgraph=True) the fused site runs as torch.library ops (mhc.fused.ops; triton_ops on
@@ -555,24 +629,54 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
     assert blocks[0].uses_fused(x)
     g = torch.randn_like(x)
 
-    def loss_and_grads(fn):
-        blocks.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        (out.float() * g.float()).sum().backward()
-        return out.detach(), xi.grad, [p.grad.clone() for p in blocks.parameters()]
-
-    out_e, dx_e, grads_e = loss_and_grads(run)
+    out_e, dx_e, grads_e = _loss_and_grads(run, blocks, x, g)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(run, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
-    out_c, dx_c, grads_c = loss_and_grads(compiled)
+    out_c, dx_c, grads_c = _loss_and_grads(compiled, blocks, x, g)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"seed {fresh_seed}: {m}")
     torch.testing.assert_close(dx_c, dx_e, **tol, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
     for a, b in zip(grads_c, grads_e):
         assert _rel(a, b) < (1e-4 if dtype == torch.float32 else 3e-2), f"seed {fresh_seed}"
+
+
+def test_compiled_site_under_autocast_matches_eager(fresh_seed):
+    """fp32 weights, bf16 streams under bf16 autocast, torch.compile(fullgraph=True): one graph, the branch
+    gets u in float32 as in eager, and the eager fused numbers forward and backward (u_dtype reaches the op)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(fresh_seed)
+    C, n = 48, 4
+    blocks = torch.nn.ModuleList(
+        fused_block(_RecordingBranch(C), C, n, layer_index=i, init="paper") for i in range(2)
+    ).to(DEVICE)
+    x = torch.randn(2, 5, n, C, device=DEVICE).bfloat16()
+    g = torch.randn_like(x)
+
+    def run(x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            for b in blocks:
+                x = b(x)
+        return x
+
+    out_e, dx_e, grads_e = _loss_and_grads(run, blocks, x, g)
+    assert all(u.dtype == torch.float32 for b in blocks for u in b.branch.seen)
+    torch._dynamo.reset()
+    counters.clear()
+    for b in blocks:
+        b.branch.seen.clear()
+    compiled = torch.compile(run, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    out_c, dx_c, grads_c = _loss_and_grads(compiled, blocks, x, g)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert out_c.dtype == torch.bfloat16 and dx_c.dtype == torch.bfloat16
+    assert [u.dtype for b in blocks for u in b.branch.seen] == [torch.float32] * 2
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"seed {fresh_seed}: {m}")
+    torch.testing.assert_close(dx_c, dx_e, **tol, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
+    for a, b in zip(grads_c, grads_e):
+        assert _rel(a, b) < 3e-2, f"seed {fresh_seed}"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=f"{NO_CUDA}: inductor launches Triton kernels only on a GPU")
@@ -614,19 +718,29 @@ def test_inductor_launches_the_site_kernels_itself(fresh_seed):
         assert _rel(a, b) < 1e-4, f"seed {fresh_seed}"
 
 
-@pytest.mark.parametrize("T", [40, 200])  # on CUDA: the decode kernels' token count, then the Triton kernels'
-def test_step_ops_pass_opcheck(T, fresh_seed):
+@pytest.mark.parametrize(
+    "T, dtype, u_dtype",
+    # On CUDA: the decode kernels' token count, then the Triton kernels'; bf16 streams with a
+    # float32 u (fp32 weights under autocast), which the Triton kernels take at every token count.
+    [
+        (40, torch.float32, torch.float32),
+        (200, torch.float32, torch.float32),
+        (40, torch.bfloat16, torch.float32),
+    ],
+)
+def test_step_ops_pass_opcheck(T, dtype, u_dtype, fresh_seed):
     """torch.library.opcheck of the four step ops of mhc.fused.ops: schema, autograd registration, the fake
     pass outside dynamo (no address read, no launch on fake tensors) and AOT dispatch with dynamic shapes."""
     n, C = 4, 32
     Z = n * n + 2 * n
-    x = torch.randn(T, n, C, device=DEVICE)
+    x = torch.randn(T, n, C, device=DEVICE).to(dtype)
     phi, alpha = 0.1 * torch.randn(Z, n * C, device=DEVICE), torch.full((3,), 0.1, device=DEVICE)
     b, b_res = torch.zeros(n, device=DEVICE), torch.randn(n, n, device=DEVICE)
-    u, zr, h, H_res = torch.ops.mhc.fused_site_pre(x, phi, alpha, b, b, b_res, 1e-6, 1e-6)
-    y, dx = torch.randn_like(u), torch.randn_like(x)
+    u, zr, h, H_res = torch.ops.mhc.fused_site_pre(x, phi, alpha, b, b, b_res, 1e-6, 1e-6, u_dtype)
+    assert u.dtype == u_dtype
+    y, dx = torch.randn_like(x[..., 0, :]), torch.randn_like(x)
     for op, args in [
-        (torch.ops.mhc.fused_site_pre, (x, phi, alpha, b, b, b_res, 1e-6, 1e-6)),
+        (torch.ops.mhc.fused_site_pre, (x, phi, alpha, b, b, b_res, 1e-6, 1e-6, u_dtype)),
         (torch.ops.mhc.fused_post_mix, (x, y, h, H_res)),
         (torch.ops.mhc.fused_post_mix_backward, (dx, x, y, h)),
         (

@@ -218,3 +218,25 @@ def test_grad_switched_on_inside_the_branch_still_records_the_post_mix(fresh_see
     plain.load_state_dict(block.state_dict(), strict=False)  # the coefficients; the branch is lin itself
     with torch.no_grad():
         assert torch.equal(out.detach(), plain(x)), f"seed={fresh_seed}"
+
+
+def test_decode_under_autocast_gives_the_branch_float32_and_matches_the_grad_path(fresh_seed):
+    """float32 weights, bf16 streams, bf16 autocast, no grad, decode-sized token counts: the branch gets u in
+    float32 (mhc.site.branch_input_dtype), which the token kernels do not write, so the site runs the Triton
+    kernels instead (on CUDA) and gives the recorded forward's bits; linked sites do not hand over a bf16 u."""
+    from test_fused_block import _RecordingBranch, fused_block
+
+    torch.manual_seed(fresh_seed)
+    n, C = 4, 64
+    blocks = [fused_block(_RecordingBranch(C), C, n, layer_index=i, init="paper") for i in range(2)]
+    blocks[0].set_next_site(blocks[1])
+    for token_count in (1, 16):
+        x = torch.randn(token_count, n, C, device=DEVICE).bfloat16()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            recorded = blocks[1](blocks[0](x.clone().requires_grad_()))
+            with torch.no_grad():
+                plain = blocks[1](blocks[0](x))
+        assert all(u.dtype == torch.float32 for b in blocks for u in b.branch.seen)
+        assert torch.equal(plain, recorded.detach()), f"seed={fresh_seed}, {token_count} tokens"
+        for b in blocks:
+            b.branch.seen.clear()

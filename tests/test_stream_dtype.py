@@ -30,14 +30,25 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def site_and_norm_dtypes(model: MHCForCausalLM, ids: torch.Tensor) -> tuple[set, torch.dtype, torch.Tensor]:
-    """The dtypes of the streams every site sees, the final norm's input dtype, and the logits."""
+def site_and_norm_dtypes(
+    model: MHCForCausalLM, ids: torch.Tensor, branch_inputs: set | None = None
+) -> tuple[set, torch.dtype, torch.Tensor]:
+    """The dtypes of the streams every site sees, the final norm's input dtype, and the logits.
+
+    ``branch_inputs``: a set that collects the input dtypes of the decoder layers' input norms (the
+    first op of each site's branch, which gets its ``u``).
+    """
     seen, norm_in = set(), []
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].dtype))
-        for m in model.modules()
-        if isinstance(m, MHCBlock)
-    ]
+    blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].dtype)) for m in blocks]
+    if branch_inputs is not None:
+        hooks += [
+            layer.get_submodule(name).register_forward_pre_hook(
+                lambda mod, args: branch_inputs.add(args[0].dtype)
+            )
+            for layer in model.model.model.layers
+            for name in ("input_layernorm", "post_attention_layernorm")
+        ]
     # (registered after the model's own pre-hook, which merges the streams: this one sees its output)
     hooks.append(
         model.model.model.norm.register_forward_pre_hook(lambda mod, args: norm_in.append(args[0].dtype))
@@ -99,9 +110,12 @@ def test_autocast_streams_are_bf16_under_autocast_and_exact_without():
         seen, norm_dtype, logits = site_and_norm_dtypes(model, ids)
         assert seen == {torch.float32} and norm_dtype is torch.float32 and torch.equal(logits, ref)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            seen, norm_dtype, logits = site_and_norm_dtypes(model, ids)
+            branch_inputs = set()
+            seen, norm_dtype, logits = site_and_norm_dtypes(model, ids, branch_inputs)
             _, _, logits_hidden = site_and_norm_dtypes(hidden, ids)
     assert seen == {torch.bfloat16} and norm_dtype is torch.float32
+    # the sublayers get float32 inputs, as the residual model's get its float32 hidden state
+    assert branch_inputs == {torch.float32}
     assert torch.equal(logits_hidden.float(), ref_autocast)  # 'hidden' streams: the residual model's bits
     scale = ref_autocast.abs().max().item()
     assert (logits.float() - ref_autocast).abs().max().item() <= 4 * 2**-8 * scale

@@ -130,6 +130,7 @@ def site_pre(
     *,
     norm_eps: float,
     tol: float,
+    u_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, tuple]:
     """The site's first step on the fused kernels: coefficients, ``H_res`` and the pre-mix.
 
@@ -147,9 +148,12 @@ def site_pre(
             in float32, float64 for float64 streams).
         norm_eps: the flattened RMSNorm's epsilon, finite and ``> 0``.
         tol: tolerance of the Newton projection (:func:`mhc.birkhoff_project`).
+        u_dtype: the dtype of ``u``, one of :data:`SUPPORTED_DTYPES` (default ``x``'s):
+            :class:`mhc.MHCBlock` passes :func:`mhc.site.branch_input_dtype`. The kernels
+            compute ``u`` in float32 (float64 for float64 streams) and round it once, to this.
 
     Returns:
-        ``(u, site)``: ``u [..., C]`` in ``x``'s dtype, the sublayer's input;
+        ``(u, site)``: ``u [..., C]`` in ``u_dtype``, the sublayer's input;
         ``site``, a :class:`FusedSite`, what :func:`post_mix` needs: the
         streams, ``h [T, 2n]`` = σ of H_pre's and H_post's columns
         (``H_pre = h[:, :n]``, ``H_post = 2·h[:, n:]``) and ``H_res [T, n, n]``
@@ -160,7 +164,8 @@ def site_pre(
     Raises:
         ImportError: Triton imports but the kernels do not (see :func:`available`).
         RuntimeError: Triton is not importable.
-        TypeError: ``x`` or a parameter is not a floating-point tensor, or ``x`` has an unsupported dtype.
+        TypeError: ``x`` or a parameter is not a floating-point tensor, or ``x`` or ``u_dtype`` is an
+            unsupported dtype.
         ValueError: empty or misshapen streams, parameters of the wrong shape or on another device,
             CPU streams outside Triton's interpreter, or a bad ``norm_eps`` / ``tol``.
     """
@@ -170,6 +175,10 @@ def site_pre(
         raise TypeError(f"fused mHC site needs the streams as a tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused mHC site supports {SUPPORTED_DTYPES}, got {x.dtype}")
+    if u_dtype is None:
+        u_dtype = x.dtype
+    elif u_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fused mHC site writes u in one of {SUPPORTED_DTYPES}, got u_dtype={u_dtype!r}")
     if x.dim() < 2 or x.numel() == 0:
         raise ValueError(
             f"fused mHC site needs streams [..., n, C] with at least one token, got {tuple(x.shape)}"
@@ -190,9 +199,8 @@ def site_pre(
         if p.device != x.device:
             raise ValueError(f"streams are on {x.device} but {name} is on {p.device}")
     scalars = check_options(norm_eps=norm_eps, tol=tol)
-    return _site.pre(
-        fused_backend(x), x, phi, alpha, b_pre, b_post, b_res, scalars["norm_eps"], scalars["tol"]
-    )
+    norm_eps, tol = scalars["norm_eps"], scalars["tol"]
+    return _site.pre(fused_backend(x), x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, u_dtype=u_dtype)
 
 
 def post_mix(y: Tensor, site: FusedSite) -> Tensor:
@@ -234,9 +242,10 @@ def pre(
     tol: float,
     streams=None,
     norm=None,
+    u_dtype=None,
 ):
     """:func:`site_pre` on a chosen ``backend``, without checks, for :class:`mhc.MHCBlock` (:func:`mhc.fused.site.pre`)."""
-    return _site.pre(backend, x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, streams, norm)
+    return _site.pre(backend, x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, streams, norm, u_dtype)
 
 
 def post_linked(link: SiteLink, y: Tensor, site: FusedSite, keep_every: int) -> Tensor:

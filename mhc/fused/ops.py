@@ -122,10 +122,11 @@ def _site_pre_op(
     b_res: Tensor,
     eps: float,
     tol: float,
+    u_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(u, zr, h, H_res)`` of :func:`mhc.fused.steps.pre_forward`."""
+    """``(u, zr, h, H_res)`` of :func:`mhc.fused.steps.pre_forward`, ``u`` in ``u_dtype``."""
     x = _steps.dense(x)
-    plan = _plans.plan_for(x)
+    plan = _plans.plan_for(x, u_dtype)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
     if plan.tokens:
         return _site_pre_tokens_op(x, *params, eps, plan.projection_tol(tol))
@@ -149,7 +150,7 @@ def _site_pre_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dφ, sums)`` of :func:`mhc.fused.steps.pre_backward_sums` (``sums``: the small gradients)."""
     x = _steps.dense(x)
-    plan = _plans.plan_for(x)
+    plan = _plans.plan_for(x, du.dtype)
     phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
     with _on_device(x):
         return _steps.pre_backward_sums(
@@ -195,9 +196,10 @@ class SitePre(torch.autograd.Function):
     """Streams and parameters -> ``(u, h, H_res, link)``; ``link`` is ``x`` for :class:`PostMix`."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
-        u, zr, h, H_res = _site_pre_op(x, phi, alpha, b_pre, b_post, b_res, eps, tol)
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, u_dtype: torch.dtype):
+        u, zr, h, H_res = _site_pre_op(x, phi, alpha, b_pre, b_post, b_res, eps, tol, u_dtype)
         ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+        ctx.u_dtype = u_dtype
         return u, h, H_res, x.view_as(x)
 
     @staticmethod
@@ -207,7 +209,7 @@ class SitePre(torch.autograd.Function):
         zeros = torch.zeros_like
         dx, dphi, sums = _site_pre_backward_op(
             zeros(x) if d_link is None else d_link,
-            zeros(x[..., 0, :]) if du is None else du,
+            zeros(x[..., 0, :], dtype=ctx.u_dtype) if du is None else du.to(ctx.u_dtype),
             zeros(h) if d_h is None else d_h,
             zeros(H_res) if d_res is None else d_res,
             x,
@@ -217,7 +219,7 @@ class SitePre(torch.autograd.Function):
             h,
             H_res,
         )
-        return dx, dphi, *_steps.coefficient_grads(sums, x.shape[-2]), None, None
+        return dx, dphi, *_steps.coefficient_grads(sums, x.shape[-2]), None, None, None
 
 
 class PostMix(torch.autograd.Function):
@@ -235,11 +237,13 @@ class PostMix(torch.autograd.Function):
         return dout, dy.to(y.dtype), d_h, d_res
 
 
-def site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float) -> tuple[Tensor, FusedSite]:
+def site_pre(
+    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, u_dtype: torch.dtype
+) -> tuple[Tensor, FusedSite]:
     """:func:`mhc.fused.site.pre` under ``torch.compile``: ``(u, site)``, ``site.streams`` the link to the post-mix."""
     cdt = _coefficient_dtype(x)
     params = (phi.to(cdt), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt))
-    u, h, H_res, link = SitePre.apply(x.contiguous(), *params, norm_eps, tol)
+    u, h, H_res, link = SitePre.apply(x.contiguous(), *params, norm_eps, tol, u_dtype)
     return u, FusedSite(Backend.COMPILED, link, h, H_res)
 
 

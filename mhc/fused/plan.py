@@ -92,14 +92,15 @@ class Launch:
 
     __slots__ = ("grid", "grid3", "meta", "device", "cached", "variant")
 
-    def __init__(self, grid: tuple, meta: dict, ints: tuple, dtype: torch.dtype, device: torch.device):
+    def __init__(self, grid: tuple, meta: dict, ints: tuple, dtypes: tuple, device: torch.device):
         self.grid, self.grid3, self.meta = grid, (*grid, 1, 1)[:3], meta
         self.cached = device.type == "cuda"
         self.device = device.index
-        # What Triton specializes a variant on, besides the (fixed) pointer alignment and
-        # dtypes: integers equal to 1, divisible by 16, or beyond int32.
+        # What Triton specializes a variant on, besides the (fixed) pointer alignment and the
+        # pointers' dtypes (``dtypes``: the streams' and u's): integers equal to 1, divisible
+        # by 16, or beyond int32.
         int_key = tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints)
-        self.variant = (self.device, dtype, int_key, tuple(meta.items()))
+        self.variant = (self.device, dtypes, int_key, tuple(meta.items()))
 
 
 LAUNCHERS: dict[str, Launcher] = {
@@ -135,15 +136,21 @@ class Plan:
 
     Shapes: ``n`` streams of width ``C`` over ``T`` tokens; ``Z = n² + 2n``
     coefficient columns. Tile sizes are the best of the sweeps on the H200
-    (notes/block_benchmarks.md).
+    (notes/block_benchmarks.md). ``u_dtype``: the dtype of the sublayer's
+    input ``u`` and of its gradient (:func:`mhc.site.branch_input_dtype`;
+    default the streams').
     """
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, u_dtype: torch.dtype | None = None
+    ):
         n, C = shape[-2:]
+        u_dtype = dtype if u_dtype is None else u_dtype
         T = shape.numel() // (n * C)
         Z, ZP, NP = n * n + 2 * n, _pow2(n * n + 2 * n, 16), _pow2(n)
         self.T, self.n, self.C, self.Z, self.ZP = T, n, C, Z, ZP
         self.cuda_device = device.index if device.type == "cuda" else None
+        self.u_dtype = u_dtype
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = dtype == torch.float64  # ACC64: the kernels' accumulator is float64
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
@@ -159,7 +166,7 @@ class Plan:
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
         def launch(grid, ints, **meta):
-            return Launch(grid, meta, ints, dtype, device)
+            return Launch(grid, meta, ints, (dtype, u_dtype), device)
 
         # The dot products: 64 tokens x 128 columns, 4 warps, 4 stages, split over n·C until the
         # grid has ~256 programs (two per SM on the H200). bf16, n=4, one site, do_bench:
@@ -249,8 +256,9 @@ class Plan:
         # The projection's CUDA op directly (n in {4, 8}), without birkhoff_project's checks.
         probe = torch.empty((0, n, n), dtype=self.cdt, device=device)
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
-        # A few tokens (a decode step): both forwards run on the extension's token kernels.
-        self.tokens = _tokens.takes_shape(shape, dtype, device)
+        # A few tokens (a decode step): both forwards run on the extension's token kernels,
+        # which write u in the streams' dtype.
+        self.tokens = u_dtype == dtype and _tokens.takes_shape(shape, dtype, device)
         self._tol_eff: dict = {}
 
     def projection_tol(self, tol: float) -> float:
@@ -264,9 +272,10 @@ class Plan:
 _PLANS: dict = {}
 
 
-def plan_for(x: Tensor) -> Plan:
-    """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device), made on first use."""
-    key = (x.shape, x.dtype, x.device)
+def plan_for(x: Tensor, u_dtype: torch.dtype | None = None) -> Plan:
+    """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device) and ``u_dtype``
+    (default ``x``'s), made on first use."""
+    key = (x.shape, x.dtype, x.device, x.dtype if u_dtype is None else u_dtype)
     if is_traced(x):
         return Plan(*key)  # traced once; the shape may be symbolic, and then not a key
     plan = _PLANS.get(key)

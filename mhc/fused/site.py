@@ -46,6 +46,7 @@ def pre(
     tol: float,
     streams: StreamsRecipe | None = None,
     norm: tuple[Tensor, float] | None = None,
+    u_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, FusedSite]:
     """The first step: ``(u [..., C], site)`` on ``backend`` (not :attr:`~Backend.REFERENCE`).
 
@@ -53,18 +54,22 @@ def pre(
     ``x`` in backward (:func:`post_recording` of the site that made it); the
     nodes then keep no streams. Ignored without grad. ``norm``: the branch's
     input RMSNorm ``(weight, eps)``, which :attr:`~Backend.TOKENS` applies to
-    ``u`` too (``site.normed``).
+    ``u`` too (``site.normed``). ``u_dtype``: ``u``'s dtype (default ``x``'s);
+    another than ``x``'s runs :attr:`~Backend.TOKENS` on the eager kernels,
+    since the token kernels write ``u`` in the streams' dtype.
     """
+    if u_dtype is None:
+        u_dtype = x.dtype
     if backend is Backend.COMPILED:
-        return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol)
-    if backend is Backend.TOKENS:
+        return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, u_dtype)
+    if backend is Backend.TOKENS and u_dtype == x.dtype:
         # One call into the extension decides, converts and launches (None: not its sizes).
         taken = _tokens.pre_no_grad(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, norm)
         if taken is not None:
             u, mix, x, normed = taken
             return u, FusedSite(Backend.TOKENS, x, mix, None, normed=normed)
     x = dense(x)  # a strided input is copied once here
-    plan = plan_for(x)
+    plan = plan_for(x, u_dtype)
     cdt = plan.cdt
     params = (dense(phi, cdt), dense(alpha, cdt), dense(b_pre, cdt), dense(b_post, cdt), dense(b_res, cdt))
     state = SiteState(plan, norm_eps, tol)

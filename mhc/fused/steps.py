@@ -51,14 +51,14 @@ def dense(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 def pre_forward(plan, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float):
     """Norm, ``φ``, σ, projection and pre-mix: ``(u [..., C], zr [T, Z+1], h [T, 2n], H_res [T, n, n])``.
 
-    ``x [..., n, C]`` dense; the parameters dense in ``plan.cdt``. ``zr`` holds
+    ``x [..., n, C]`` dense; the parameters dense in ``plan.cdt``; ``u`` in ``plan.u_dtype``. ``zr`` holds
     ``z`` and the norm's ``1/rms``; ``h`` is σ of H_pre's and H_post's columns.
     """
     T, n, C, Z = plan.T, plan.n, plan.C, plan.Z
     zr = x.new_empty((T, Z + 1), dtype=plan.cdt)
     h = x.new_empty((T, 2 * n), dtype=plan.cdt)
     R = x.new_empty((T, n, n), dtype=plan.cdt)  # α·z + b of R's columns
-    u = x.new_empty((*x.shape[:-2], C))
+    u = x.new_empty((*x.shape[:-2], C), dtype=plan.u_dtype)
     part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
     _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
     _coeff_fwd(
@@ -111,7 +111,7 @@ def pre_backward_sums(
         dR = torch.ops.mhc.birkhoff_backward(H_res, d_res)
     else:
         dR = torch.ops.mhc.birkhoff_reference_backward(H_res, d_res)
-    du = dense(du)
+    du = dense(du, plan.u_dtype)  # (the kernels' variants are compiled for u's dtype)
     work = zr.new_empty((T, 2 * Z + 4))  # per token [r·dz | dv | α's group sums | c2]
     _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, C)
     sums = work.sum(0)
