@@ -26,8 +26,9 @@
 #            `git archive OLD mhc benchmarks | tar -x -C old_tree`), 1.1B then 134M, new/old/new/old; eager, or the
 #            variants in STEP_AB_VARIANTS (e.g. "residual eager,mhc eager,residual compiled,mhc compiled")
 #   trainab  benchmarks/step/training_ab.sh: bench_training.py on this tree against $OLD_TREE's mhc (made before
-#            the call with `git archive OLD mhc | tar -x -C old_tree`), process by process, TRAINING_AB_RUNS
-#            (default "new old new old") with TRAINING_AB_ARGS (default "--recipes autocast --modes eager")
+#            the call with `git archive OLD mhc | tar -x -C old_tree`; - when no run is old) or other trees holding
+#            mhc/, process by process, TRAINING_AB_RUNS (default "new old new old"; a run is new, old or a tree's
+#            path) with TRAINING_AB_ARGS (default "--recipes autocast --modes eager"); logs in $OUT/training_ab.tgz
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
@@ -98,7 +99,7 @@ for stage in "$@"; do
       OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 1b 4 new old new old
       OUT=$OUT bash benchmarks/step/step_ab.sh "$OLD_TREE" 134m 8 new old new old ;;
     trainab)
-      [ -d "${OLD_TREE-}" ] || { echo "trainab: set OLD_TREE to a tree made by git archive" >&2; exit 2; }
+      [ -d "${OLD_TREE-}" ] || [ "${OLD_TREE-}" = - ] || { echo "trainab: set OLD_TREE to a tree made by git archive, or -" >&2; exit 2; }
       # shellcheck disable=SC2086  # the runs are a list
       OUT=$OUT bash benchmarks/step/training_ab.sh "$OLD_TREE" "${TRAINING_AB_ARGS---recipes autocast --modes eager}" \
         ${TRAINING_AB_RUNS-new old new old} || status=1 ;;

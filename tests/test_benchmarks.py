@@ -9,8 +9,10 @@ marked ``slow``.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -366,3 +368,39 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
     assert us == pytest.approx(57.0)
     assert gbps == pytest.approx(nbytes["postmix_fwd"] / 57.0 / 1e3)
     assert of_copy == pytest.approx(gbps / 4000.0)
+
+
+@pytest.mark.slow
+def test_training_ab_refuses_unknown_runs_and_a_missing_old_tree_before_running(tmp_path):
+    script = str(BENCHMARKS / "step" / "training_ab.sh")
+    proc = run_in_repo("bash", script, "-", "--tiny", "new", "newer", OUT=str(tmp_path))
+    assert proc.returncode == 2 and "unknown run 'newer'" in proc.stderr, proc.stdout + proc.stderr
+    proc = run_in_repo("bash", script, "-", "--tiny", "new", "old", OUT=str(tmp_path))
+    assert proc.returncode == 2 and "run 'old' needs OLD_TREE" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout == "" and not any(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.slow
+def test_training_ab_runs_each_tree_in_its_own_process_and_packs_the_logs(tmp_path):
+    """A tree given by path imports its own mhc; the logs come back as one archive."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "mhc", other / "mhc", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    args = "--tiny --device cpu --shapes small_gpu --recipes autocast --modes eager --steps 1 --warmup 0 --rounds 1"
+    proc = run_in_repo(
+        "bash", str(BENCHMARKS / "step" / "training_ab.sh"), "-", args, "new", str(other), OUT=str(out)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("new 1: rc=0") and lines[0].endswith(f"mhc: {ROOT / 'mhc'}"), proc.stdout
+    assert lines[2].startswith(f"{other} 2: rc=0") and lines[2].endswith(f"mhc: {other / 'mhc'}"), proc.stdout
+    assert (
+        "[small_gpu autocast eager] residual" in lines[1]
+        and "[small_gpu autocast eager] residual" in lines[3]
+    )
+    with tarfile.open(out / "training_ab.tgz") as archive:
+        names = sorted(n for n in archive.getnames() if "." in Path(n).name)
+    assert names == [f"training_ab/1_new.{e}" for e in ("json", "log")] + [
+        f"training_ab/2_other.{e}" for e in ("json", "log")
+    ]
+    assert not (out / "training_ab").exists()
