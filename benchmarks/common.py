@@ -172,28 +172,42 @@ def copy_gbps(numel: int = 2**28, dtype: torch.dtype = torch.bfloat16, steps: in
     return 2 * a.numel() * a.element_size() / ms / 1e6
 
 
-def site_stream_elements(n: int, C: int) -> dict[str, int]:
-    """Stream-sized elements per token each fused-site kernel reads and writes, each array counted once."""
+def site_array_elements(n: int, C: int) -> dict[str, dict[str, int]]:
+    """Elements per token each fused-site kernel reads and writes, each array counted once, by the arrays' kind.
+
+    ``streams``: x, x', dx' and dx (``n·C`` each, the streams' dtype); ``u``: the sublayer's input and its
+    gradient (``C`` each, ``u``'s dtype, float32 under autocast with float32 weights); ``y``: the sublayer's
+    output and its gradient (``C`` each, ``y``'s dtype).
+    """
     nC = n * C
     return {
-        "coeff_partial": nC,  # x
-        "coeff_fwd": nC + C,  # x (the pre-mix's read); u
-        "postmix_fwd": nC + C + nC,  # x, y; x'
-        "postmix_bwd": nC + nC + C + C,  # dx', x, y; dy
-        "coeff_bwd": C + nC,  # du, x
-        "stream_grad": nC + C + nC + nC,  # dx', du, x; dx
-        "phi_grad": nC,  # x
+        "coeff_partial": {"streams": nC},  # x
+        "coeff_fwd": {"streams": nC, "u": C},  # x (the pre-mix's read); u
+        "postmix_fwd": {"streams": 2 * nC, "y": C},  # x; x'; y
+        "postmix_bwd": {"streams": 2 * nC, "y": 2 * C},  # dx', x; y; dy
+        "coeff_bwd": {"streams": nC, "u": C},  # x; du
+        "stream_grad": {"streams": 3 * nC, "u": C},  # dx', x, dx; du
+        "phi_grad": {"streams": nC},  # x
     }
 
 
-def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
-    """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C`` (``elt`` bytes).
+def site_stream_elements(n: int, C: int) -> dict[str, int]:
+    """Elements per token each fused-site kernel reads and writes, all kinds of :func:`site_array_elements` summed."""
+    return {name: sum(kinds.values()) for name, kinds in site_array_elements(n, C).items()}
 
-    Each stream-sized array read or written once (the floor), plus the float32 per-token coefficients it reads or writes
-    (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the backward's work row 2Z + 4).
+
+def site_kernel_bytes(
+    T: int, n: int, C: int, elt: int = 2, u_elt: int | None = None, y_elt: int | None = None
+) -> dict[str, int]:
+    """Bytes each fused-site kernel must move for ``T`` tokens of ``n`` streams of width ``C``.
+
+    Each array of :func:`site_array_elements` read or written once (the floor): the streams at ``elt`` bytes a
+    value, ``u`` and ``du`` at ``u_elt``, ``y`` and ``dy`` at ``y_elt`` (both default ``elt``); plus the float32
+    per-token coefficients it reads or writes (``Z = n² + 2n``; ``zr`` Z + 1, ``h`` 2n, ``H_res`` n², the
+    backward's work row 2Z + 4).
     """
     Z = n * n + 2 * n
-    streams = site_stream_elements(n, C)
+    size = {"streams": elt, "u": elt if u_elt is None else u_elt, "y": elt if y_elt is None else y_elt}
     coefficients = {  # float32 values per token
         "coeff_partial": Z + 1,
         "coeff_fwd": (Z + 1) + (Z + 1) + 2 * n + n * n,
@@ -203,7 +217,10 @@ def site_kernel_bytes(T: int, n: int, C: int, elt: int = 2) -> dict[str, int]:
         "stream_grad": (2 * Z + 4) + 2 * n + n * n,
         "phi_grad": Z,
     }
-    return {name: T * (streams[name] * elt + 4 * coefficients[name]) for name in streams}
+    return {
+        name: T * (sum(count * size[kind] for kind, count in arrays.items()) + 4 * coefficients[name])
+        for name, arrays in site_array_elements(n, C).items()
+    }
 
 
 def kernel_bandwidth_rows(averages, bytes_per_call: dict[str, int], copy: float) -> list[tuple]:

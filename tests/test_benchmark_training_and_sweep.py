@@ -109,7 +109,7 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         SimpleNamespace(key="postmix_fwd", count=88, self_device_time_total=88 * 500.0),
         SimpleNamespace(key="nvjet_gemm", count=10, self_device_time_total=10 * 1000.0),
     ]
-    kernels = bt.kernel_figures(averages, 2, T, C, 4, copy=4000.0)
+    kernels = bt.kernel_figures(averages, 2, T, C, {"elt": 4, "u_elt": 4, "y_elt": 4}, copy=4000.0)
     fp32_bytes = common.site_kernel_bytes(T, 4, C, 4)["postmix_fwd"]
     assert (
         fp32_bytes > 1.9 * common.site_kernel_bytes(T, 4, C, 2)["postmix_fwd"]
@@ -277,6 +277,43 @@ def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
             assert set(g["models"]) == {"residual", "mhc"}, g["models"].keys()
         if g["recipe"] == "autocast":  # mhc.train's step: two warm-up, one timed, one for memory
             assert res["steps_run"] == mhc["steps_run"] == 4, g
+
+
+def test_site_bytes_count_u_and_y_in_their_own_dtypes():
+    """Under autocast with float32 weights the site's streams are bf16, u (and du) float32, y (and dy) bf16:
+    common.site_kernel_bytes counts each array at its own size, and site_element_sizes reads them off the model."""
+    bt = _bench_training()
+    common, training_models = bt.common, sys.modules["training_models"]
+    T, n, C = 16384, 4, 512
+    bf16 = common.site_kernel_bytes(T, n, C, 2)
+    mixed = common.site_kernel_bytes(T, n, C, 2, u_elt=4, y_elt=2)
+    assert {k: mixed[k] - bf16[k] for k in bf16} == {
+        "coeff_partial": 0,
+        "coeff_fwd": T * C * 2,  # writes u
+        "postmix_fwd": 0,
+        "postmix_bwd": 0,
+        "coeff_bwd": T * C * 2,  # reads du
+        "stream_grad": T * C * 2,  # reads du
+        "phi_grad": 0,
+    }
+    assert common.site_kernel_bytes(T, n, C, 2, y_elt=4)["postmix_bwd"] - bf16["postmix_bwd"] == T * 2 * C * 2
+    assert common.site_stream_elements(n, C)["stream_grad"] == 3 * n * C + C
+
+    class Model(torch.nn.Module):
+        def __init__(self, dtype, stream_dtype):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4, dtype=dtype)
+            self.stream_dtype = stream_dtype
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    cpu = torch.device("cpu")
+    sizes = training_models.site_element_sizes
+    assert sizes(Model(torch.float32, "autocast"), "autocast", cpu) == {"elt": 2, "u_elt": 4, "y_elt": 2}
+    assert sizes(Model(torch.float32, "hidden"), "autocast", cpu) == {"elt": 4, "u_elt": 4, "y_elt": 2}
+    assert sizes(Model(torch.bfloat16, "autocast"), "bf16", cpu) == {"elt": 2, "u_elt": 2, "y_elt": 2}
+    assert sizes(Model(torch.float32, "autocast"), "float32", cpu) == {"elt": 4, "u_elt": 4, "y_elt": 4}
 
 
 def _sweep_site_kernels():

@@ -117,6 +117,7 @@ from training_models import (  # noqa: E402  (benchmarks/step/, this script's fo
     make_step,
     preset_config,
     shape_plan,
+    site_element_sizes,
     streams_dtype,
 )
 
@@ -293,18 +294,21 @@ def extra_kernels(
     return [r for r in rows[:top] if r[1] - r[2] > 0.005]
 
 
-def kernel_figures(averages, steps: int, T: int, C: int, elt: int, copy: float) -> dict:
+def kernel_figures(averages, steps: int, T: int, C: int, sizes: dict[str, int], copy: float) -> dict:
     """Per fused site kernel of ``averages`` (``steps`` steps profiled): calls per step, µs per call, GB/s and that
-    over a device copy's (``common.kernel_bandwidth_rows``, bytes from ``common.site_kernel_bytes`` at ``elt`` bytes
-    per stream element); and the site kernels' milliseconds per step, against all kernels'."""
-    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, N_STREAMS, C, elt), copy)
+    over a device copy's (``common.kernel_bandwidth_rows``, bytes from ``common.site_kernel_bytes`` with the
+    element sizes ``sizes``, ``training_models.site_element_sizes``); and the site kernels' milliseconds per step,
+    against all kernels'."""
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, N_STREAMS, C, **sizes), copy)
     all_us = sum(e.self_device_time_total for e in averages)
     site_us = sum(calls * us for _, calls, us, _, _ in rows)
     return {
         "tokens": T,
         "n": N_STREAMS,
         "C": C,
-        "stream_bytes": elt,
+        "stream_bytes": sizes["elt"],
+        "u_bytes": sizes["u_elt"],
+        "y_bytes": sizes["y_elt"],
         "copy_gbps": copy,
         "profiled_steps": steps,
         "kernels": [
@@ -386,11 +390,11 @@ def run_group(
         # The residual step's kernels too: what the mHC step spends beyond its site kernels, and where.
         residual_ms = kernel_ms(profiled_kernels(steps["residual"], args.kernel_steps), args.kernel_steps)
         for kind in mhc_kinds:
-            elt = streams_dtype(models[kind], recipe, device).itemsize
+            sizes = site_element_sizes(models[kind], recipe, device)
             averages = profiled_kernels(steps[kind], args.kernel_steps)
-            k = kernel_figures(averages, args.kernel_steps, B * S, plan["hidden"], elt, copy)
+            k = kernel_figures(averages, args.kernel_steps, B * S, plan["hidden"], sizes, copy)
             k["residual_kernel_ms_per_step"] = sum(residual_ms.values())
-            site = set(common.site_kernel_bytes(B * S, N_STREAMS, plan["hidden"], elt))
+            site = set(common.site_kernel_bytes(B * S, N_STREAMS, plan["hidden"]))
             k["extra_kernels"] = extra_kernels(kernel_ms(averages, args.kernel_steps), residual_ms, site)
             kernels[kind] = k
     for kind in kinds:
@@ -480,7 +484,8 @@ def kernel_table(g: dict, kind: str = "mhc") -> str:
     k = g["kernels"] if kind == "mhc" else g["other_kernels"][kind]
     lines = [
         f"site kernels of the {kind} step, {g['shape']} {g['recipe']} {g['mode']}: {k['tokens']} tokens, n={k['n']}, "
-        f"C={k['C']}, {k['stream_bytes']}-byte streams, bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
+        f"C={k['C']}, {k['stream_bytes']}-byte streams, {k.get('u_bytes', k['stream_bytes'])}-byte u, "
+        f"{k.get('y_bytes', k['stream_bytes'])}-byte y, bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
         "",
         "| kernel | calls/step | µs/call | GB/s | × copy |",
         "|---|---|---|---|---|",

@@ -198,12 +198,8 @@ def main() -> None:
                 )
             )
         if streams:
-            elt = (
-                2
-                if args.recipe == "bf16"
-                else training_models.streams_dtype(model, "autocast", ids.device).itemsize
-            )
-            print(site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, hidden, copy, elt))
+            sizes = training_models.site_element_sizes(model, args.recipe, ids.device)
+            print(site_kernel_table(prof.key_averages(), args.batch * args.seq, streams, hidden, copy, sizes))
         model = opt = step = None  # freed (the step closures above read these names)
         torch.cuda.empty_cache()
 
@@ -228,13 +224,16 @@ def autocast_step(args, kind: str, ids):
     return model, step
 
 
-def site_kernel_table(averages, T: int, n: int, C: int, copy: float, elt: int = 2) -> str:
+def site_kernel_table(
+    averages, T: int, n: int, C: int, copy: float, sizes: dict[str, int] | None = None
+) -> str:
     """The fused site's kernels in one profiled step: µs per call and bandwidth over a device copy's.
 
-    Bytes are :func:`common.site_kernel_bytes` (streams of ``elt`` bytes, each array counted once): what
-    the kernel must move, so ``× copy`` is how near it runs to the memory floor (issue #22 asks 0.85).
+    Bytes are :func:`common.site_kernel_bytes` with the element sizes ``sizes`` (``elt``, ``u_elt``,
+    ``y_elt``; default 2 bytes each), each array counted once: what the kernel must move, so ``× copy``
+    is how near it runs to the memory floor (issue #22 asks 0.85).
     """
-    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C, elt), copy)
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C, **(sizes or {})), copy)
     lines = [
         f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
         f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}",

@@ -211,5 +211,21 @@ def streams_dtype(model: torch.nn.Module, recipe: str, device: torch.device) -> 
         return stream_dtype_for(hidden, getattr(model, "stream_dtype", "hidden"))
 
 
+def site_element_sizes(model: torch.nn.Module, recipe: str, device: torch.device) -> dict[str, int]:
+    """Bytes a value of the fused site's arrays take in ``recipe`` (``common.site_kernel_bytes``' ``elt``,
+    ``u_elt`` and ``y_elt``): the streams' dtype; ``u``'s (``mhc.site.branch_input_dtype``: float32 from bf16
+    streams under autocast with float32 weights); and ``y``'s, the sublayer's output (bf16 under autocast,
+    whose matmuls give bf16, else the weights' dtype)."""
+    from mhc.site import branch_input_dtype
+
+    weights = model.get_input_embeddings().weight.dtype
+    streams = streams_dtype(model, recipe, device)
+    autocast = recipe == "autocast"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        u = branch_input_dtype(torch.empty(0, 1, dtype=streams, device=device), weights)
+    y = torch.bfloat16 if autocast else weights
+    return {"elt": streams.itemsize, "u_elt": u.itemsize, "y_elt": y.itemsize}
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
