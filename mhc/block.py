@@ -68,9 +68,9 @@ class MHCBlock(nn.Module):
             its hidden state (:func:`mhc.site.branch_input_dtype`). If it returns a
             tuple (as HF attention does), its first element is mixed into the
             streams and the rest is returned beside the new streams. Avoid a
-            bound method of the module that holds this block: ``copy.deepcopy(block)`` would deep-copy that
-            whole module with it (:mod:`mhc.hf` uses a callable that rebinds
-            on copy instead).
+            bound method of the module that holds this block:
+            ``copy.deepcopy(block)`` would deep-copy that whole module with it
+            (:mod:`mhc.hf` uses a callable that rebinds on copy instead).
         hidden_size: ``C``, an int ``>= 1``.
         n_streams: ``n`` (default 4), an int ``>= 1``.
         layer_index: depth of this site (int ``>= 0``); rotates the stream ``H_pre`` favours.

@@ -484,8 +484,8 @@ def kernel_table(g: dict, kind: str = "mhc") -> str:
     k = g["kernels"] if kind == "mhc" else g["other_kernels"][kind]
     lines = [
         f"site kernels of the {kind} step, {g['shape']} {g['recipe']} {g['mode']}: {k['tokens']} tokens, n={k['n']}, "
-        f"C={k['C']}, {k['stream_bytes']}-byte streams, {k.get('u_bytes', k['stream_bytes'])}-byte u, "
-        f"{k.get('y_bytes', k['stream_bytes'])}-byte y, bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
+        f"C={k['C']}, {k['stream_bytes']}-byte streams, {k['u_bytes']}-byte u, {k['y_bytes']}-byte y, "
+        f"bytes at their floor; device copy {k['copy_gbps']:.0f} GB/s",
         "",
         "| kernel | calls/step | µs/call | GB/s | × copy |",
         "|---|---|---|---|---|",

@@ -1,11 +1,12 @@
 """What the branch's input dtype costs a decoder layer's input norm under bf16 autocast (issue #49).
 
-A converted Llama layer under ``torch.autocast(bfloat16)`` with float32 weights gets its
-branch input ``u`` in the streams' dtype (bf16), where the residual model's norm gets a
-float32 hidden state. LlamaRMSNorm then casts ``u`` up, back down and multiplies a float32
-weight by a bf16 tensor, and autograd casts the gradients back. This times the norm and the
-first projection (forward and backward) on a bf16 and on a float32 ``u`` of the same values
-(``common.interleaved``: best of two interleaved round medians).
+Until 0a3dd54 a converted Llama layer under ``torch.autocast(bfloat16)`` with float32 weights
+got its branch input ``u`` in the streams' dtype (bf16), where the residual model's norm gets
+a float32 hidden state; LlamaRMSNorm then cast ``u`` up, back down and multiplied a float32
+weight by a bf16 tensor, and autograd cast the gradients back. Now ``u`` is float32 there
+(:func:`mhc.site.branch_input_dtype`). This times the norm and the first projection (forward
+and backward) on a bf16 and on a float32 ``u`` of the same values (``common.interleaved``:
+best of two interleaved round medians).
 
 Usage: python benchmarks/step/branch_input_dtype.py [--tokens 8192] [--hidden 2048]
 """

@@ -224,16 +224,14 @@ def autocast_step(args, kind: str, ids):
     return model, step
 
 
-def site_kernel_table(
-    averages, T: int, n: int, C: int, copy: float, sizes: dict[str, int] | None = None
-) -> str:
+def site_kernel_table(averages, T: int, n: int, C: int, copy: float, sizes: dict[str, int]) -> str:
     """The fused site's kernels in one profiled step: µs per call and bandwidth over a device copy's.
 
     Bytes are :func:`common.site_kernel_bytes` with the element sizes ``sizes`` (``elt``, ``u_elt``,
-    ``y_elt``; default 2 bytes each), each array counted once: what the kernel must move, so ``× copy``
+    ``y_elt``, ``training_models.site_element_sizes``), each array counted once: what the kernel must move, so ``× copy``
     is how near it runs to the memory floor (issue #22 asks 0.85).
     """
-    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C, **(sizes or {})), copy)
+    rows = common.kernel_bandwidth_rows(averages, common.site_kernel_bytes(T, n, C, **sizes), copy)
     lines = [
         f"site kernels, {T} tokens, n={n}, C={C}, bytes at their floor; device copy {copy:.0f} GB/s",
         f"  {'kernel':12} {'calls':>5} {'µs/call':>8} {'GB/s':>7} {'x copy':>6}",
