@@ -131,7 +131,12 @@ def test_huge_finite_logits_do_not_raise(method):
     g = fresh_generator()
     seed = f"seed {g.initial_seed()}"
     scales = torch.tensor([1.0, 1e30, 1e38, 3e38]).repeat(16)
-    R = (torch.randn(64, 4, 4, generator=g) * scales[:, None, None]).requires_grad_()
+    # randn beyond 3.4e38 / 3e38 overflows to -inf, which is a different input (a zero
+    # of exp(R), tested above): keep every logit finite.
+    huge = torch.finfo(torch.float32).max
+    R = torch.randn(64, 4, 4, generator=g, dtype=torch.float64) * scales[:, None, None]
+    R = R.clamp(-huge, huge).float().requires_grad_()
+    assert R.isfinite().all(), seed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         T, info = birkhoff_project_reference(R, method=method, return_info=True)
