@@ -320,14 +320,24 @@ class MHCBlock(nn.Module):
             return None
         if site.branch_input_dtype(x, params[0].dtype) != x.dtype:
             return None  # the token kernels write u in the streams' dtype
-        return params, self._options.norm_eps, self._options.tol, self._branch_norm()
+        return params, self._options.norm_eps, self._options.tol, self._branch_norm(Backend.TOKENS)
 
-    def _branch_norm(self) -> tuple[Tensor, float] | None:
-        # (weight, eps) of the branch's input RMSNorm, which the no-grad token kernels then apply
-        # where they write u (a decode step's norm is ~8 launches of host time): offered by a branch
-        # whose class has fusable_input_norm and call_normed (mhc.hf.branch.SiteBranch). Looked up on
-        # the class: a Module branch's missing attribute would cost an exception each call.
-        offer = getattr(type(self.branch), "fusable_input_norm", None)
+    def _branch_norm(self, backend: Backend) -> tuple[Tensor, float] | None:
+        # (weight, eps) of the branch's input RMSNorm, which the site's kernels then apply where they
+        # form u: offered by a branch whose class has fusable_input_norm, training_input_norm and
+        # call_normed (mhc.hf.branch.SiteBranch). The no-grad token kernels take the first (a decode
+        # step's norm is ~8 launches of host time); the grad path the second (the norm's passes over u,
+        # forward and backward, and the copies of u it keeps). Looked up on the class: a Module
+        # branch's missing attribute would cost an exception each call.
+        # Not while compiling: inductor fuses the norm with its neighbours itself, and the compiled
+        # small_gpu step was 1.410x/1.433x residual with the site applying it against 1.355x/1.382x
+        # without (notes/training_cost.md).
+        if backend is Backend.TOKENS:
+            offer = getattr(type(self.branch), "fusable_input_norm", None)
+        elif backend is Backend.EAGER and torch.is_grad_enabled():
+            offer = getattr(type(self.branch), "training_input_norm", None)
+        else:
+            return None
         return offer(self.branch) if offer is not None else None
 
     def _coefficient_parameters(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -442,12 +452,12 @@ class MHCBlock(nn.Module):
             u, fused_site = waiting
         else:
             recipe = waiting[0] if waiting is not None else None  # x recomputed in backward
-            norm = self._branch_norm() if backend is Backend.TOKENS else None
+            norm = self._branch_norm(backend)
             opts, params = self._options, self._coefficient_parameters()
             u_dtype = site.branch_input_dtype(x, params[0].dtype)
             u, fused_site = fused.pre(backend, x, *params, opts.norm_eps, opts.tol, recipe, norm, u_dtype)
 
-        # 2. the sublayer, whose input norm the token kernels may have applied already
+        # 2. the sublayer, whose input norm the site's kernels may have applied already
         y, rest = self._call_branch(u, fused_site.normed, args, kwargs)
 
         # 3. the post-mix, which may serve the next linked site too
@@ -466,8 +476,11 @@ class MHCBlock(nn.Module):
             x_new = site.post_mix(y, anchor, dev, H_post, H_res, exact_rows=self._exact_rows, dtype=x.dtype)
         return x_new if rest is None else (x_new, *rest)
 
-    def _call_branch(self, u: Tensor, normed: Tensor | None, args: tuple, kwargs: dict):
-        """``F(u)`` (or, with ``normed``, the branch's call that skips its input norm): ``(y, rest or None)``."""
+    def _call_branch(self, u: Tensor | None, normed: Tensor | None, args: tuple, kwargs: dict):
+        """``F(u)`` (or, with ``normed``, the branch's call that skips its input norm): ``(y, rest or None)``.
+
+        ``u`` is ``None`` where the grad path's kernels applied the norm without storing ``u``.
+        """
         if normed is None:
             out = self.branch(u, *args, **kwargs)
         else:
@@ -491,8 +504,9 @@ class MHCBlock(nn.Module):
                 f"MHCBlock's branch must return a tensor [..., C] (or a tuple whose first element is one); "
                 f"{where} is {type(y).__name__}"
             )
-        if y.shape != u.shape:
-            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(u.shape)}")
+        shape = (u if u is not None else normed).shape
+        if y.shape != shape:
+            raise ValueError(f"branch returned shape {tuple(y.shape)}; MHCBlock needs {tuple(shape)}")
         return y, rest
 
     def extra_repr(self) -> str:

@@ -719,16 +719,19 @@ def test_inductor_launches_the_site_kernels_itself(fresh_seed):
 
 
 @pytest.mark.parametrize(
-    "T, dtype, u_dtype",
+    "T, dtype, u_dtype, norm",
     # On CUDA: the decode kernels' token count, then the Triton kernels'; bf16 streams with a
-    # float32 u (fp32 weights under autocast), which the Triton kernels take at every token count.
+    # float32 u (fp32 weights under autocast), which the Triton kernels take at every token count;
+    # the branch's norm applied by the kernels (a float32 weight, and one of u's dtype).
     [
-        (40, torch.float32, torch.float32),
-        (200, torch.float32, torch.float32),
-        (40, torch.bfloat16, torch.float32),
+        (40, torch.float32, torch.float32, None),
+        (200, torch.float32, torch.float32, None),
+        (40, torch.bfloat16, torch.float32, None),
+        (200, torch.bfloat16, torch.float32, torch.float32),
+        (40, torch.bfloat16, torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_step_ops_pass_opcheck(T, dtype, u_dtype, fresh_seed):
+def test_step_ops_pass_opcheck(T, dtype, u_dtype, norm, fresh_seed):
     """torch.library.opcheck of the four step ops of mhc.fused.ops: schema, autograd registration, the fake
     pass outside dynamo (no address read, no launch on fake tensors) and AOT dispatch with dynamic shapes."""
     n, C = 4, 32
@@ -736,11 +739,14 @@ def test_step_ops_pass_opcheck(T, dtype, u_dtype, fresh_seed):
     x = torch.randn(T, n, C, device=DEVICE).to(dtype)
     phi, alpha = 0.1 * torch.randn(Z, n * C, device=DEVICE), torch.full((3,), 0.1, device=DEVICE)
     b, b_res = torch.zeros(n, device=DEVICE), torch.randn(n, n, device=DEVICE)
-    u, zr, h, H_res = torch.ops.mhc.fused_site_pre(x, phi, alpha, b, b, b_res, 1e-6, 1e-6, u_dtype)
-    assert u.dtype == u_dtype
+    weight = None if norm is None else (1 + 0.1 * torch.randn(C, device=DEVICE)).to(norm)
+    pre_args = (x, phi, alpha, b, b, b_res, 1e-6, 1e-6, u_dtype, weight, 1e-5)
+    u, zr, h, H_res, rn = torch.ops.mhc.fused_site_pre(*pre_args)
+    assert u.dtype == (u_dtype if norm is None else torch.promote_types(norm, u_dtype))
+    assert rn.shape == ((0,) if norm is None else (T,))
     y, dx = torch.randn_like(x[..., 0, :]), torch.randn_like(x)
     for op, args in [
-        (torch.ops.mhc.fused_site_pre, (x, phi, alpha, b, b, b_res, 1e-6, 1e-6, u_dtype)),
+        (torch.ops.mhc.fused_site_pre, pre_args),
         (torch.ops.mhc.fused_post_mix, (x, y, h, H_res)),
         (torch.ops.mhc.fused_post_mix_backward, (dx, x, y, h)),
         (
@@ -756,6 +762,9 @@ def test_step_ops_pass_opcheck(T, dtype, u_dtype, fresh_seed):
                 zr,
                 h,
                 H_res,
+                u_dtype,
+                weight,
+                rn,
             ),
         ),
     ]:

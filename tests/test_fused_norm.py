@@ -1,15 +1,22 @@
-"""The branch's input RMSNorm applied by the no-grad token kernels (generation).
+"""The branch's input RMSNorm applied by the site's kernels: the no-grad token kernels (generation) and
+the grad path's Triton kernels (training).
 
 In a decode step the first step of each site also writes ``LlamaRMSNorm(u)`` when the site's branch
 starts with a norm of that form (``mhc.hf.branch.is_llama_rms_norm``), so the branch skips its norm's
-~8 launches. The CPU tests check which norms qualify and the branch protocol; the CUDA tests check the
-kernels against HF's norm and a converted model's generation against the same model with the fusion off.
+~8 launches. With grad, the Triton kernels apply the same norm where they form ``u`` and take the
+norm's output gradient in backward, so ``u`` is never stored. The CPU tests check which norms qualify,
+the branch protocol, and the grad path in Triton's interpreter against PyTorch's norm (and against
+finite differences); the CUDA tests check the token kernels against HF's norm, and converted models
+with the fusion on against the same models with it off.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from test_fused_block import DEVICE, NO_TRITON, _rel
 from test_generate import NEW_TOKENS, greedy, prompts, tiny_mhc_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -20,6 +27,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import mhc
+from mhc import fused
 from mhc.hf.branch import is_llama_rms_norm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -178,3 +186,211 @@ def test_generation_with_fused_norms_matches_the_model_that_runs_them(fresh_seed
     assert len(seen) == NEW_TOKENS and hooked_rsqrt == 2 * NEW_TOKENS and torch.equal(hooked_tokens, tokens)
     half = model.to(torch.bfloat16)  # the weights and streams share a dtype: the norms are fused there too
     assert _rsqrt_calls(half, ids, mask)[2] == NEW_TOKENS
+
+
+# ----------------------------------------------------------------------------- the grad path
+
+TRITON = pytest.mark.skipif(NO_TRITON is not None, reason=NO_TRITON or "")
+
+
+def _site_parameters(n: int, C: int, dtype=torch.float32) -> list[torch.Tensor]:
+    """φ, α, b_pre, b_post, b_res with coefficients that depend on each token."""
+    Z = n * n + 2 * n
+    return [
+        0.3 * torch.randn(Z, n * C, device=DEVICE, dtype=dtype) / (n * C) ** 0.5,
+        torch.tensor([0.5, 0.7, 1.5], device=DEVICE, dtype=dtype),
+        torch.randn(n, device=DEVICE, dtype=dtype),
+        torch.randn(n, device=DEVICE, dtype=dtype),
+        2 * torch.randn(n, n, device=DEVICE, dtype=dtype),
+    ]
+
+
+def _normed_site(x, params, weight, lin, u_dtype, in_kernels: bool):
+    """``(x', normed)`` of a site whose branch is ``lin(RMSNorm(u))``, the norm in the kernels or in PyTorch."""
+    if in_kernels:
+        normed, site = fused.site_pre(
+            x, *params, norm_eps=1e-6, tol=1e-6, u_dtype=u_dtype, branch_norm=(weight, 1e-5)
+        )
+        assert site.normed is normed, "the kernels did not apply the norm"
+    else:
+        u, site = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6, u_dtype=u_dtype)
+        normed = fused.rms_norm_reference(u, weight, 1e-5)
+    return fused.post_mix(lin(normed), site), normed
+
+
+def _normed_site_grads(x, params, weight, lin, u_dtype, in_kernels, g):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *params, weight)]
+    lin.zero_grad(set_to_none=True)
+    out, normed = _normed_site(leaves[0], leaves[1:6], leaves[6], lin, u_dtype, in_kernels)
+    out.backward(g.to(out.dtype))
+    return [out.detach(), normed.detach()] + [t.grad for t in leaves] + [lin.weight.grad]
+
+
+@TRITON
+@pytest.mark.parametrize("n, C", [(4, 64), (3, 200)])
+@pytest.mark.parametrize(
+    "dtype, u_dtype, weight_dtype",
+    # fp32 weights (fp32 streams); fp32 weights under bf16 autocast (bf16 streams, fp32 u); a bf16 model
+    [
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_grad_path_applies_the_branch_norm_as_pytorch_does(n, C, dtype, u_dtype, weight_dtype, fresh_seed):
+    """fused.site_pre with branch_norm and grad: the norm's output, the site's output and every gradient
+    (streams, coefficients, the norm's weight, the branch's) as with the norm applied by PyTorch to u,
+    on hard streams (a token ×1e3, one ×1e-3). With a float32 u both agree to float32 rounding; with a
+    bf16 u each is judged against float64 (the kernels may be 4x as far off as PyTorch, or 4e-2)."""
+    torch.manual_seed(fresh_seed)
+    x = torch.randn(2, 9, n, C, device=DEVICE)
+    x[0, 0] *= 1e3
+    x[1, -1] *= 1e-3
+    x = x.to(dtype)
+    params = _site_parameters(n, C)
+    weight = (1 + 0.5 * torch.randn(C, device=DEVICE)).to(weight_dtype)
+    normed_dtype = torch.promote_types(weight_dtype, u_dtype)
+    lin = torch.nn.Linear(C, C, device=DEVICE).to(normed_dtype)
+    g = torch.randn(x.shape, device=DEVICE)
+    fast = _normed_site_grads(x, params, weight, lin, u_dtype, True, g)
+    slow = _normed_site_grads(x, params, weight, lin, u_dtype, False, g)
+    names = ["output", "normed", "dx", "dφ", "dα", "db_pre", "db_post", "db_res", "dw", "d lin"]
+    assert fast[1].dtype == normed_dtype
+    if u_dtype == torch.float32:
+        for name, f, s in zip(names, fast, slow):
+            assert _rel(f, s) < (1e-5 if name in ("output", "normed") else 1e-4), f"seed {fresh_seed}: {name}"
+        return
+    lin64 = torch.nn.Linear(C, C, device=DEVICE).double()
+    lin64.load_state_dict(lin.state_dict())
+    gold = _normed_site_grads(
+        x.double(), [p.double() for p in params], weight.double(), lin64, torch.float64, False, g
+    )
+    for name, f, s, g64 in zip(names, fast, slow, gold):
+        err_fast, err_slow = _rel(f.double(), g64), _rel(s.double(), g64)
+        assert err_fast <= max(4 * err_slow, 4e-2), (
+            f"seed {fresh_seed}: {name} {err_fast:.3e} vs {err_slow:.3e}"
+        )
+
+
+@TRITON
+def test_grad_path_norm_gradcheck_float64(fresh_seed):
+    """The public steps with branch_norm around a branch, against finite differences (the norm's weight too)."""
+    torch.manual_seed(fresh_seed)
+    n, C = 3, 4
+    lin = torch.nn.Linear(C, C).double().to(DEVICE)
+    x = torch.randn(2, n, C, dtype=torch.float64, device=DEVICE)
+    weight = 1 + 0.5 * torch.randn(C, dtype=torch.float64, device=DEVICE)
+    inputs = [t.requires_grad_() for t in (x, *_site_parameters(n, C, torch.float64), weight)]
+
+    def site(x, phi, alpha, b_pre, b_post, b_res, weight):
+        normed, mix = fused.site_pre(
+            x, phi, alpha, b_pre, b_post, b_res, norm_eps=1e-6, tol=1e-12, branch_norm=(weight, 1e-5)
+        )
+        assert mix.normed is normed
+        return fused.post_mix(torch.tanh(lin(normed)), mix)
+
+    assert torch.autograd.gradcheck(site, inputs, atol=1e-7, rtol=1e-5)
+
+
+@TRITON
+def test_grad_path_norm_only_with_grad_and_within_its_width():
+    """Without grad the branch keeps its own norm (evaluation keeps HF's bits); a weight of another
+    length or device is never applied; the plan holds whole rows up to NORM_MAX_C and no further."""
+    from mhc.fused import plan as fused_plan
+    from mhc.fused import site as fused_site
+
+    n, C = 4, 32
+    x = torch.randn(3, n, C, device=DEVICE)
+    weight = torch.ones(C, device=DEVICE)
+    assert fused_site.takes_norm(x, weight)
+    with torch.no_grad():
+        assert not fused_site.takes_norm(x, weight)
+        normed, site = fused.site_pre(
+            x, *_site_parameters(n, C), norm_eps=1e-6, tol=1e-6, branch_norm=(weight, 1e-5)
+        )
+    if DEVICE == "cpu":  # (on CUDA the decode kernels apply it without grad)
+        assert site.normed is None
+    assert not fused_site.takes_norm(x, weight[:-1])
+    assert fused_plan.fused_norm_fits(fused_plan.NORM_MAX_C) and not fused_plan.fused_norm_fits(8193)
+    for width in (64, 512, 768, 2048, 8192):
+        plan = fused_plan.Plan(
+            torch.Size((4096, n, width)), torch.bfloat16, torch.device(DEVICE), torch.float32, torch.float32
+        )
+        meta = plan.coeff_fwd.meta
+        assert meta["NORM"] and meta["BC"] >= width and meta["BM"] * meta["BC"] <= 8192, width
+        assert plan.normed_dtype == torch.float32 and not plan.tokens
+    with pytest.raises(ValueError, match="branch_norm's weight"):
+        fused.site_pre(x, *_site_parameters(n, C), norm_eps=1e-6, tol=1e-6, branch_norm=(weight[:-1], 1e-5))
+
+
+@TRITON
+def test_converted_llama_trains_with_its_norms_in_the_sites(monkeypatch, fresh_seed):
+    """A converted Llama's training step with its four branch norms applied by the site kernels: the loss
+    and every gradient (the norms' weights included) of the same model with fuse_input_norm off, and no
+    branch norm run by PyTorch; without grad the norms run in the branches. Gradients are judged against
+    the float64 model's: some (b_pre's, where ⟨du, x_i⟩ nearly cancels) are 1e-3 off in float32 on
+    either path, so each path's error must be within 4x the other's, 1e-5 of the gradient, or 1e-6 of the
+    whole gradient's norm (a b_pre gradient of norm 2e-5 was 8e-9 off on CUDA, 2e-9 on the plain path)."""
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    model = tiny_mhc_llama(fresh_seed % 1000).to(DEVICE)  # converted (and self-checked) on the CPU
+    gold_model = copy.deepcopy(model).double()
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(fresh_seed)).to(DEVICE)
+    normed_calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    layers = model.decoder_layers()
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().double(), {name: p.grad.double() for name, p in m.named_parameters()}
+
+    loss, grads = step(model)
+    assert len(normed_calls) == 2 * len(layers)
+    for layer in layers:
+        layer.fuse_input_norm = False
+    plain_loss, plain_grads = step(model)
+    assert len(normed_calls) == 2 * len(layers)
+    for layer in layers:
+        del layer.fuse_input_norm
+    gold_loss, gold_grads = step(gold_model)  # the float64 model's sites apply its norms too
+    assert len(normed_calls) == 4 * len(layers)
+    assert abs(loss - gold_loss) <= max(4 * abs(plain_loss - gold_loss), 1e-6 * abs(gold_loss))
+    assert any("layernorm" in name for name in grads)
+    scale = torch.cat([gold.flatten() for gold in gold_grads.values()]).norm()
+    for name, gold in gold_grads.items():
+        err, plain_err = (grads[name] - gold).norm(), (plain_grads[name] - gold).norm()
+        assert err <= max(4 * plain_err, 1e-5 * gold.norm(), 1e-6 * scale), (
+            f"seed {fresh_seed}: {name} {err:.3e} vs {plain_err:.3e}"
+        )
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(normed_calls) == 4 * len(layers) + (2 * len(layers) if DEVICE == "cuda" else 0)
+
+
+@TRITON
+def test_compiled_step_leaves_the_norms_to_inductor(monkeypatch):
+    """While dynamo traces, a converted Llama's branch norms run in the branches (inductor fuses them with
+    their neighbours; the site applying them was slower compiled), and the traced step's loss is the eager
+    step's."""
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    model = tiny_mhc_llama(5).to(DEVICE)
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    normed_calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    eager_loss = model(input_ids=ids, labels=ids).loss
+    assert len(normed_calls) == 2 * len(model.decoder_layers())
+    normed_calls.clear()
+    traced_loss = torch.compile(model, backend="eager")(input_ids=ids, labels=ids).loss
+    assert normed_calls == []
+    torch.testing.assert_close(traced_loss, eager_loss, rtol=1e-5, atol=1e-6)

@@ -44,6 +44,7 @@ __all__ = [
     "site_pre",
     "post_mix",
     "clear_plans",
+    "rms_norm_reference",
     "compiled_variants",
     "SUPPORTED_DTYPES",
     "Backend",
@@ -131,6 +132,7 @@ def site_pre(
     norm_eps: float,
     tol: float,
     u_dtype: torch.dtype | None = None,
+    branch_norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, tuple]:
     """The site's first step on the fused kernels: coefficients, ``H_res`` and the pre-mix.
 
@@ -151,9 +153,16 @@ def site_pre(
         u_dtype: the dtype of ``u``, one of :data:`SUPPORTED_DTYPES` (default ``x``'s):
             :class:`mhc.MHCBlock` passes :func:`mhc.site.branch_input_dtype`. The kernels
             compute ``u`` in float32 (float64 for float64 streams) and round it once, to this.
+        branch_norm: ``(weight [C], eps)`` of an RMSNorm to apply to ``u``, HF's ``LlamaRMSNorm``:
+            ``weight · (u_f · rsqrt(mean(u_f²) + eps)).to(u_dtype)`` with ``u_f`` u in float32,
+            in ``weight``'s and ``u_dtype`` promoted. With grad the kernels apply it where
+            they form ``u`` (:func:`mhc.fused.site.takes_norm`) and never store ``u``, and
+            so do the decode kernels without grad; else PyTorch applies it to ``u``
+            (:func:`rms_norm_reference`).
 
     Returns:
-        ``(u, site)``: ``u [..., C]`` in ``u_dtype``, the sublayer's input;
+        ``(u, site)``: ``u [..., C]`` in ``u_dtype``, the sublayer's input (with ``branch_norm``,
+        the norm's output instead);
         ``site``, a :class:`FusedSite`, what :func:`post_mix` needs: the
         streams, ``h [T, 2n]`` = σ of H_pre's and H_post's columns
         (``H_pre = h[:, :n]``, ``H_post = 2·h[:, n:]``) and ``H_res [T, n, n]``
@@ -200,7 +209,35 @@ def site_pre(
             raise ValueError(f"streams are on {x.device} but {name} is on {p.device}")
     scalars = check_options(norm_eps=norm_eps, tol=tol)
     norm_eps, tol = scalars["norm_eps"], scalars["tol"]
-    return _site.pre(fused_backend(x), x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, u_dtype=u_dtype)
+    if branch_norm is not None:
+        weight, eps = branch_norm
+        if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.shape != (C,):
+            raise ValueError(
+                f"branch_norm's weight must be a floating-point tensor [{C}], got {weight!r:.80}"
+            )
+        if weight.device != x.device:
+            raise ValueError(f"streams are on {x.device} but branch_norm's weight is on {weight.device}")
+        branch_norm = (weight, check_options(norm_eps=eps)["norm_eps"])
+    backend = fused_backend(x)
+    u, site = _site.pre(
+        backend, x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, None, branch_norm, u_dtype
+    )
+    if branch_norm is None:
+        return u, site
+    if site.normed is not None:
+        return site.normed, site
+    return rms_norm_reference(u, *branch_norm), site
+
+
+def rms_norm_reference(u: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's ``LlamaRMSNorm`` of ``u [..., C]`` in PyTorch: what the fused site's norm computes.
+
+    ``weight · (u_f · rsqrt(mean(u_f²) + eps)).to(u.dtype)``, ``u_f`` u in float32
+    (float64 stays float64); the result in ``weight``'s and ``u``'s dtypes promoted.
+    """
+    u_f = u.to(torch.float64 if u.dtype == torch.float64 else torch.float32)
+    u_f = u_f * torch.rsqrt(u_f.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * u_f.to(u.dtype)
 
 
 def post_mix(y: Tensor, site: FusedSite) -> Tensor:

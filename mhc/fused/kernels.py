@@ -62,6 +62,30 @@ def _sigmoid(v, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def _round(v, ROUND: tl.constexpr):
+    # v rounded to u's dtype and back (ROUND: 0 none, 1 bfloat16, 2 float16): the values HF's
+    # RMSNorm sees, since it reads u as stored and casts its normalised u back to that dtype.
+    if ROUND == 1:
+        return v.to(tl.bfloat16).to(v.dtype)
+    elif ROUND == 2:
+        return v.to(tl.float16).to(v.dtype)
+    else:
+        return v
+
+
+@triton.jit
+def premix_tile(x_row, m, h_pre, h_sum, col, C, n: tl.constexpr, ACC: tl.constexpr):
+    """``u = Σ_i h_pre[i] x_i`` of one ``[BM, BC]`` tile, around stream 0 as in MHCBlock:
+    ``(Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0)``. ``x_row``: the tile's pointers into stream 0."""
+    x0 = tl.load(x_row, mask=m, other=0.0).to(ACC)
+    u = h_sum[:, None] * x0
+    for i in tl.static_range(1, n):
+        h_i = tl.sum(tl.where(col == i, h_pre, 0.0), axis=1)
+        u += h_i[:, None] * (tl.load(x_row + i * C, mask=m, other=0.0).to(ACC) - x0)
+    return u
+
+
+@triton.jit
 def coeff_partial(
     x_ptr,
     phi_ptr,
@@ -176,16 +200,21 @@ def coeff_fwd(
     h_ptr,
     res_ptr,
     u_ptr,
+    nw_ptr,
+    rn_ptr,
     T,
     C,
     eps,
     splits,
+    norm_eps,
     n: tl.constexpr,
     BM: tl.constexpr,
     BC: tl.constexpr,
     ZP: tl.constexpr,
     ACC64: tl.constexpr,
     COMPILED: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     K = n * C
@@ -219,19 +248,28 @@ def coeff_fwd(
     col = rz[None, :]
     is_pre = col < n
 
-    # u = Σ_i h_pre[i] x_i, around stream 0 as in MHCBlock: (Σ_i h_pre[i]) x_0 + Σ_i h_pre[i] (x_i − x_0).
     h_pre = tl.where(is_pre, h, 0.0)
     h_sum = tl.sum(h_pre, axis=1)
-    for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
+    if NORM:
+        # The branch's RMSNorm too, HF's LlamaRMSNorm on u: w·(u·rsqrt(mean(u²) + ε)), with u and
+        # the normalised u rounded to u's dtype as HF has them. One tile holds whole rows (BC >= C),
+        # so u is never written: u_ptr receives the norm's output, rn_ptr its per-token rsqrt.
+        rc = tl.arange(0, BC)
         m = ok & (rc[None, :] < C)
-        x_row = x_ptr + rows[:, None] + rc[None, :]
-        x0 = tl.load(x_row, mask=m, other=0.0).to(ACC)
-        u = h_sum[:, None] * x0
-        for i in tl.static_range(1, n):
-            h_i = tl.sum(tl.where(col == i, h_pre, 0.0), axis=1)
-            u += h_i[:, None] * (tl.load(x_row + i * C, mask=m, other=0.0).to(ACC) - x0)
-        tl.store(u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
+        u = _round(premix_tile(x_ptr + rows[:, None] + rc[None, :], m, h_pre, h_sum, col, C, n, ACC), ROUND)
+        rn = tl.rsqrt(tl.sum(u * u, axis=1) / C + norm_eps)
+        tl.store(rn_ptr + rm, rn, mask=row_ok)
+        w = tl.load(nw_ptr + rc, mask=rc < C, other=0.0).to(ACC)
+        normed = w[None, :] * _round(u * rn[:, None], ROUND)
+        tl.store(
+            u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], normed.to(u_ptr.dtype.element_ty), mask=m
+        )
+    else:
+        for c0 in range(0, C, BC):
+            rc = c0 + tl.arange(0, BC)
+            m = ok & (rc[None, :] < C)
+            u = premix_tile(x_ptr + rows[:, None] + rc[None, :], m, h_pre, h_sum, col, C, n, ACC)
+            tl.store(u_ptr + rm.to(tl.int64)[:, None] * C + rc[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -316,12 +354,17 @@ def coeff_bwd(
     zr_ptr,
     alpha_ptr,
     work_ptr,
+    nw_ptr,
+    rn_ptr,
+    q_ptr,
     C,
     n: tl.constexpr,
     NP: tl.constexpr,
     ZP: tl.constexpr,
     BC: tl.constexpr,
     ACC64: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     Z: tl.constexpr = n * n + 2 * n
@@ -329,16 +372,40 @@ def coeff_bwd(
     ri = tl.arange(0, NP)
     i_ok = ri < n
     acc = tl.zeros((NP, BC), dtype=ACC)
+    if NORM:
+        # du_ptr holds dn, the gradient of the norm's output. With g = dn·w and r = rsqrt(mean(u²) + ε):
+        # du = r·g − q·u, q = r³·⟨g, u⟩/C, so ⟨du, x_i⟩ = r·⟨g, x_i⟩ − q·⟨u, x_i⟩.
+        # u is formed again from the streams, as the forward formed it.
+        r = tl.load(rn_ptr + t)
+        hk = tl.arange(0, ZP)[None, :]
+        h_pre = tl.load(h_ptr + t * (2 * n) + hk, mask=hk < n, other=0.0)
+        h_sum = tl.sum(h_pre, axis=1)
+        acc_u = tl.zeros((NP, BC), dtype=ACC)
+        gs = tl.zeros((1, BC), dtype=ACC)
     for c0 in range(0, C, BC):
         rc = c0 + tl.arange(0, BC)
         xs = tl.load(
             x_ptr + t * n * C + ri[:, None] * C + rc[None, :],
             mask=i_ok[:, None] & (rc[None, :] < C),
             other=0.0,
-        )
+        ).to(ACC)
         du = tl.load(du_ptr + t * C + rc, mask=rc < C, other=0.0).to(ACC)
-        acc += xs.to(ACC) * du[None, :]
-    g_pre = tl.sum(acc, axis=1)  # ⟨du, x_i⟩
+        if NORM:
+            rc2 = rc[None, :]
+            u = premix_tile(x_ptr + t * n * C + rc2, rc2 < C, h_pre, h_sum, hk, C, n, ACC)
+            u = _round(u, ROUND)
+            g = du[None, :] * tl.load(nw_ptr + rc2, mask=rc2 < C, other=0.0).to(ACC)
+            gs += g * u
+            acc += xs * g
+            acc_u += xs * u
+        else:
+            acc += xs * du[None, :]
+    if NORM:
+        q = r * r * r * tl.sum(gs, axis=1) / C
+        tl.store(q_ptr + t + tl.arange(0, 1), q)
+        g_pre = r * tl.sum(acc, axis=1) - tl.sum(q) * tl.sum(acc_u, axis=1)  # ⟨du, x_i⟩
+    else:
+        g_pre = tl.sum(acc, axis=1)  # ⟨du, x_i⟩
     # Everything below is per column k of z ([0, n) H_pre's, [n, 2n) H_post's,
     # [2n, Z) R's); g_pre is moved onto those columns with a one-hot sum.
     k = tl.arange(0, ZP)
@@ -379,6 +446,10 @@ def stream_grad(
     h_ptr,
     hres_ptr,
     dx_ptr,
+    nw_ptr,
+    rn_ptr,
+    q_ptr,
+    dw_ptr,
     T,
     C,
     tokens_per_prog,
@@ -389,6 +460,8 @@ def stream_grad(
     BC: tl.constexpr,
     PRECISION: tl.constexpr,
     ACC64: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     # A program owns one C-block for tokens_per_prog tokens: φ's columns of that
@@ -409,6 +482,12 @@ def stream_grad(
     w = tl.reshape(w, (ZP, NP * BC))
     t_begin = tl.program_id(1) * tokens_per_prog
     t_end = tl.minimum(t_begin + tokens_per_prog, T)
+    if NORM:
+        # du_ptr holds dn: du = r·dn·w − q·u (coeff_bwd), with u formed again from the streams;
+        # and the norm weight's gradient Σ_t dn·n̂ over this program's tokens, into dw_ptr's row.
+        wn = tl.load(nw_ptr + rc, mask=c_ok, other=0.0).to(ACC)
+        dw = tl.zeros((1, BC), dtype=ACC)
+        hk = tl.arange(0, ZP)[None, :]
     for t0 in range(t_begin, t_end, BM):
         rm = t0 + tl.arange(0, BM)
         m_ok = rm < t_end
@@ -427,6 +506,17 @@ def stream_grad(
             du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0
         ).to(ACC)
         hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
+        if NORM:
+            h_pre = tl.load(h_ptr + tok[:, None] * (2 * n) + hk, mask=m_ok[:, None] & (hk < n), other=0.0)
+            mt = m_ok[:, None] & c_ok[None, :]
+            u = premix_tile(
+                x_ptr + tok[:, None] * K + rc[None, :], mt, h_pre, tl.sum(h_pre, axis=1), hk, C, n, ACC
+            )
+            u = _round(u, ROUND)
+            r = tl.load(rn_ptr + tok, mask=m_ok, other=0.0)
+            q = tl.load(q_ptr + tok, mask=m_ok, other=0.0)
+            dw += tl.sum(du * _round(u * r[:, None], ROUND), axis=0, keep_dims=True)
+            du = r[:, None] * du * wn[None, :] - q[:, None] * u
         acc += hpre[:, :, None] * du[:, None, :]
         # + Σ_i h_res[i, j] dx'_i
         for i in tl.static_range(n):
@@ -438,6 +528,8 @@ def stream_grad(
             )
             acc += hi[:, :, None] * di.to(ACC)[:, None, :]
         tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)
+    if NORM:
+        tl.store(dw_ptr + tl.program_id(1) * C + rc[None, :], dw, mask=c_ok[None, :])
 
 
 @triton.jit

@@ -52,9 +52,9 @@ class SiteState:
     :class:`StreamsRecipe` that recomputes it (``keep_streams_every``).
     """
 
-    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams")
+    __slots__ = ("plan", "eps", "tol", "d_out", "switch_device", "streams", "norm_eps")
 
-    def __init__(self, plan, eps: float, tol: float):
+    def __init__(self, plan, eps: float, tol: float, norm_eps: float = 0.0):
         self.plan, self.eps, self.tol, self.d_out, self.switch_device, self.streams = (
             plan,
             eps,
@@ -63,6 +63,7 @@ class SiteState:
             False,
             None,
         )
+        self.norm_eps = norm_eps  # the branch's RMSNorm's ε, where the plan applies it
 
 
 class StreamsRecipe:
@@ -113,15 +114,37 @@ class SitePre(torch.autograd.Function):
     ``x [..., n, C]`` (contiguous) keeps its leading shape through the node,
     and ``u`` has it too: the kernels only need the token count, and
     flattening outside the node would add autograd view nodes.
+
+    With ``norm_weight`` (``[C]``; the plan has a ``normed_dtype``), the first
+    output is the branch's input RMSNorm of ``u`` instead of ``u``
+    (:func:`mhc.fused.steps.pre_forward_normed`), and the node returns the
+    weight's gradient too. ``u`` is formed again from the streams in backward.
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, state: SiteState):
-        u, zr, h, H_res = pre_steps(x, phi, alpha, b_pre, b_post, b_res, state)
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, norm_weight, state: SiteState):
+        if norm_weight is None:
+            u, zr, h, H_res = pre_steps(x, phi, alpha, b_pre, b_post, b_res, state)
+            kept = (zr, h, H_res)
+        else:
+            u, zr, h, H_res, rn = _steps.pre_forward_normed(
+                state.plan,
+                x,
+                phi,
+                alpha,
+                b_pre,
+                b_post,
+                b_res,
+                state.eps,
+                state.tol,
+                norm_weight,
+                state.norm_eps,
+            )
+            kept = (zr, h, H_res, norm_weight, rn)
         if state.streams is None:
-            ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
+            ctx.save_for_backward(x, phi, alpha, *kept)
         else:  # recomputed in backward (keep_streams_every)
-            ctx.save_for_backward(phi, alpha, zr, h, H_res)
+            ctx.save_for_backward(phi, alpha, *kept)
         ctx.state = state
         return u, h, H_res
 
@@ -131,17 +154,33 @@ class SitePre(torch.autograd.Function):
         state: SiteState = ctx.state
         recipe = state.streams
         if recipe is None:
-            x, phi, alpha, zr, h, H_res = ctx.saved_tensors
+            x, phi, alpha, zr, h, H_res, *norm = ctx.saved_tensors
         else:
-            x, (phi, alpha, zr, h, H_res) = recipe.get(), ctx.saved_tensors
+            x, (phi, alpha, zr, h, H_res, *norm) = recipe.get(), ctx.saved_tensors
         # dx' is None when the site's output took no part in the loss (only H_post / H_res did).
         d_out, state.d_out = state.d_out, None
-        dx, dphi, d_alpha, db_pre, db_post, db_res = _steps.pre_backward(
-            state.plan, d_out, du, d_h, d_res, x, phi, alpha, zr, h, H_res, *ctx.needs_input_grad[:2]
+        if norm and du is None:  # the norm's output took no part in the loss
+            du = torch.zeros(x.shape[:-2] + x.shape[-1:], dtype=state.plan.normed_dtype, device=x.device)
+        dx, dphi, d_alpha, db_pre, db_post, db_res, dw = _steps.pre_backward(
+            state.plan,
+            d_out,
+            du,
+            d_h,
+            d_res,
+            x,
+            phi,
+            alpha,
+            zr,
+            h,
+            H_res,
+            *ctx.needs_input_grad[:2],
+            norm or None,
         )
         if recipe is not None:  # the streams' last use in backward
             recipe.release()
-        return dx, dphi, d_alpha, db_pre, db_post, db_res, None
+        if dw is not None:
+            dw = dw.to(norm[0].dtype) if ctx.needs_input_grad[6] else None
+        return dx, dphi, d_alpha, db_pre, db_post, db_res, dw, None
 
 
 class PostMix(torch.autograd.Function):

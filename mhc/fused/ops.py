@@ -123,16 +123,24 @@ def _site_pre_op(
     eps: float,
     tol: float,
     u_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(u, zr, h, H_res)`` of :func:`mhc.fused.steps.pre_forward`, ``u`` in ``u_dtype``."""
+    norm_weight: Tensor | None,
+    norm_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(u, zr, h, H_res, rn)`` of :func:`mhc.fused.steps.pre_forward`, ``u`` in ``u_dtype``; ``rn`` empty.
+
+    With ``norm_weight``: :func:`mhc.fused.steps.pre_forward_normed`'s, the first output the
+    branch's norm of ``u``.
+    """
     x = _steps.dense(x)
-    plan = _plans.plan_for(x, u_dtype)
+    plan = _plans.plan_for(x, u_dtype, None if norm_weight is None else norm_weight.dtype)
     params = [_steps.dense(p, plan.cdt) for p in (phi, alpha, b_pre, b_post, b_res)]
     if plan.tokens:
-        return _site_pre_tokens_op(x, *params, eps, plan.projection_tol(tol))
+        return (*_site_pre_tokens_op(x, *params, eps, plan.projection_tol(tol)), x.new_empty((0,)))
     with _on_device(x):
+        if norm_weight is not None:
+            return _steps.pre_forward_normed(plan, x, *params, eps, tol, _steps.dense(norm_weight), norm_eps)
         u, zr, h, H_res = _steps.pre_forward(plan, x, *params, eps, tol)
-    return u, zr, h, H_res
+    return u, zr, h, H_res, zr.new_empty((0,))
 
 
 @_step_op("fused_site_pre_backward")
@@ -147,13 +155,20 @@ def _site_pre_backward_op(
     zr: Tensor,
     h: Tensor,
     H_res: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dφ, sums)`` of :func:`mhc.fused.steps.pre_backward_sums` (``sums``: the small gradients)."""
+    u_dtype: torch.dtype,
+    norm_weight: Tensor | None,
+    rn: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dφ, sums, dw)`` of :func:`mhc.fused.steps.pre_backward_sums` (``sums``: the small gradients).
+
+    ``du``: the gradient of ``u``, or with ``norm_weight`` of the norm's output; ``dw`` is empty without it.
+    """
     x = _steps.dense(x)
-    plan = _plans.plan_for(x, du.dtype)
+    plan = _plans.plan_for(x, u_dtype, None if norm_weight is None else norm_weight.dtype)
     phi, alpha = _steps.dense(phi, plan.cdt), _steps.dense(alpha, plan.cdt)
+    norm = None if norm_weight is None else (_steps.dense(norm_weight), _steps.dense(rn))
     with _on_device(x):
-        return _steps.pre_backward_sums(
+        dx, dphi, sums, dw = _steps.pre_backward_sums(
             plan,
             d_out,
             du,
@@ -167,7 +182,9 @@ def _site_pre_backward_op(
             _steps.dense(H_res),
             True,
             True,
+            norm,
         )
+    return dx, dphi, sums, sums.new_empty((0,)) if dw is None else dw
 
 
 @_step_op("fused_post_mix")
@@ -196,20 +213,35 @@ class SitePre(torch.autograd.Function):
     """Streams and parameters -> ``(u, h, H_res, link)``; ``link`` is ``x`` for :class:`PostMix`."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, eps: float, tol: float, u_dtype: torch.dtype):
-        u, zr, h, H_res = _site_pre_op(x, phi, alpha, b_pre, b_post, b_res, eps, tol, u_dtype)
-        ctx.save_for_backward(x, phi, alpha, zr, h, H_res)
-        ctx.u_dtype = u_dtype
+    def forward(
+        ctx,
+        x,
+        phi,
+        alpha,
+        b_pre,
+        b_post,
+        b_res,
+        eps: float,
+        tol: float,
+        u_dtype,
+        norm_weight,
+        norm_eps: float,
+    ):
+        u, zr, h, H_res, rn = _site_pre_op(
+            x, phi, alpha, b_pre, b_post, b_res, eps, tol, u_dtype, norm_weight, norm_eps
+        )
+        ctx.save_for_backward(x, phi, alpha, zr, h, H_res, norm_weight, rn)
+        ctx.u_dtype, ctx.grad_dtype = u_dtype, u.dtype
         return u, h, H_res, x.view_as(x)
 
     @staticmethod
     def backward(ctx, du, d_h, d_res, d_link):
-        x, phi, alpha, zr, h, H_res = ctx.saved_tensors
+        x, phi, alpha, zr, h, H_res, norm_weight, rn = ctx.saved_tensors
         # d_link is dx' (what PostMix's backward returns for link), not a gradient of x itself.
         zeros = torch.zeros_like
-        dx, dphi, sums = _site_pre_backward_op(
+        dx, dphi, sums, dw = _site_pre_backward_op(
             zeros(x) if d_link is None else d_link,
-            zeros(x[..., 0, :], dtype=ctx.u_dtype) if du is None else du.to(ctx.u_dtype),
+            zeros(x[..., 0, :], dtype=ctx.grad_dtype) if du is None else du.to(ctx.grad_dtype),
             zeros(h) if d_h is None else d_h,
             zeros(H_res) if d_res is None else d_res,
             x,
@@ -218,8 +250,12 @@ class SitePre(torch.autograd.Function):
             zr,
             h,
             H_res,
+            ctx.u_dtype,
+            norm_weight,
+            rn,
         )
-        return dx, dphi, *_steps.coefficient_grads(sums, x.shape[-2]), None, None, None
+        dw = None if norm_weight is None else dw.to(norm_weight.dtype)
+        return dx, dphi, *_steps.coefficient_grads(sums, x.shape[-2]), None, None, None, dw, None
 
 
 class PostMix(torch.autograd.Function):
@@ -238,12 +274,18 @@ class PostMix(torch.autograd.Function):
 
 
 def site_pre(
-    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, u_dtype: torch.dtype
-) -> tuple[Tensor, FusedSite]:
-    """:func:`mhc.fused.site.pre` under ``torch.compile``: ``(u, site)``, ``site.streams`` the link to the post-mix."""
+    x, phi, alpha, b_pre, b_post, b_res, norm_eps: float, tol: float, u_dtype: torch.dtype, norm=None
+) -> tuple[Tensor | None, FusedSite]:
+    """:func:`mhc.fused.site.pre` under ``torch.compile``: ``(u, site)``, ``site.streams`` the link to the post-mix.
+
+    With ``norm`` (``(weight, eps)``), ``u`` is ``None`` and ``site.normed`` the norm's output.
+    """
     cdt = _coefficient_dtype(x)
     params = (phi.to(cdt), alpha.to(cdt), b_pre.to(cdt), b_post.to(cdt), b_res.to(cdt))
-    u, h, H_res, link = SitePre.apply(x.contiguous(), *params, norm_eps, tol, u_dtype)
+    weight, eps = (None, 0.0) if norm is None else norm
+    u, h, H_res, link = SitePre.apply(x.contiguous(), *params, norm_eps, tol, u_dtype, weight, eps)
+    if weight is not None:
+        return None, FusedSite(Backend.COMPILED, link, h, H_res, normed=u)
     return u, FusedSite(Backend.COMPILED, link, h, H_res)
 
 

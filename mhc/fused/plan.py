@@ -24,7 +24,18 @@ SHARED_MEMORY_BUDGET = 192 * 1024
 # (TRITON_INTERPRET=1), whose kernels are plain Python functions.
 TRACEABLE = isinstance(_k.coeff_fwd, _k.triton.runtime.JITFunction)
 
-__all__ = ["TRACEABLE", "Launcher", "Launch", "Plan", "LAUNCHERS", "plan_for", "clear", "compiled_variants"]
+__all__ = [
+    "TRACEABLE",
+    "Launcher",
+    "Launch",
+    "Plan",
+    "LAUNCHERS",
+    "NORM_MAX_C",
+    "fused_norm_fits",
+    "plan_for",
+    "clear",
+    "compiled_variants",
+]
 
 
 class Launcher:
@@ -142,7 +153,12 @@ class Plan:
     """
 
     def __init__(
-        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, u_dtype: torch.dtype | None = None
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        u_dtype: torch.dtype | None = None,
+        norm_dtype: torch.dtype | None = None,
     ):
         n, C = shape[-2:]
         u_dtype = dtype if u_dtype is None else u_dtype
@@ -151,6 +167,13 @@ class Plan:
         self.T, self.n, self.C, self.Z, self.ZP = T, n, C, Z, ZP
         self.cuda_device = device.index if device.type == "cuda" else None
         self.u_dtype = u_dtype
+        # With norm_dtype (its weight's dtype) the site applies the branch's input RMSNorm too
+        # (fused_norm_fits): coeff_fwd writes the norm's output, in normed_dtype (HF's: the weight's
+        # and u's dtypes promoted), instead of u, and the backward takes its gradient instead of u's.
+        self.norm_dtype = norm_dtype
+        self.normed_dtype = None if norm_dtype is None else torch.promote_types(norm_dtype, u_dtype)
+        normed_dtype = self.normed_dtype
+        norm = dict(NORM=normed_dtype is not None, ROUND=ROUND_CODES.get(u_dtype, 0) if normed_dtype else 0)
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = dtype == torch.float64  # ACC64: the kernels' accumulator is float64
         # bf16/fp16 streams are exact in tf32, so there only φ and dz are rounded
@@ -166,7 +189,7 @@ class Plan:
         coeff_numerics = dict(numerics, PRECISION="bf16x2") if dtype == torch.bfloat16 else numerics
 
         def launch(grid, ints, **meta):
-            return Launch(grid, meta, ints, (dtype, u_dtype), device)
+            return Launch(grid, meta, ints, (dtype, u_dtype, norm_dtype), device)
 
         # The dot products: 64 tokens x 128 columns, 4 warps, 4 stages, split over n·C until the
         # grid has ~256 programs (two per SM on the H200). bf16, n=4, one site, do_bench:
@@ -194,15 +217,25 @@ class Plan:
             num_warps=8 if fp32 else 4,
             num_stages=max(1, min(3 if fp32 else 4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
+        # With the norm, a program holds whole rows: up to 4K values of u a tile (8 tokens at C = 512,
+        # 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token and 8 warps.
+        if normed_dtype is None:
+            BM, BC, warps = 8, min(256, _pow2(C, 16)), 4
+        else:
+            BC = _pow2(C, 16)
+            BM = max(1, min(8, 4096 // BC))
+            warps = max(4, BM * BC // 1024)
         self.coeff_fwd = launch(
-            (_cdiv(T, 8),),
+            (_cdiv(T, BM),),
             (T, C, self.coeff_splits),
             n=n,
-            BM=8,
-            BC=min(256, _pow2(C, 16)),
+            BM=BM,
+            BC=BC,
             ZP=ZP,
             ACC64=acc,
             COMPILED=device.type == "cuda",
+            **norm,
+            num_warps=warps,
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048). As many warps as 16-byte loads of a row fill (up to 4):
@@ -216,7 +249,7 @@ class Plan:
         self.postmix_bwd = launch((T,), (C,), n=n, NP=NP, BC=BC, ACC64=acc, num_warps=1)
         # 1 warp, 256 columns: 42.6 / 52.2 µs at C = 768 / 2048 against 46.5 / 53.1 for 2 warps x 512.
         self.coeff_bwd = launch(
-            (T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC64=acc, num_warps=1
+            (T,), (C,), n=n, NP=NP, ZP=ZP, BC=min(256, _pow2(C, 16)), ACC64=acc, **norm, num_warps=1
         )
         # 64 columns, 4 warps. Up to n=4: 64-token steps over 256 tokens per program, loads not
         # pipelined (num_stages=1): 117.1 / 152.4 µs at C = 768 / 2048 against 124.8 / 169.6 for
@@ -240,9 +273,11 @@ class Plan:
             BM=BM,
             BC=BC,
             **numerics,
+            **norm,
             num_warps=4 if ZP * NP * BC <= 8192 else 8,
             num_stages=stages,
         )
+        self.stream_programs = _cdiv(T, self.stream_tokens)  # rows of the norm weight's partial sums
         BT, BN = 32, 128
         self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
         self.phi_grad = launch(
@@ -258,7 +293,7 @@ class Plan:
         self.cuda_projection = _projection_cuda.supports(probe) and _projection_cuda.available()
         # A few tokens (a decode step): both forwards run on the extension's token kernels,
         # which write u in the streams' dtype.
-        self.tokens = u_dtype == dtype and _tokens.takes_shape(shape, dtype, device)
+        self.tokens = u_dtype == dtype and normed_dtype is None and _tokens.takes_shape(shape, dtype, device)
         self._tol_eff: dict = {}
 
     def projection_tol(self, tol: float) -> float:
@@ -269,13 +304,27 @@ class Plan:
         return tol_eff
 
 
+# The rounding of u's dtype that the kernels apply where they form u without storing it (the NORM
+# variants): ROUND in mhc.fused.kernels._round.
+ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+# The widest C whose rows one program of coeff_fwd holds with the branch's norm applied.
+NORM_MAX_C = 8192
+
+
+def fused_norm_fits(C: int) -> bool:
+    """Whether the site's kernels can apply the branch's input RMSNorm at width ``C``."""
+    return C <= NORM_MAX_C
+
+
 _PLANS: dict = {}
 
 
-def plan_for(x: Tensor, u_dtype: torch.dtype | None = None) -> Plan:
-    """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device) and ``u_dtype``
-    (default ``x``'s), made on first use."""
-    key = (x.shape, x.dtype, x.device, x.dtype if u_dtype is None else u_dtype)
+def plan_for(x: Tensor, u_dtype: torch.dtype | None = None, norm_dtype: torch.dtype | None = None) -> Plan:
+    """The :class:`Plan` of streams ``x [..., n, C]`` (by shape, dtype and device), ``u_dtype``
+    (default ``x``'s) and ``norm_dtype`` (the branch's norm applied, with a weight of this dtype:
+    :class:`Plan`), made on first use."""
+    key = (x.shape, x.dtype, x.device, x.dtype if u_dtype is None else u_dtype, norm_dtype)
     if is_traced(x):
         return Plan(*key)  # traced once; the shape may be symbolic, and then not a key
     plan = _PLANS.get(key)

@@ -27,11 +27,11 @@ from .nodes import (
     site_pre_node,
     under_checkpoint,
 )
-from .plan import plan_for
+from .plan import fused_norm_fits, plan_for
 from .record import Backend, FusedSite
 from .steps import dense
 
-__all__ = ["pre", "post", "post_recording", "post_then_pre"]
+__all__ = ["pre", "post", "post_recording", "post_then_pre", "takes_norm"]
 
 
 def pre(
@@ -54,29 +54,38 @@ def pre(
     ``x`` in backward (:func:`post_recording` of the site that made it); the
     nodes then keep no streams. Ignored without grad. ``norm``: the branch's
     input RMSNorm ``(weight, eps)``, which :attr:`~Backend.TOKENS` applies to
-    ``u`` too (``site.normed``). ``u_dtype``: ``u``'s dtype (default ``x``'s);
+    ``u`` too, and so do :attr:`~Backend.EAGER` and :attr:`~Backend.COMPILED`
+    with grad where :func:`takes_norm`; then ``site.normed`` holds the norm's
+    output, and ``u`` is ``None`` on the latter two (it is never stored).
+    ``u_dtype``: ``u``'s dtype (default ``x``'s);
     another than ``x``'s runs :attr:`~Backend.TOKENS` on the eager kernels,
     since the token kernels write ``u`` in the streams' dtype.
     """
     if u_dtype is None:
         u_dtype = x.dtype
-    if backend is Backend.COMPILED:
-        return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, u_dtype)
     if backend is Backend.TOKENS and u_dtype == x.dtype:
         # One call into the extension decides, converts and launches (None: not its sizes).
         taken = _tokens.pre_no_grad(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, norm)
         if taken is not None:
             u, mix, x, normed = taken
             return u, FusedSite(Backend.TOKENS, x, mix, None, normed=normed)
+    if norm is not None and not takes_norm(x, norm[0]):
+        norm = None  # the branch applies its norm itself
+    if backend is Backend.COMPILED:
+        return _ops.site_pre(x, phi, alpha, b_pre, b_post, b_res, norm_eps, tol, u_dtype, norm)
     x = dense(x)  # a strided input is copied once here
-    plan = plan_for(x, u_dtype)
+    weight = None if norm is None else dense(norm[0])
+    plan = plan_for(x, u_dtype, None if weight is None else weight.dtype)
     cdt = plan.cdt
     params = (dense(phi, cdt), dense(alpha, cdt), dense(b_pre, cdt), dense(b_post, cdt), dense(b_res, cdt))
-    state = SiteState(plan, norm_eps, tol)
+    state = SiteState(plan, norm_eps, tol, 0.0 if norm is None else norm[1])
     if streams is not None and not under_checkpoint():
         state.streams = streams
     # Without grad no node is recorded, so the kernels run without one.
-    step = site_pre_node if torch.is_grad_enabled() else pre_forward
+    if torch.is_grad_enabled():
+        step, params = site_pre_node, (*params, weight)
+    else:
+        step = pre_forward
     # The token kernels launch under the streams' device themselves (a CUDA guard in C++).
     device = plan.cuda_device
     if (
@@ -90,7 +99,26 @@ def pre(
             u, h, H_res = step(x, *params, state)
     else:
         u, h, H_res = step(x, *params, state)
+    if weight is not None:
+        return None, FusedSite(Backend.EAGER, x, h, H_res, state, normed=u)
     return u, FusedSite(Backend.EAGER, x, h, H_res, state)
+
+
+def takes_norm(x: Tensor, weight: Tensor) -> bool:
+    """Whether the grad path's kernels apply a branch norm with ``weight`` to streams ``x [..., n, C]``.
+
+    With grad only (without, the branch applies its own norm, so evaluation
+    keeps HF's bits); a dense float ``[C]`` weight on the streams' device, and
+    ``C`` within :func:`mhc.fused.plan.fused_norm_fits`.
+    """
+    C = x.shape[-1]
+    return (
+        torch.is_grad_enabled()
+        and weight.shape == (C,)
+        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        and weight.device == x.device
+        and fused_norm_fits(C)
+    )
 
 
 def post(y: Tensor, site: FusedSite) -> Tensor:

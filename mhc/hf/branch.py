@@ -77,27 +77,37 @@ class SiteBranch:
     def __call__(self, u: Tensor, **kwargs):
         return self.layer.site_branch(self.site, u, **kwargs)
 
-    def fusable_input_norm(self) -> tuple[Tensor, float] | None:
-        """``(weight, eps)`` of the site's input norm if a first step may apply it (:meth:`call_normed`), or ``None``.
+    def training_input_norm(self) -> tuple[Tensor, float] | None:
+        """``(weight, eps)`` of the site's input norm if the site's first step may apply it (:meth:`call_normed`), or ``None``.
 
-        Asked by :class:`~mhc.MHCBlock` in generation on the token kernels.
+        Asked by :class:`~mhc.MHCBlock` on the fused grad path (training).
         Only where the layer's ``fuse_input_norm`` is on (the default), every
-        branch of the site starts with the same norm, it
-        :func:`is_llama_rms_norm`, and autocast is off.
+        branch of the site starts with the same norm, and it
+        :func:`is_llama_rms_norm`.
         """
         layer = self.layer
         if self._norm is False:
             norms = {b.norm for b in layer._sites[self.site].branches}
             self._norm = norms.pop() if len(norms) == 1 else None
-        if self._norm is None or not layer.fuse_input_norm or torch.is_autocast_enabled("cuda"):
+        if self._norm is None or not layer.fuse_input_norm:
             return None
         norm = layer._modules.get(self._norm)
         if norm is None or not is_llama_rms_norm(norm):
             return None
         return norm._parameters["weight"], norm.variance_epsilon
 
-    def call_normed(self, u: Tensor, normed: Tensor, **kwargs):
-        """The branch on ``u`` whose input norm's output is ``normed`` already (:meth:`fusable_input_norm`'s)."""
+    def fusable_input_norm(self) -> tuple[Tensor, float] | None:
+        """:meth:`training_input_norm`, asked in generation on the token kernels: ``None`` under autocast too."""
+        if torch.is_autocast_enabled("cuda"):
+            return None
+        return self.training_input_norm()
+
+    def call_normed(self, u: Tensor | None, normed: Tensor, **kwargs):
+        """The branch on ``u`` whose input norm's output is ``normed`` already (:meth:`training_input_norm`'s).
+
+        ``u`` may be ``None`` (the grad path's kernels do not store it): the site's branches all start
+        with that norm, so none reads ``u`` itself.
+        """
         return self.layer.site_branch(self.site, u, normed_input=normed, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> SiteBranch:  # (the norm is looked up again in the copy)

@@ -106,8 +106,10 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
     otherwise; the output is ``[B, S, n, C]``.
     """
 
-    # In generation on the token kernels, a site's first step also applies the branch's input RMSNorm
-    # (mhc.hf.branch.SiteBranch.fusable_input_norm): a decode step's norms cost host time, not GPU time.
+    # A site's first step on the fused kernels also applies the branch's input RMSNorm where it has HF's
+    # Llama form (mhc.hf.branch.SiteBranch): in generation on the token kernels, where a decode step's
+    # norms cost host time, and on the grad path, where the norm's own passes over u and the copies
+    # of u it keeps cost GPU time and memory (docs/design.md, "The branch's input norm").
     fuse_input_norm: bool = True
 
     def __init__(
