@@ -166,10 +166,13 @@ class Site:
                 h,
                 R,
                 u,
+                self.alpha,  # the norm's weight and 1/rms: unused without the branch norm (NORM=False)
+                self.zr,
                 T,
                 C,
                 1e-6,
                 plan.coeff_splits,
+                0.0,
             )
             return None if self.compile_only else (zr, h, R, u)
         if kernel == "postmix_fwd":
@@ -186,7 +189,8 @@ class Site:
             return None if self.compile_only else (dy, g_h, g_res)
         if kernel == "coeff_bwd":
             work = self.zr.new_empty((T, 2 * Z + 4))
-            go((T,), self.du, self.x, self.h, self.g_h, self.dR, self.zr, self.alpha, work, C)
+            unused = (self.alpha, self.zr, self.zr)  # the norm's weight, 1/rms and q (NORM=False)
+            go((T,), self.du, self.x, self.h, self.g_h, self.dR, self.zr, self.alpha, work, *unused, C)
             return None if self.compile_only else (work,)
         if kernel == "stream_grad":
             tokens = tokens or plan.stream_tokens
@@ -201,6 +205,10 @@ class Site:
                 self.h,
                 self.H_res,
                 dx,
+                self.alpha,  # the norm's weight, 1/rms, q and weight-gradient partials (NORM=False)
+                self.zr,
+                self.zr,
+                self.zr,
                 T,
                 C,
                 tokens,
