@@ -31,6 +31,20 @@ One kernel per memory pass (design.md §1 for the maths):
   ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
 
+The branch's input norm (``NORM``, a bool constexpr; eager training only,
+docs/design.md "The branch's input norm"): ``coeff_fwd``, ``coeff_bwd`` and
+``stream_grad`` also apply HF's Llama RMSNorm, ``w·round(u·rn)`` with
+``rn = rsqrt(mean(u²) + ε)``, where they form ``u``. ``u`` itself is never
+stored: ``coeff_fwd`` writes the norm's output in ``u``'s place and each
+token's ``rn`` (``rn_ptr``, weight ``nw_ptr``), and the backward forms ``u``
+again from the streams. There ``du_ptr`` holds the gradient of the norm's
+output; ``coeff_bwd`` writes each token's ``q = rn³·⟨dn·w, u⟩/C``
+(``q_ptr``) so that ``du = rn·dn·w − q·u``, and ``stream_grad`` adds that
+``du`` into ``dx`` and writes its programs' partial sums of the weight's
+gradient (``dw_ptr``). ``ROUND`` rounds ``u`` and the normalised ``u`` to
+``u``'s dtype as HF's norm sees them. Without ``NORM`` the norm's pointers
+are not read.
+
 The mixes are written around stream 0 (``Σ_i h_i x_i = (Σ_i h_i) x_0 +
 Σ_i h_i (x_i − x_0)``), as :class:`mhc.MHCBlock` does, so that identical
 streams give ``x + F(x)`` to the bit.
