@@ -47,14 +47,16 @@ def branch_input_dtype(x: Tensor, weight_dtype: torch.dtype | None) -> torch.dty
     input norm then makes no casts (in eager mode a bf16 input costs it four passes over
     ``[T, C]``: up to float32, back down, and both again in backward), and ``u`` keeps the
     pre-mix's float32 value instead of its rounding to the streams' dtype. Without autocast, or
-    with weights no wider than the streams (a model cast to bf16), ``u`` has ``x``'s dtype.
+    with weights no wider than the streams (a model cast to bf16), ``u`` has ``x``'s dtype; and
+    while ``torch.compile`` traces, where inductor fuses the norm's casts, so that a wider ``u``
+    would only add bytes to the site's kernels and to the norm (notes/training_cost.md).
 
     Args:
         x: the streams ``[..., n, C]``.
         weight_dtype: the block's parameters' dtype, or ``None`` for a block without any
             (``mode="residual"``), whose ``u`` keeps ``x``'s dtype.
     """
-    if weight_dtype is None or weight_dtype == x.dtype:
+    if weight_dtype is None or weight_dtype == x.dtype or torch.compiler.is_compiling():
         return x.dtype
     device_type = x.device.type
     if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):

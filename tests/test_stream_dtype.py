@@ -220,3 +220,22 @@ def test_autocast_streams_on_the_fused_site_match_the_reference_path():
     for name, g in out[True][1].items():
         ref = out[False][1][name]
         assert torch.isfinite(g).all() and (g - ref).norm() <= 0.05 * ref.norm() + 1e-5, name
+
+
+def test_branch_input_is_float32_under_autocast_in_eager_mode_and_the_streams_dtype_compiled():
+    """mhc.site.branch_input_dtype: fp32 weights under bf16 autocast give the sublayer a float32 u in
+    eager mode (the norm's casts, notes/training_cost.md), the streams' bf16 while torch.compile traces
+    (inductor fuses those casts; a float32 u there only adds bytes), and bf16 without autocast."""
+    from mhc.site import branch_input_dtype
+
+    x = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+
+    def u_like(x):
+        return torch.zeros(1, dtype=branch_input_dtype(x, torch.float32))
+
+    compiled = torch.compile(u_like, backend="eager", fullgraph=True)
+    assert u_like(x).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert u_like(x).dtype == torch.float32
+        assert compiled(x).dtype == torch.bfloat16
+    assert branch_input_dtype(x, None) == torch.bfloat16
