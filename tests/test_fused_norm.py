@@ -394,3 +394,40 @@ def test_compiled_step_leaves_the_norms_to_inductor(monkeypatch):
     traced_loss = torch.compile(model, backend="eager")(input_ids=ids, labels=ids).loss
     assert normed_calls == []
     torch.testing.assert_close(traced_loss, eager_loss, rtol=1e-5, atol=1e-6)
+
+
+@TRITON
+def test_frozen_norm_weights_stay_frozen_with_fused_norms(monkeypatch):
+    """LoRA-style fine-tuning freezes the norms: with their weights not requiring grad the fused sites still
+    apply them, leave their .grad None, and give every trained parameter the plain path's gradient."""
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    model = tiny_mhc_llama(7).to(DEVICE)
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    norms = [p for name, p in model.named_parameters() if "layernorm" in name]
+    assert norms
+    for p in norms:
+        p.requires_grad_(False)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    normed_calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    layers = model.decoder_layers()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+    loss, grads = step()
+    assert len(normed_calls) == 2 * len(layers)
+    assert all(p.grad is None for p in norms)
+    for layer in layers:
+        layer.fuse_input_norm = False
+    plain_loss, plain_grads = step()
+    assert len(normed_calls) == 2 * len(layers)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    assert (grads - plain_grads).norm() <= 1e-4 * plain_grads.norm()
