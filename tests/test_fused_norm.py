@@ -431,3 +431,43 @@ def test_frozen_norm_weights_stay_frozen_with_fused_norms(monkeypatch):
     assert len(normed_calls) == 2 * len(layers)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
     assert (grads - plain_grads).norm() <= 1e-4 * plain_grads.norm()
+
+
+@TRITON
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_fused_norms_under_activation_checkpointing(monkeypatch, use_reentrant):
+    """HF activation checkpointing reruns each layer in backward: the fused sites apply the norms where grad
+    is on (the rerun's sites keep their own streams), and the gradients are the uncheckpointed step's."""
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    model = tiny_mhc_llama(11).to(DEVICE)
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    normed_calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    sites = 2 * len(model.decoder_layers())
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model.train()
+    loss, grads = step()
+    assert len(normed_calls) == sites
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    ckpt_loss, ckpt_grads = step()
+    # The backward's rerun applies them with grad; the reentrant forward runs without grad, where the
+    # branches keep their own norms (so evaluation keeps HF's bits).
+    assert len(normed_calls) == (2 if use_reentrant else 3) * sites
+    torch.testing.assert_close(ckpt_loss, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
