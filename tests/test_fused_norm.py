@@ -471,3 +471,47 @@ def test_fused_norms_under_activation_checkpointing(monkeypatch, use_reentrant):
     torch.testing.assert_close(ckpt_loss, loss)
     for name, grad in grads.items():
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@TRITON
+def test_lora_on_a_converted_llama_trains_through_the_fused_norms(monkeypatch):
+    """PEFT's LoRA with the sites as modules_to_save (PEFT deep-copies each MHCBlock): the copies' sites
+    still apply the live layers' norms, the LoRA projections run on their output, and the trained
+    parameters' gradients are those with the fusion off."""
+    from peft import LoraConfig, get_peft_model
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    base = tiny_mhc_llama(13)
+    sites = base.mhc_module_names()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=sites)
+    model = get_peft_model(base, config).to(DEVICE)
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    normed_calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            with torch.no_grad():
+                p.normal_(0, 0.1)  # off zero, so that lora_A has a gradient
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    layers = base.decoder_layers()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        trained = [(name, p.grad) for name, p in model.named_parameters() if p.requires_grad]
+        assert all(g is not None for _, g in trained)
+        return loss.detach(), torch.cat([g.flatten() for _, g in trained]), {n for n, _ in trained}
+
+    loss, grads, trained = step()
+    assert len(normed_calls) == 2 * len(layers)
+    assert any("lora_A" in n for n in trained) and any("modules_to_save" in n for n in trained)
+    for layer in layers:
+        layer.fuse_input_norm = False
+    plain_loss, plain_grads, _ = step()
+    assert len(normed_calls) == 2 * len(layers)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    assert (grads - plain_grads).norm() <= 1e-4 * plain_grads.norm()
