@@ -17,6 +17,8 @@
 #   training benchmarks/step/bench_training.py --kernels --commit $COMMIT --json $OUT/training.json $TRAINING_ARGS:
 #            the training-cost table (residual and mHC; small_gpu, 134m and 1b; bf16 and autocast; eager and
 #            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own
+#   profile  benchmarks/step/profile_step.py $PROFILE_ARGS (default: the compiled small_gpu step in the autocast recipe,
+#            with its host table): both models' kernel tables and the site kernels against a copy; $OUT/profile.log
 #   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
 #   sweep32  the same for float32 streams (issue #49, fp32 weights under bf16 autocast): coeff_partial, stream_grad,
 #            phi_grad, coeff_bwd at 512x16384, 768x16384 and 2048x8192, the dot kernels over PRECISION ieee / tf32x3 /
@@ -32,12 +34,12 @@
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
-# (bench_training.py options added after the stage's), SWEEP_ARGS / SWEEP32_ARGS (likewise), OLD_TREE (ab,
-# trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training sweep sweep32 ab trainab)"
+# (bench_training.py options added after the stage's), PROFILE_ARGS (profile_step.py's, in place of the default),
+# SWEEP_ARGS / SWEEP32_ARGS (likewise added), OLD_TREE (ab, trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training profile sweep sweep32 ab trainab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|sweep|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|profile|sweep|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
@@ -89,6 +91,10 @@ for stage in "$@"; do
       timeout 500 python3 benchmarks/step/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
     training)
       timeout 560 python3 benchmarks/step/bench_training.py --kernels --commit "$COMMIT" --json "$OUT/training.json" ${TRAINING_ARGS-} 2>&1 | tee "$OUT/training.log" ;;
+    profile)
+      # shellcheck disable=SC2086  # the arguments are a list
+      timeout 400 python3 benchmarks/step/profile_step.py ${PROFILE_ARGS---recipe autocast --shape small_gpu --compile --host-table} \
+        2>&1 | tee "$OUT/profile.log" ;;
     sweep)
       timeout 500 python3 benchmarks/site/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
     sweep32)
