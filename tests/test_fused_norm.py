@@ -323,6 +323,21 @@ def test_grad_path_norm_only_with_grad_and_within_its_width():
         fused.site_pre(x, *_site_parameters(n, C), norm_eps=1e-6, tol=1e-6, branch_norm=(weight[:-1], 1e-5))
 
 
+def count_fused_norm_calls(monkeypatch) -> list:
+    """Send MHCBlocks to the fused path in Triton's interpreter, and count the sites' calls of their
+    branches without the branch's own norm (``SiteBranch.call_normed``): the returned list grows by one
+    each."""
+    from test_fused_block import InterpretedFusedBlock
+
+    from mhc.hf.branch import SiteBranch
+
+    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    calls = []
+    inner = SiteBranch.call_normed
+    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    return calls
+
+
 @TRITON
 def test_converted_llama_trains_with_its_norms_in_the_sites(monkeypatch, fresh_seed):
     """A converted Llama's training step with its four branch norms applied by the site kernels: the loss
@@ -331,17 +346,10 @@ def test_converted_llama_trains_with_its_norms_in_the_sites(monkeypatch, fresh_s
     the float64 model's: some (b_pre's, where ⟨du, x_i⟩ nearly cancels) are 1e-3 off in float32 on
     either path, so each path's error must be within 4x the other's, 1e-5 of the gradient, or 1e-6 of the
     whole gradient's norm (a b_pre gradient of norm 2e-5 was 8e-9 off on CUDA, 2e-9 on the plain path)."""
-    from test_fused_block import InterpretedFusedBlock
-
-    from mhc.hf.branch import SiteBranch
-
     model = tiny_mhc_llama(fresh_seed % 1000).to(DEVICE)  # converted (and self-checked) on the CPU
     gold_model = copy.deepcopy(model).double()
-    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    normed_calls = count_fused_norm_calls(monkeypatch)
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(fresh_seed)).to(DEVICE)
-    normed_calls = []
-    inner = SiteBranch.call_normed
-    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
     layers = model.decoder_layers()
 
     def step(m):
@@ -378,16 +386,9 @@ def test_compiled_step_leaves_the_norms_to_inductor(monkeypatch):
     """While dynamo traces, a converted Llama's branch norms run in the branches (inductor fuses them with
     their neighbours; the site applying them was slower compiled), and the traced step's loss is the eager
     step's."""
-    from test_fused_block import InterpretedFusedBlock
-
-    from mhc.hf.branch import SiteBranch
-
     model = tiny_mhc_llama(5).to(DEVICE)
-    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    normed_calls = count_fused_norm_calls(monkeypatch)
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    normed_calls = []
-    inner = SiteBranch.call_normed
-    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
     eager_loss = model(input_ids=ids, labels=ids).loss
     assert len(normed_calls) == 2 * len(model.decoder_layers())
     normed_calls.clear()
@@ -400,20 +401,13 @@ def test_compiled_step_leaves_the_norms_to_inductor(monkeypatch):
 def test_frozen_norm_weights_stay_frozen_with_fused_norms(monkeypatch):
     """LoRA-style fine-tuning freezes the norms: with their weights not requiring grad the fused sites still
     apply them, leave their .grad None, and give every trained parameter the plain path's gradient."""
-    from test_fused_block import InterpretedFusedBlock
-
-    from mhc.hf.branch import SiteBranch
-
     model = tiny_mhc_llama(7).to(DEVICE)
-    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    normed_calls = count_fused_norm_calls(monkeypatch)
     norms = [p for name, p in model.named_parameters() if "layernorm" in name]
     assert norms
     for p in norms:
         p.requires_grad_(False)
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    normed_calls = []
-    inner = SiteBranch.call_normed
-    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
     layers = model.decoder_layers()
 
     def step():
@@ -438,16 +432,9 @@ def test_frozen_norm_weights_stay_frozen_with_fused_norms(monkeypatch):
 def test_fused_norms_under_activation_checkpointing(monkeypatch, use_reentrant):
     """HF activation checkpointing reruns each layer in backward: the fused sites apply the norms where grad
     is on (the rerun's sites keep their own streams), and the gradients are the uncheckpointed step's."""
-    from test_fused_block import InterpretedFusedBlock
-
-    from mhc.hf.branch import SiteBranch
-
     model = tiny_mhc_llama(11).to(DEVICE)
-    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
+    normed_calls = count_fused_norm_calls(monkeypatch)
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(11)).to(DEVICE)
-    normed_calls = []
-    inner = SiteBranch.call_normed
-    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
     sites = 2 * len(model.decoder_layers())
 
     def step():
@@ -479,18 +466,12 @@ def test_lora_on_a_converted_llama_trains_through_the_fused_norms(monkeypatch):
     still apply the live layers' norms, the LoRA projections run on their output, and the trained
     parameters' gradients are those with the fusion off."""
     from peft import LoraConfig, get_peft_model
-    from test_fused_block import InterpretedFusedBlock
-
-    from mhc.hf.branch import SiteBranch
 
     base = tiny_mhc_llama(13)
     sites = base.mhc_module_names()
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=sites)
     model = get_peft_model(base, config).to(DEVICE)
-    monkeypatch.setattr(mhc.MHCBlock, "uses_fused", InterpretedFusedBlock.uses_fused)
-    normed_calls = []
-    inner = SiteBranch.call_normed
-    monkeypatch.setattr(SiteBranch, "call_normed", lambda *a, **k: normed_calls.append(1) or inner(*a, **k))
+    normed_calls = count_fused_norm_calls(monkeypatch)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             with torch.no_grad():

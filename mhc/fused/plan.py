@@ -170,9 +170,8 @@ class Plan:
         # With norm_dtype (its weight's dtype) the site applies the branch's input RMSNorm too
         # (fused_norm_fits): coeff_fwd writes the norm's output, in normed_dtype (HF's: the weight's
         # and u's dtypes promoted), instead of u, and the backward takes its gradient instead of u's.
-        self.norm_dtype = norm_dtype
-        self.normed_dtype = None if norm_dtype is None else torch.promote_types(norm_dtype, u_dtype)
-        normed_dtype = self.normed_dtype
+        normed_dtype = None if norm_dtype is None else torch.promote_types(norm_dtype, u_dtype)
+        self.normed_dtype = normed_dtype
         norm = dict(NORM=normed_dtype is not None, ROUND=ROUND_CODES.get(u_dtype, 0) if normed_dtype else 0)
         self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
         acc = dtype == torch.float64  # ACC64: the kernels' accumulator is float64
