@@ -361,6 +361,7 @@ def test_sweep_site_kernels_options_grids_and_error_bound():
     assert {k: len(v) for k, v in bf16.items()} == {
         "coeff_partial": 108,
         "coeff_fwd": 54,
+        "coeff_fwd_dots": 108,
         "postmix_fwd": 36,
         "postmix_bwd": 24,
         "coeff_bwd": 27,

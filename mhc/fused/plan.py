@@ -216,13 +216,27 @@ class Plan:
             num_warps=8 if fp32 else 4,
             num_stages=max(1, min(3 if fp32 else 4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
-        # With the norm, a program holds whole rows: up to 4K values of u a tile (8 tokens at C = 512,
-        # 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token and 8 warps.
+        # coeff_fwd sums the splits, forms the coefficients and the pre-mix. Where the tokens alone
+        # fill the GPU (DOTS_MIN_TOKENS) and a row is short, it takes coeff_partial's dot products as
+        # well (DOTS; coeff_partial is then not launched): a program's rows, 32 tokens of at most
+        # DOTS_MAX_ROW_BYTES, are read again for the pre-mix from L2, not HBM, and no partial sums
+        # are written.
+        # With the norm, a program holds whole rows of u: then only 16 of them (a tl.dot takes 16 rows
+        # at least), up to 8K values of u a tile.
+        dots_bm = 32 if normed_dtype is None else 16
+        self.coeff_dots = (
+            T >= DOTS_MIN_TOKENS
+            and K * dtype.itemsize <= DOTS_MAX_ROW_BYTES
+            and (normed_dtype is None or dots_bm * _pow2(C, 16) <= 8192)
+        )
+        # Without the dots: 8 tokens x 256 columns, 4 warps. With the norm: up to 4K values of u a tile
+        # (8 tokens at C = 512, 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token
+        # and 8 warps.
         if normed_dtype is None:
-            BM, BC, warps = 8, min(256, _pow2(C, 16)), 4
+            BM, BC, warps = (dots_bm if self.coeff_dots else 8), min(256, _pow2(C, 16)), 4
         else:
             BC = _pow2(C, 16)
-            BM = max(1, min(8, 4096 // BC))
+            BM = dots_bm if self.coeff_dots else max(1, min(8, 4096 // BC))
             warps = max(4, BM * BC // 1024)
         self.coeff_fwd = launch(
             (_cdiv(T, BM),),
@@ -231,10 +245,14 @@ class Plan:
             BM=BM,
             BC=BC,
             ZP=ZP,
+            DOTS=self.coeff_dots,
+            BK=self.coeff_partial.meta["BK"],
+            PRECISION=coeff_numerics["PRECISION"],
             ACC64=acc,
             COMPILED=device.type == "cuda",
             **norm,
             num_warps=warps,
+            num_stages=self.coeff_partial.meta["num_stages"] if self.coeff_dots else 3,
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048). As many warps as 16-byte loads of a row fill (up to 4):
@@ -306,6 +324,12 @@ class Plan:
 # The rounding of u's dtype that the kernels apply where they form u without storing it (the NORM
 # variants): ROUND in mhc.fused.kernels._round.
 ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+# The longest row (n·C values of the streams, in bytes) whose dot products with φ coeff_fwd takes over
+# from coeff_partial (Plan.coeff_dots).
+DOTS_MAX_ROW_BYTES = 8192
+# The fewest tokens for which it does: 256 programs of 32 tokens.
+DOTS_MIN_TOKENS = 8192
 
 # The widest C whose rows one program of coeff_fwd holds with the branch's norm applied.
 NORM_MAX_C = 8192

@@ -77,12 +77,16 @@ def _pre(plan, x, phi, alpha, b_pre, b_post, b_res, eps, tol, weight, norm_eps):
     normed = plan.normed_dtype is not None
     u = x.new_empty((*x.shape[:-2], C), dtype=plan.normed_dtype if normed else plan.u_dtype)
     rn = x.new_empty((T,), dtype=plan.cdt) if normed else zr  # (zr: a pointer the kernel does not use)
-    part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
-    _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
+    if plan.coeff_dots:
+        part = zr  # coeff_fwd takes the dot products itself (a pointer it does not read)
+    else:
+        part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split
+        _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
     _coeff_fwd(
         plan.coeff_fwd,
         part,
         x,
+        phi,
         alpha,
         b_pre,
         b_post,
