@@ -124,6 +124,7 @@ LAUNCHERS: dict[str, Launcher] = {
         "coeff_bwd",
         "stream_grad",
         "phi_grad",
+        "coeff_stream_grad",
     )
 }
 
@@ -216,19 +217,18 @@ class Plan:
             num_warps=8 if fp32 else 4,
             num_stages=max(1, min(3 if fp32 else 4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
-        # coeff_fwd sums the splits, forms the coefficients and the pre-mix. Where the tokens alone
-        # fill the GPU (DOTS_MIN_TOKENS) and a row is short, it takes coeff_partial's dot products as
-        # well (DOTS; coeff_partial is then not launched): a program's rows, 32 tokens of at most
-        # DOTS_MAX_ROW_BYTES, are read again for the pre-mix from L2, not HBM, and no partial sums
-        # are written.
-        # With the norm, a program holds whole rows of u: then only 16 of them (a tl.dot takes 16 rows
-        # at least), up to 8K values of u a tile.
+        # Whole rows: where the tokens alone fill the GPU and a token's streams are short
+        # (WHOLE_ROWS_MIN_TOKENS, WHOLE_ROWS_MAX_BYTES), a program takes a few tokens' whole rows
+        # and reads them twice, the second time from L2, so that two kernels become one:
+        # coeff_fwd takes coeff_partial's dot products (coeff_dots; coeff_partial is not launched
+        # and no partial sums are written), and coeff_stream_grad does coeff_bwd's and stream_grad's
+        # work (coeff_stream; without the branch's norm).
+        whole_rows = T >= WHOLE_ROWS_MIN_TOKENS and K * dtype.itemsize <= WHOLE_ROWS_MAX_BYTES
+        # coeff_fwd sums the splits, forms the coefficients and the pre-mix. With the dots, 32 tokens
+        # a program (a tl.dot takes 16 rows at least); with the norm too, a program holds whole rows
+        # of u: then 16 tokens, up to 8K values of u a tile.
         dots_bm = 32 if normed_dtype is None else 16
-        self.coeff_dots = (
-            T >= DOTS_MIN_TOKENS
-            and K * dtype.itemsize <= DOTS_MAX_ROW_BYTES
-            and (normed_dtype is None or dots_bm * _pow2(C, 16) <= 8192)
-        )
+        self.coeff_dots = whole_rows and (normed_dtype is None or dots_bm * _pow2(C, 16) <= 8192)
         # Without the dots: 8 tokens x 256 columns, 4 warps. With the norm: up to 4K values of u a tile
         # (8 tokens at C = 512, 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token
         # and 8 warps.
@@ -295,6 +295,11 @@ class Plan:
             num_stages=stages,
         )
         self.stream_programs = _cdiv(T, self.stream_tokens)  # rows of the norm weight's partial sums
+        # stream_grad's tiles, BM tokens of whole rows a program.
+        self.coeff_stream = whole_rows and normed_dtype is None
+        self.coeff_stream_grad = launch(
+            (_cdiv(T, 32),), (T, C), n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics, num_warps=4
+        )
         BT, BN = 32, 128
         self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
         self.phi_grad = launch(
@@ -325,11 +330,11 @@ class Plan:
 # variants): ROUND in mhc.fused.kernels._round.
 ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
-# The longest row (n·C values of the streams, in bytes) whose dot products with φ coeff_fwd takes over
-# from coeff_partial (Plan.coeff_dots).
-DOTS_MAX_ROW_BYTES = 8192
-# The fewest tokens for which it does: 256 programs of 32 tokens.
-DOTS_MIN_TOKENS = 8192
+# The longest row (a token's n·C values of the streams, in bytes) and the fewest tokens for which a
+# program of the site's kernels takes whole rows (Plan.coeff_dots, Plan.coeff_stream): 256 programs of
+# 32 tokens at least.
+WHOLE_ROWS_MAX_BYTES = 8192
+WHOLE_ROWS_MIN_TOKENS = 8192
 
 # The widest C whose rows one program of coeff_fwd holds with the branch's norm applied.
 NORM_MAX_C = 8192

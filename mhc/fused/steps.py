@@ -28,8 +28,27 @@ __all__ = [
     "post_backward",
 ]
 
-_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = (
-    _plans.LAUNCHERS.values()
+(
+    _coeff_partial,
+    _coeff_fwd,
+    _postmix_fwd,
+    _postmix_bwd,
+    _coeff_bwd,
+    _stream_grad,
+    _phi_grad,
+    _coeff_stream_grad,
+) = (
+    _plans.LAUNCHERS[name]
+    for name in (
+        "coeff_partial",
+        "coeff_fwd",
+        "postmix_fwd",
+        "postmix_bwd",
+        "coeff_bwd",
+        "stream_grad",
+        "phi_grad",
+        "coeff_stream_grad",
+    )
 )
 
 
@@ -163,11 +182,18 @@ def pre_backward_sums(
         weight, rn, q = alpha, zr, zr  # (pointers the kernels do not use)
     else:
         (weight, rn), q = norm, zr.new_empty((T,))  # q: per token, du = rn·dn·w − q·u
-    _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, weight, rn, q, C)
-    sums = work.sum(0)
-
     dx = dphi = dw = None
-    if needs_dx or norm is not None:  # (stream_grad sums the norm weight's gradient too)
+    if plan.coeff_stream and needs_dx and norm is None:
+        d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
+        dx = torch.empty_like(x)
+        _coeff_stream_grad(
+            plan.coeff_stream_grad, d_out, du, x, h, dense(d_h), dR, zr, alpha, phi, H_res, work, dx, T, C
+        )
+        sums = work.sum(0)
+    else:
+        _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, weight, rn, q, C)
+        sums = work.sum(0)
+    if dx is None and (needs_dx or norm is not None):  # (stream_grad sums the norm weight's gradient too)
         d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
         dx = torch.empty_like(x)
         dw_part = zr.new_empty((plan.stream_programs, C)) if norm is not None else zr
