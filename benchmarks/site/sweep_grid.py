@@ -10,11 +10,13 @@ import torch
 import triton
 
 N_STREAMS = 4
-# coeff_fwd_dots: coeff_fwd taking coeff_partial's dot products as well (DOTS), in place of the pair.
+# The plans' whole-row kernels (Plan.coeff_dots, Plan.coeff_stream): coeff_fwd_dots is coeff_fwd taking
+# coeff_partial's dot products as well (DOTS), coeff_stream_grad coeff_bwd and stream_grad in one.
 KERNELS = (
     "coeff_partial",
     "coeff_fwd",
     "coeff_fwd_dots",
+    "coeff_stream_grad",
     "postmix_fwd",
     "postmix_bwd",
     "coeff_bwd",
@@ -24,6 +26,7 @@ KERNELS = (
 DOT_KERNELS = (
     "coeff_partial",
     "coeff_fwd_dots",
+    "coeff_stream_grad",
     "stream_grad",
     "phi_grad",
 )  # the kernels with a tl.dot (PRECISION)
@@ -47,6 +50,7 @@ GRID = {  # bf16, as swept for the plan (notes/block_benchmarks.md)
     "coeff_fwd_dots": dict(
         BM=(16, 32, 64), BK=(64, 128, 256), BC=(256, 512), num_warps=(4, 8), num_stages=(2, 3, 4)
     ),
+    "coeff_stream_grad": dict(BM=(16, 32, 64), BC=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3)),
     "postmix_fwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4, 8), num_stages=(1, 2, 3)),
     "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
     "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
@@ -66,6 +70,7 @@ GRID_FP32 = {  # float32 streams: a tile holds half the values of bf16's at the 
 COARSE = {  # the --coarse precisions' grid (tf32: enough to show its error and its speed)
     "coeff_partial": dict(BM=(64, 128), BK=(64, 128), splits=(1, 2), num_warps=(4,), num_stages=(3,)),
     "coeff_fwd_dots": dict(BM=(32,), BK=(64, 128), BC=(256,), num_warps=(4,), num_stages=(3,)),
+    "coeff_stream_grad": dict(BM=(32,), BC=(32, 64), num_warps=(4,), num_stages=(1, 3)),
     "stream_grad": dict(BM=(32, 64), BC=(32, 64), tokens=(256,), num_warps=(4,), num_stages=(1, 3)),
     "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16,), num_warps=(4,), num_stages=(3,)),
 }

@@ -228,6 +228,26 @@ class Site:
                 tokens,
             )
             return None if self.compile_only else (dx,)
+        if kernel == "coeff_stream_grad":
+            work, dx = self.zr.new_empty((T, 2 * Z + 4)), torch.empty_like(self.x)
+            go(
+                (cdiv(T, meta["BM"]),),
+                self.dout,
+                self.du,
+                self.x,
+                self.h,
+                self.g_h,
+                self.dR,
+                self.zr,
+                self.alpha,
+                self.phi,
+                self.H_res,
+                work,
+                dx,
+                T,
+                C,
+            )
+            return None if self.compile_only else (work, dx)
         if kernel == "phi_grad":
             splits = splits or plan.phi_splits
             per = cdiv(cdiv(T, splits), meta["BT"]) * meta["BT"]

@@ -31,6 +31,13 @@ One kernel per memory pass (design.md §1 for the maths):
   ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
 
+Whole rows (``Plan.coeff_dots``, ``Plan.coeff_stream``): where many tokens of
+short rows fill the GPU with programs of a few tokens' whole rows, two pairs
+of passes become one kernel each, which reads its rows twice, the second time
+from L2: ``coeff_fwd`` with ``DOTS`` takes ``coeff_partial``'s dot products
+itself (``row_dots``), and ``coeff_stream_grad`` does ``coeff_bwd``'s and
+``stream_grad``'s work (without the branch's norm).
+
 The branch's input norm (``NORM``, a bool constexpr; eager training only,
 docs/design.md "The branch's input norm"): ``coeff_fwd``, ``coeff_bwd`` and
 ``stream_grad`` also apply HF's Llama RMSNorm, ``w·round(u·rn)`` with
