@@ -188,8 +188,6 @@ def site_array_elements(n: int, C: int) -> dict[str, dict[str, int]]:
         "coeff_bwd": {"streams": nC, "u": C},  # x; du
         "stream_grad": {"streams": 3 * nC, "u": C},  # dx', x, dx; du
         "phi_grad": {"streams": nC},  # x
-        # whole rows (Plan.coeff_stream): coeff_bwd's and stream_grad's work, x and du read from HBM once
-        "coeff_stream_grad": {"streams": 3 * nC, "u": C},  # dx', x, dx; du
     }
 
 
@@ -218,7 +216,6 @@ def site_kernel_bytes(
         "coeff_bwd": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4),
         "stream_grad": (2 * Z + 4) + 2 * n + n * n,
         "phi_grad": Z,
-        "coeff_stream_grad": 2 * n + 2 * n + n * n + (Z + 1) + (2 * Z + 4) + n * n,
     }
     return {
         name: T * (sum(count * size[kind] for kind, count in arrays.items()) + 4 * coefficients[name])

@@ -49,22 +49,6 @@ def fresh_seed(request) -> int:
     return seed
 
 
-@pytest.fixture(params=[False, True], ids=["split", "whole_rows"])
-def whole_rows(request, monkeypatch):
-    """Both forms of the fused site's kernels, whatever the shape: blocks of the streams' rows, or
-    programs of whole rows, which merge coeff_partial into coeff_fwd and coeff_bwd with stream_grad
-    (``Plan.coeff_dots``, ``Plan.coeff_stream``; the plan chooses them for many tokens of short rows).
-    Yields whether it is the second."""
-    from mhc import fused
-    from mhc.fused import plan as fused_plan
-
-    monkeypatch.setattr(fused_plan, "WHOLE_ROWS_MIN_TOKENS", 0 if request.param else 2**62)
-    monkeypatch.setattr(fused_plan, "WHOLE_ROWS_MAX_BYTES", 2**62)
-    fused.clear_plans()
-    yield request.param
-    fused.clear_plans()
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

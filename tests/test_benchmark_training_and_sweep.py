@@ -295,7 +295,6 @@ def test_site_bytes_count_u_and_y_in_their_own_dtypes():
         "coeff_bwd": T * C * 2,  # reads du
         "stream_grad": T * C * 2,  # reads du
         "phi_grad": 0,
-        "coeff_stream_grad": T * C * 2,  # reads du
     }
     assert common.site_kernel_bytes(T, n, C, 2, y_elt=4)["postmix_bwd"] - bf16["postmix_bwd"] == T * 2 * C * 2
     assert common.site_stream_elements(n, C)["stream_grad"] == 3 * n * C + C
@@ -362,8 +361,6 @@ def test_sweep_site_kernels_options_grids_and_error_bound():
     assert {k: len(v) for k, v in bf16.items()} == {
         "coeff_partial": 108,
         "coeff_fwd": 54,
-        "coeff_fwd_dots": 108,
-        "coeff_stream_grad": 54,
         "postmix_fwd": 36,
         "postmix_bwd": 24,
         "coeff_bwd": 27,

@@ -344,7 +344,6 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
         "coeff_bwd",
         "stream_grad",
         "phi_grad",
-        "coeff_stream_grad",
     }
     # x and x' in bf16 (2 n C), y (C), then h and H_res in float32 (2n + n²), per token:
     assert nbytes["postmix_fwd"] == T * ((2 * n * C + C) * 2 + (2 * n + n * n) * 4)

@@ -111,7 +111,7 @@ def _count_calls(monkeypatch, owner, name) -> list:
 @pytest.mark.parametrize("n", [4, 8, 3])
 @pytest.mark.parametrize("C", [64, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_site_matches_reference(n, C, dtype, whole_rows, monkeypatch, fresh_seed):
+def test_fused_site_matches_reference(n, C, dtype, monkeypatch, fresh_seed):
     ref, fast = _blocks(n, C, dtype, fresh_seed)
     pre = _count_calls(monkeypatch, fused, "pre")  # what MHCBlock calls for the fused backend
     post = _count_calls(monkeypatch, fused, "post_linked")
@@ -152,7 +152,7 @@ def _compare_against_float64(ref, fast, x):
         )
 
 
-def test_fused_site_non_contiguous_and_large_values(whole_rows, fresh_seed):
+def test_fused_site_non_contiguous_and_large_values(fresh_seed):
     n, C = 4, 96
     ref, fast = _blocks(n, C, torch.float32, fresh_seed)
     # [S, B, n, C] viewed as [B, S, n, C]: not contiguous; large magnitudes.
@@ -161,7 +161,7 @@ def test_fused_site_non_contiguous_and_large_values(whole_rows, fresh_seed):
     _compare(ref, fast, x, 1e-5, 1e-4)
 
 
-def test_fused_site_many_tokens(whole_rows, fresh_seed):
+def test_fused_site_many_tokens(fresh_seed):
     """2100 tokens: dx runs over several 256-token programs (the last one partial), dφ over two token splits."""
     ref, fast = _blocks(4, 48, torch.float32, fresh_seed)
     x = torch.randn(3, 700, 4, 48, device=DEVICE)
@@ -247,103 +247,6 @@ def test_plan_splits_the_coefficient_dots_over_whole_column_blocks(T, n, C, spli
     assert plan.coeff_partial.grid == (-(-T // 64), splits)
 
 
-@pytest.mark.parametrize(
-    "T, n, C, dtype, whole",
-    [
-        (16384, 4, 512, torch.bfloat16, True),  # small_gpu
-        (16384, 4, 768, torch.bfloat16, True),  # 134M
-        (16384, 4, 512, torch.float32, True),  # small_gpu, fp32 streams: 8 KB rows
-        (16384, 4, 768, torch.float32, False),  # 134M, fp32 streams: 12 KB rows
-        (8192, 4, 2048, torch.bfloat16, False),  # 1.1B: 16 KB rows, read again from HBM
-        (4096, 4, 512, torch.bfloat16, False),  # too few tokens to fill the GPU with 32-token programs
-    ],
-)
-def test_plan_takes_whole_rows_for_many_tokens_of_short_rows(T, n, C, dtype, whole):
-    from mhc.fused import plan as fused_plan
-
-    plan = fused_plan.Plan(torch.Size((T, n, C)), dtype, torch.device("cpu"))
-    meta = plan.coeff_fwd.meta
-    assert plan.coeff_dots is whole and meta["DOTS"] is whole and plan.coeff_stream is whole
-    if whole:  # 32-token programs (a tl.dot takes 16 rows at least), coeff_partial's steps
-        assert plan.coeff_fwd.grid == (T // 32,) and meta["BM"] == 32
-        assert (meta["BK"], meta["PRECISION"]) == (
-            plan.coeff_partial.meta["BK"],
-            plan.coeff_partial.meta["PRECISION"],
-        )
-        assert plan.coeff_stream_grad.grid == (T // 32,)
-    # with the branch's norm: the forward's whole rows of u up to 8K values a program, no merged backward
-    normed = fused_plan.Plan(torch.Size((T, n, C)), dtype, torch.device("cpu"), dtype, torch.float32)
-    assert normed.coeff_dots is (whole and C <= 512) and not normed.coeff_stream
-
-
-KERNELS_BEFORE_DX = ("coeff_partial", "coeff_fwd", "coeff_bwd", "stream_grad", "coeff_stream_grad")
-
-
-def test_whole_rows_launch_one_kernel_where_the_split_form_launches_two(whole_rows, monkeypatch, fresh_seed):
-    """Whole rows: coeff_fwd alone before the projection, coeff_stream_grad alone before phi_grad; the same u,
-    coefficients and gradients (against float64 PyTorch, at float32 rounding) as the split form's."""
-    from mhc.fused import plan as fused_plan
-
-    launched = []
-    for name in KERNELS_BEFORE_DX:
-        launcher = fused_plan.LAUNCHERS[name]
-        monkeypatch.setattr(launcher, "kernel", _recording(launcher.kernel, name, launched))
-    n, C = 4, 96
-    x = torch.randn(40, n, C, device=DEVICE, requires_grad=True)
-    params = [
-        0.05 * torch.randn(n * n + 2 * n, n * C, device=DEVICE),
-        torch.tensor([0.5, 0.7, 1.5], device=DEVICE),
-        torch.randn(n, device=DEVICE),
-        torch.randn(n, device=DEVICE),
-        torch.randn(n, n, device=DEVICE),
-    ]
-    params = [p.requires_grad_() for p in params]
-    u, site = fused.site_pre(x, *params, norm_eps=1e-6, tol=1e-6)
-    assert launched == (["coeff_fwd"] if whole_rows else ["coeff_partial", "coeff_fwd"])
-    z = torch.nn.functional.rms_norm(x.double().flatten(1), (n * C,), eps=1e-6) @ params[0].double().t()
-    h_pre = torch.sigmoid(0.5 * z[:, :n] + params[2].double())
-    torch.testing.assert_close(site.h[:, :n].double(), h_pre, rtol=0, atol=2e-6)
-    torch.testing.assert_close(u.double(), torch.einsum("ti,tic->tc", h_pre, x.double()), rtol=0, atol=2e-5)
-
-    launched.clear()
-    lin = nn.Linear(C, C, device=DEVICE)
-    out = fused.post_mix(torch.tanh(lin(u)), site)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, [x, *params], g)
-    assert launched == (["coeff_stream_grad"] if whole_rows else ["coeff_bwd", "stream_grad"])
-
-    # the same site in float64 on the PyTorch path (MHCBlock's reference), with the same branch
-    ref = mhc.MHCBlock(copy.deepcopy(lin).double(), C, n, init="paper", fused=False).to(DEVICE).double()
-    ref.branch = nn.Sequential(ref.branch, nn.Tanh())
-    with torch.no_grad():
-        for name, p in zip(("phi", "alpha", "b_pre", "b_post", "b_res"), params):
-            ref.get_parameter(name).copy_(p)
-    x64 = x.detach().double().requires_grad_()
-    out64 = ref(x64)
-    grads64 = torch.autograd.grad(
-        out64,
-        [x64, *(ref.get_parameter(k) for k in ("phi", "alpha", "b_pre", "b_post", "b_res"))],
-        g.double(),
-    )
-    assert _rel(out, out64) < 1e-5
-    for name, a, b in zip(("x", "phi", "alpha", "b_pre", "b_post", "b_res"), grads, grads64):
-        assert _rel(a, b) < 1e-4, name
-
-
-class _recording:
-    """A kernel stand-in that notes its name on each launch (``kernel[grid](...)``) and launches the kernel."""
-
-    def __init__(self, kernel, name, launched):
-        self.kernel, self.name, self.launched = kernel, name, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(self.name)
-        return self.kernel[grid]
-
-    def __getattr__(self, attr):
-        return getattr(self.kernel, attr)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_plan_keeps_the_coefficient_pipeline_in_shared_memory(n, dtype):
@@ -411,7 +314,7 @@ def test_fused_site_keeps_any_leading_shape(lead, fresh_seed):
     assert seen == [torch.Size((*lead, C))]
 
 
-def test_fused_site_gradcheck_float64(whole_rows, fresh_seed):
+def test_fused_site_gradcheck_float64(fresh_seed):
     """The public steps fused.site_pre / fused.post_mix around a branch, against finite differences."""
     n, C = 3, 4  # C = 4: half the inputs of C = 8 to perturb, the same masked 16-column tiles
     lin = nn.Linear(C, C).double().to(DEVICE)
@@ -478,7 +381,7 @@ def test_in_kernel_sigmoid_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_coefficients_close_to_float64(dtype, whole_rows):
+def test_coefficients_close_to_float64(dtype):
     """h = σ(α·RMSNorm(x)φᵀ + b) against float64, with large stream values.
 
     bf16 streams take φ in two bf16 parts (16 bits; tf32's 11 would give errors

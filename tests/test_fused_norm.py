@@ -237,9 +237,7 @@ def _normed_site_grads(x, params, weight, lin, u_dtype, in_kernels, g):
         (torch.bfloat16, torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_grad_path_applies_the_branch_norm_as_pytorch_does(
-    n, C, dtype, u_dtype, weight_dtype, whole_rows, fresh_seed
-):
+def test_grad_path_applies_the_branch_norm_as_pytorch_does(n, C, dtype, u_dtype, weight_dtype, fresh_seed):
     """fused.site_pre with branch_norm and grad: the norm's output, the site's output and every gradient
     (streams, coefficients, the norm's weight, the branch's) as with the norm applied by PyTorch to u,
     on hard streams (a token ×1e3, one ×1e-3). With a float32 u both agree to float32 rounding; with a
@@ -275,7 +273,7 @@ def test_grad_path_applies_the_branch_norm_as_pytorch_does(
 
 
 @TRITON
-def test_grad_path_norm_gradcheck_float64(whole_rows, fresh_seed):
+def test_grad_path_norm_gradcheck_float64(fresh_seed):
     """The public steps with branch_norm around a branch, against finite differences (the norm's weight too)."""
     torch.manual_seed(fresh_seed)
     n, C = 3, 4

@@ -10,26 +10,8 @@ import torch
 import triton
 
 N_STREAMS = 4
-# The plans' whole-row kernels (Plan.coeff_dots, Plan.coeff_stream): coeff_fwd_dots is coeff_fwd taking
-# coeff_partial's dot products as well (DOTS), coeff_stream_grad coeff_bwd and stream_grad in one.
-KERNELS = (
-    "coeff_partial",
-    "coeff_fwd",
-    "coeff_fwd_dots",
-    "coeff_stream_grad",
-    "postmix_fwd",
-    "postmix_bwd",
-    "coeff_bwd",
-    "stream_grad",
-    "phi_grad",
-)
-DOT_KERNELS = (
-    "coeff_partial",
-    "coeff_fwd_dots",
-    "coeff_stream_grad",
-    "stream_grad",
-    "phi_grad",
-)  # the kernels with a tl.dot (PRECISION)
+KERNELS = ("coeff_partial", "coeff_fwd", "postmix_fwd", "postmix_bwd", "coeff_bwd", "stream_grad", "phi_grad")
+DOT_KERNELS = ("coeff_partial", "stream_grad", "phi_grad")  # the kernels with a tl.dot (PRECISION)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Shapes (C, T): the small_gpu preset's step (batch 32 x 512 at hidden 512, issue #49's profile), the 134M
 # step (batch 8 x 2048) and the 1.1B step (batch 4 x 2048).
@@ -47,10 +29,6 @@ GRID = {  # bf16, as swept for the plan (notes/block_benchmarks.md)
         BM=(32, 64, 128), BK=(64, 128, 256), splits=(1, 2, 4), num_warps=(4, 8), num_stages=(3, 4)
     ),
     "coeff_fwd": dict(BM=(8, 16, 32), BC=(128, 256, 512), num_warps=(1, 2, 4), num_stages=(1, 3)),
-    "coeff_fwd_dots": dict(
-        BM=(16, 32, 64), BK=(64, 128, 256), BC=(256, 512), num_warps=(4, 8), num_stages=(2, 3, 4)
-    ),
-    "coeff_stream_grad": dict(BM=(16, 32, 64), BC=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3)),
     "postmix_fwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4, 8), num_stages=(1, 2, 3)),
     "postmix_bwd": dict(BC=(128, 256, 512), num_warps=(1, 2), num_stages=(1, 2, 3, 4)),
     "coeff_bwd": dict(BC=(256, 512, 1024), num_warps=(1, 2, 4), num_stages=(1, 2, 3)),
@@ -69,8 +47,6 @@ GRID_FP32 = {  # float32 streams: a tile holds half the values of bf16's at the 
 }
 COARSE = {  # the --coarse precisions' grid (tf32: enough to show its error and its speed)
     "coeff_partial": dict(BM=(64, 128), BK=(64, 128), splits=(1, 2), num_warps=(4,), num_stages=(3,)),
-    "coeff_fwd_dots": dict(BM=(32,), BK=(64, 128), BC=(256,), num_warps=(4,), num_stages=(3,)),
-    "coeff_stream_grad": dict(BM=(32,), BC=(32, 64), num_warps=(4,), num_stages=(1, 3)),
     "stream_grad": dict(BM=(32, 64), BC=(32, 64), tokens=(256,), num_warps=(4,), num_stages=(1, 3)),
     "phi_grad": dict(BT=(32, 64), BN=(128, 256), splits=(16,), num_warps=(4,), num_stages=(3,)),
 }
@@ -88,7 +64,7 @@ def expand(kernel: str, grid: dict, C: int, dtype: torch.dtype) -> list[dict]:
             continue
         if kernel == "stream_grad" and v["tokens"] % v["BM"]:
             continue
-        if kernel in ("coeff_partial", "coeff_fwd_dots") and dtype != torch.bfloat16:
+        if kernel == "coeff_partial" and dtype != torch.bfloat16:
             # Triton's pipeline keeps num_stages - 1 steps of the x and φ tiles in shared memory (plan.py).
             ZP = triton.next_power_of_2(N_STREAMS * N_STREAMS + 2 * N_STREAMS)
             if (v["num_stages"] - 1) * v["BK"] * (v["BM"] * dtype.itemsize + ZP * 4) > SMEM_BYTES:

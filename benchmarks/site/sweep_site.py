@@ -100,24 +100,10 @@ class Site:
         assert ref.plan.coeff_splits == self.plan.coeff_splits  # coeff_fwd reads self.part's splits
         return ref
 
-    def launch_meta(self, kernel: str) -> dict:
-        """The plan's constexprs and launch options of ``kernel``. ``coeff_fwd`` and ``coeff_fwd_dots`` are the one
-        kernel without and with the dot products (``DOTS``); where the plan takes the other form, the form swept
-        gets its tile sizes as the plan would give them."""
-        if not kernel.startswith("coeff_fwd"):
-            return dict(getattr(self.plan, kernel).meta)
-        meta = dict(self.plan.coeff_fwd.meta)
-        dots = kernel == "coeff_fwd_dots"
-        if meta["DOTS"] != dots:
-            meta.update(
-                BM=32, num_stages=self.plan.coeff_partial.meta["num_stages"]
-            ) if dots else meta.update(BM=8, num_stages=3)
-        meta["DOTS"] = dots
-        return meta
-
     def plan_params(self, kernel: str, precision: bool = False) -> dict:
         """The plan's own values of the swept parameters (``num_stages`` Triton's default, 3)."""
-        meta = self.launch_meta(kernel)
+        launch = getattr(self.plan, kernel)
+        meta = dict(launch.meta)
         p = {k: meta[k] for k in ("BM", "BK", "BC", "BT", "BN") if k in meta}
         p["num_warps"] = meta.get("num_warps", 4)
         p["num_stages"] = meta.get("num_stages", 3)
@@ -137,8 +123,9 @@ class Site:
         Under ``compute=False``: compile it only, and return ``None``.
         """
         plan, T, n, C, Z = self.plan, self.T, self.n, self.C, self.Z
-        k = self.launchers[kernel.removesuffix("_dots")].kernel
-        meta = self.launch_meta(kernel)
+        k = self.launchers[kernel].kernel
+        launch = getattr(plan, kernel)
+        meta = dict(launch.meta)
         params = dict(params or {})
         tokens, splits = params.pop("tokens", None), params.pop("splits", None)
         meta.update(params)
@@ -160,7 +147,7 @@ class Site:
                 return None
             s = part.sum(0)
             return s[:, :Z], s[:, Z]  # x φᵀ and Σ x², each against its own scale
-        if kernel in ("coeff_fwd", "coeff_fwd_dots"):
+        if kernel == "coeff_fwd":
             zr, h, R, u = (
                 torch.empty_like(self.zr),
                 torch.empty_like(self.h),
@@ -171,7 +158,6 @@ class Site:
                 (cdiv(T, meta["BM"]),),
                 self.part,
                 self.x,
-                self.phi,
                 self.alpha,
                 self.b_pre,
                 self.b_post,
@@ -228,26 +214,6 @@ class Site:
                 tokens,
             )
             return None if self.compile_only else (dx,)
-        if kernel == "coeff_stream_grad":
-            work, dx = self.zr.new_empty((T, 2 * Z + 4)), torch.empty_like(self.x)
-            go(
-                (cdiv(T, meta["BM"]),),
-                self.dout,
-                self.du,
-                self.x,
-                self.h,
-                self.g_h,
-                self.dR,
-                self.zr,
-                self.alpha,
-                self.phi,
-                self.H_res,
-                work,
-                dx,
-                T,
-                C,
-            )
-            return None if self.compile_only else (work, dx)
         if kernel == "phi_grad":
             splits = splits or plan.phi_splits
             per = cdiv(cdiv(T, splits), meta["BT"]) * meta["BT"]

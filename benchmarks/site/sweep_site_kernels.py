@@ -270,7 +270,7 @@ def _sweep(
 ) -> tuple[list, bool]:
     """Time ``kernel``'s plan and variants at one shape: ``(rows, out_of_time)``."""
     C, T = site.C, site.T
-    floor = common.site_kernel_bytes(T, N_STREAMS, C, site.x.element_size())[kernel.removesuffix("_dots")]
+    floor = common.site_kernel_bytes(T, N_STREAMS, C, site.x.element_size())[kernel]
     sweep_precision = bool(args.precisions) and kernel in DOT_KERNELS
     plan_params = site.plan_params(kernel, precision=sweep_precision)
     base_fn, base_out = site.call(kernel, None)

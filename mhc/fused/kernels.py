@@ -31,13 +31,6 @@ One kernel per memory pass (design.md §1 for the maths):
   ``φ`` (``(r·dz) φ − c2·x``), plus ``h_pre ⊗ du`` and ``h_resᵀ dx'``.
 * ``phi_grad``: ``dφ = Σ_t (r_t dz_t)ᵀ x_t``, split over tokens.
 
-Whole rows (``Plan.coeff_dots``, ``Plan.coeff_stream``): where many tokens of
-short rows fill the GPU with programs of a few tokens' whole rows, two pairs
-of passes become one kernel each, which reads its rows twice, the second time
-from L2: ``coeff_fwd`` with ``DOTS`` takes ``coeff_partial``'s dot products
-itself (``row_dots``), and ``coeff_stream_grad`` does ``coeff_bwd``'s and
-``stream_grad``'s work (without the branch's norm).
-
 The branch's input norm (``NORM``, a bool constexpr; eager training only,
 docs/design.md "The branch's input norm"): ``coeff_fwd``, ``coeff_bwd`` and
 ``stream_grad`` also apply HF's Llama RMSNorm, ``w·round(u·rn)`` with
@@ -107,26 +100,33 @@ def premix_tile(x_row, m, h_pre, h_sum, col, C, n: tl.constexpr, ACC: tl.constex
 
 
 @triton.jit
-def row_dots(
+def coeff_partial(
     x_ptr,
     phi_ptr,
-    rows,
-    row_ok,
-    k_begin,
-    k_end,
-    K,
+    part_ptr,
+    T,
+    C,
+    k_per_split,
+    n: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
     ZP: tl.constexpr,
-    Z: tl.constexpr,
     PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC64: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
-    """``[x φᵀ | Σ x²]`` of BM tokens over the columns ``[k_begin, k_end)`` of ``n·C``: ``[BM, ZP]`` in ACC,
-    ``x φᵀ`` in columns ``[0, Z)`` and ``Σ x²`` in column ``Z`` (ZP > Z always). ``rows``: the tokens'
-    offsets into ``x``."""
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
+    # One program: BM tokens over one split of the n·C columns. Its row of
+    # part[split, t] holds x φᵀ in columns [0, Z) and Σ x² in column Z (ZP > Z always).
+    Z: tl.constexpr = n * n + 2 * n
+    K = n * C
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    split = tl.program_id(1)
     rz = tl.arange(0, ZP)
+    row_ok = rm < T
+    rows = rm.to(tl.int64) * K
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BM, ZP), dtype=ACC)
     # Squares are summed across the row once, after the loop (4-5% faster on the H200).
     sq = tl.zeros((BM, BK), dtype=ACC)
@@ -154,51 +154,7 @@ def row_dots(
                 acc = tl.dot(xf, w_lo.to(ACC), acc, input_precision="ieee", out_dtype=ACC)
         else:
             acc = tl.dot(xf, w, acc, input_precision=PRECISION, out_dtype=ACC)
-    return acc + tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
-
-
-@triton.jit
-def coeff_partial(
-    x_ptr,
-    phi_ptr,
-    part_ptr,
-    T,
-    C,
-    k_per_split,
-    n: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-    ZP: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ACC64: tl.constexpr,
-    COMPILED: tl.constexpr,
-):
-    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
-    # One program: BM tokens over one split of the n·C columns, into its row of part[split, t].
-    Z: tl.constexpr = n * n + 2 * n
-    K = n * C
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    split = tl.program_id(1)
-    rz = tl.arange(0, ZP)
-    row_ok = rm < T
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    acc = row_dots(
-        x_ptr,
-        phi_ptr,
-        rm.to(tl.int64) * K,
-        row_ok,
-        k_begin,
-        k_end,
-        K,
-        BM,
-        BK,
-        ZP,
-        Z,
-        PRECISION,
-        ACC,
-        COMPILED,
-    )
+    acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
     tl.store(part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], acc, mask=row_ok[:, None])
 
 
@@ -250,7 +206,6 @@ def store_coefficients(
 def coeff_fwd(
     part_ptr,
     x_ptr,
-    phi_ptr,
     alpha_ptr,
     bpre_ptr,
     bpost_ptr,
@@ -270,9 +225,6 @@ def coeff_fwd(
     BM: tl.constexpr,
     BC: tl.constexpr,
     ZP: tl.constexpr,
-    DOTS: tl.constexpr,
-    BK: tl.constexpr,
-    PRECISION: tl.constexpr,
     ACC64: tl.constexpr,
     COMPILED: tl.constexpr,
     NORM: tl.constexpr,
@@ -285,18 +237,11 @@ def coeff_fwd(
     row_ok = rm < T
     ok = row_ok[:, None]
     rows = rm.to(tl.int64) * K
-    if DOTS:
-        # coeff_partial's dot products in this program, over whole rows: the streams are read
-        # from HBM once, and the pre-mix's second read of the same rows comes from L2.
-        acc = row_dots(
-            x_ptr, phi_ptr, rows, row_ok, 0, K, K, BM, BK, ZP, n * n + 2 * n, PRECISION, ACC, COMPILED
+    acc = tl.zeros((BM, ZP), dtype=ACC)
+    for split in range(splits):
+        acc += tl.load(
+            part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0
         )
-    else:
-        acc = tl.zeros((BM, ZP), dtype=ACC)
-        for split in range(splits):
-            acc += tl.load(
-                part_ptr + (split * T + rm.to(tl.int64))[:, None] * ZP + rz[None, :], mask=ok, other=0.0
-            )
     h = store_coefficients(
         acc,
         rm,
@@ -639,108 +584,3 @@ def phi_grad(
     tl.store(
         out_ptr + (split * Z + rz[:, None]) * K + rn[None, :], acc, mask=(rz[:, None] < Z) & n_ok[None, :]
     )
-
-
-@triton.jit
-def coeff_stream_grad(
-    dout_ptr,
-    du_ptr,
-    x_ptr,
-    h_ptr,
-    dh_ptr,
-    dres_ptr,
-    zr_ptr,
-    alpha_ptr,
-    phi_ptr,
-    hres_ptr,
-    work_ptr,
-    dx_ptr,
-    T,
-    C,
-    n: tl.constexpr,
-    NP: tl.constexpr,
-    ZP: tl.constexpr,
-    BM: tl.constexpr,
-    BC: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ACC64: tl.constexpr,
-):
-    """``coeff_bwd`` then ``stream_grad`` for BM tokens, their rows whole in one program (without the branch's
-    norm): the streams and ``du`` are read once from HBM for ``g_pre``, and again from L2 for ``dx``; the work
-    rows are written for ``phi_grad`` and the parameter sums, and their ``r·dz`` and ``c2`` kept here."""
-    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
-    Z: tl.constexpr = n * n + 2 * n
-    K = n * C
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    m_ok = rm < T
-    tok = rm.to(tl.int64)
-    rj = tl.arange(0, NP)
-    row_j = m_ok[:, None] & (rj[None, :] < n)
-    # g_pre[t, j] = ⟨du_t, x_tj⟩, over whole rows.
-    g = tl.zeros((BM, NP), dtype=ACC)
-    for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
-        c_ok = rc < C
-        offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
-        xs = tl.load(x_ptr + offs, mask=row_j[:, :, None] & c_ok[None, None, :], other=0.0).to(ACC)
-        du = tl.load(
-            du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0
-        ).to(ACC)
-        g += tl.sum(xs * du[:, None, :], axis=2)
-    # coeff_bwd's per-token backward, for the BM tokens at once: [BM, ZP] over the columns k of z
-    # ([0, n) H_pre's, [n, 2n) H_post's, [2n, Z) R's); g_pre is moved onto its columns with a one-hot sum.
-    k = tl.arange(0, ZP)[None, :]
-    mrow = m_ok[:, None]
-    is_pre = k < n
-    is_post = (k >= n) & (k < 2 * n)
-    is_res = (k >= 2 * n) & (k < Z)
-    g_pre = tl.sum(tl.where(rj[None, :, None] == k[:, None, :], g[:, :, None], 0.0), axis=1)
-    h = tl.load(h_ptr + tok[:, None] * (2 * n) + k, mask=mrow & (k < 2 * n), other=0.0)
-    d_h = tl.load(dh_ptr + tok[:, None] * (2 * n) + k, mask=mrow & (k < 2 * n), other=0.0)
-    d_res = tl.load(dres_ptr + tok[:, None] * (n * n) + k - 2 * n, mask=mrow & is_res, other=0.0)
-    dv = tl.where(is_res, d_res, (g_pre + d_h) * (h * (1 - h)))  # 0 past Z (h is 0 there)
-    a = tl.load(alpha_ptr + tl.where(is_pre, 0, tl.where(is_post, 1, 2)))
-    z = tl.load(zr_ptr + tok[:, None] * (Z + 1) + k, mask=mrow & (k < Z), other=0.0)
-    r = tl.load(zr_ptr + tok * (Z + 1) + Z, mask=m_ok, other=0.0)
-    dz = dv * a
-    dzr = dz * r[:, None]
-    c2 = tl.sum(dz * z, axis=1) * r * r / K
-    row = work_ptr + tok * (2 * Z + 4)
-    tl.store(row[:, None] + k, dzr, mask=mrow & (k < Z))
-    tl.store(row[:, None] + Z + k, dv, mask=mrow & (k < Z))
-    dvz = dv * z
-    tl.store(row + 2 * Z, tl.sum(tl.where(is_pre, dvz, 0.0), axis=1), mask=m_ok)
-    tl.store(row + 2 * Z + 1, tl.sum(tl.where(is_post, dvz, 0.0), axis=1), mask=m_ok)
-    tl.store(row + 2 * Z + 2, tl.sum(tl.where(is_res, dvz, 0.0), axis=1), mask=m_ok)
-    tl.store(row + 2 * Z + 3, c2, mask=m_ok)
-    # dx = (r·dz) φ − c2·x + h_pre ⊗ du + H_resᵀ dx', block by block of C; φ's block comes from L2.
-    hpre = tl.load(h_ptr + tok[:, None] * (2 * n) + rj[None, :], mask=row_j, other=0.0)
-    rz = tl.arange(0, ZP)
-    for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
-        c_ok = rc < C
-        jc_ok = (rj[:, None] < n) & c_ok[None, :]
-        w = tl.load(
-            phi_ptr + rz[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :],
-            mask=(rz[:, None, None] < Z) & jc_ok[None, :, :],
-            other=0.0,
-        )
-        acc = tl.reshape(
-            tl.dot(dzr, tl.reshape(w, (ZP, NP * BC)), input_precision=PRECISION, out_dtype=ACC), (BM, NP, BC)
-        )
-        offs = tok[:, None, None] * K + rj[None, :, None] * C + rc[None, None, :]
-        mask3 = m_ok[:, None, None] & jc_ok[None, :, :]
-        acc -= c2[:, None, None] * tl.load(x_ptr + offs, mask=mask3, other=0.0).to(ACC)
-        du = tl.load(
-            du_ptr + tok[:, None] * C + rc[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0
-        ).to(ACC)
-        acc += hpre[:, :, None] * du[:, None, :]
-        for i in tl.static_range(n):
-            hi = tl.load(hres_ptr + tok[:, None] * (n * n) + i * n + rj[None, :], mask=row_j, other=0.0)
-            di = tl.load(
-                dout_ptr + tok[:, None] * K + i * C + rc[None, :],
-                mask=m_ok[:, None] & c_ok[None, :],
-                other=0.0,
-            )
-            acc += hi[:, :, None] * di.to(ACC)[:, None, :]
-        tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask3)

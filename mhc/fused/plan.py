@@ -124,7 +124,6 @@ LAUNCHERS: dict[str, Launcher] = {
         "coeff_bwd",
         "stream_grad",
         "phi_grad",
-        "coeff_stream_grad",
     )
 }
 
@@ -217,26 +216,13 @@ class Plan:
             num_warps=8 if fp32 else 4,
             num_stages=max(1, min(3 if fp32 else 4, 1 + SHARED_MEMORY_BUDGET // step_bytes)),
         )
-        # Whole rows: where the tokens alone fill the GPU and a token's streams are short
-        # (WHOLE_ROWS_MIN_TOKENS, WHOLE_ROWS_MAX_BYTES), a program takes a few tokens' whole rows
-        # and reads them twice, the second time from L2, so that two kernels become one:
-        # coeff_fwd takes coeff_partial's dot products (coeff_dots; coeff_partial is not launched
-        # and no partial sums are written), and coeff_stream_grad does coeff_bwd's and stream_grad's
-        # work (coeff_stream; without the branch's norm).
-        whole_rows = T >= WHOLE_ROWS_MIN_TOKENS and K * dtype.itemsize <= WHOLE_ROWS_MAX_BYTES
-        # coeff_fwd sums the splits, forms the coefficients and the pre-mix. With the dots, 32 tokens
-        # a program (a tl.dot takes 16 rows at least); with the norm too, a program holds whole rows
-        # of u: then 16 tokens, up to 8K values of u a tile.
-        dots_bm = 32 if normed_dtype is None else 16
-        self.coeff_dots = whole_rows and (normed_dtype is None or dots_bm * _pow2(C, 16) <= 8192)
-        # Without the dots: 8 tokens x 256 columns, 4 warps. With the norm: up to 4K values of u a tile
-        # (8 tokens at C = 512, 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token
-        # and 8 warps.
+        # With the norm, a program holds whole rows: up to 4K values of u a tile (8 tokens at C = 512,
+        # 2 at C = 2048), 4 warps; C = 8192 at most (NORM_MAX_C), one token and 8 warps.
         if normed_dtype is None:
-            BM, BC, warps = (dots_bm if self.coeff_dots else 8), min(256, _pow2(C, 16)), 4
+            BM, BC, warps = 8, min(256, _pow2(C, 16)), 4
         else:
             BC = _pow2(C, 16)
-            BM = dots_bm if self.coeff_dots else max(1, min(8, 4096 // BC))
+            BM = max(1, min(8, 4096 // BC))
             warps = max(4, BM * BC // 1024)
         self.coeff_fwd = launch(
             (_cdiv(T, BM),),
@@ -245,14 +231,10 @@ class Plan:
             BM=BM,
             BC=BC,
             ZP=ZP,
-            DOTS=self.coeff_dots,
-            BK=self.coeff_partial.meta["BK"],
-            PRECISION=coeff_numerics["PRECISION"],
             ACC64=acc,
             COMPILED=device.type == "cuda",
             **norm,
             num_warps=warps,
-            num_stages=self.coeff_partial.meta["num_stages"] if self.coeff_dots else 3,
         )
         # [n, 1024] tiles with 4 warps run at copy speed; 256- or 512-wide tiles, or 8 warps,
         # were 8-30x slower (n=4, C=2048). As many warps as 16-byte loads of a row fill (up to 4):
@@ -295,11 +277,6 @@ class Plan:
             num_stages=stages,
         )
         self.stream_programs = _cdiv(T, self.stream_tokens)  # rows of the norm weight's partial sums
-        # stream_grad's tiles, BM tokens of whole rows a program.
-        self.coeff_stream = whole_rows and normed_dtype is None
-        self.coeff_stream_grad = launch(
-            (_cdiv(T, 32),), (T, C), n=n, NP=NP, ZP=ZP, BM=32, BC=BC, **numerics, num_warps=4
-        )
         BT, BN = 32, 128
         self.phi_tokens, self.phi_splits = _split(T, max(1, min(16, T // 1024)), BT)
         self.phi_grad = launch(
@@ -329,12 +306,6 @@ class Plan:
 # The rounding of u's dtype that the kernels apply where they form u without storing it (the NORM
 # variants): ROUND in mhc.fused.kernels._round.
 ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
-
-# The longest row (a token's n·C values of the streams, in bytes) and the fewest tokens for which a
-# program of the site's kernels takes whole rows (Plan.coeff_dots, Plan.coeff_stream): 256 programs of
-# 32 tokens at least.
-WHOLE_ROWS_MAX_BYTES = 8192
-WHOLE_ROWS_MIN_TOKENS = 8192
 
 # The widest C whose rows one program of coeff_fwd holds with the branch's norm applied.
 NORM_MAX_C = 8192

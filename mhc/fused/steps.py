@@ -28,27 +28,8 @@ __all__ = [
     "post_backward",
 ]
 
-(
-    _coeff_partial,
-    _coeff_fwd,
-    _postmix_fwd,
-    _postmix_bwd,
-    _coeff_bwd,
-    _stream_grad,
-    _phi_grad,
-    _coeff_stream_grad,
-) = (
-    _plans.LAUNCHERS[name]
-    for name in (
-        "coeff_partial",
-        "coeff_fwd",
-        "postmix_fwd",
-        "postmix_bwd",
-        "coeff_bwd",
-        "stream_grad",
-        "phi_grad",
-        "coeff_stream_grad",
-    )
+_coeff_partial, _coeff_fwd, _postmix_fwd, _postmix_bwd, _coeff_bwd, _stream_grad, _phi_grad = (
+    _plans.LAUNCHERS.values()
 )
 
 
@@ -96,16 +77,12 @@ def _pre(plan, x, phi, alpha, b_pre, b_post, b_res, eps, tol, weight, norm_eps):
     normed = plan.normed_dtype is not None
     u = x.new_empty((*x.shape[:-2], C), dtype=plan.normed_dtype if normed else plan.u_dtype)
     rn = x.new_empty((T,), dtype=plan.cdt) if normed else zr  # (zr: a pointer the kernel does not use)
-    if plan.coeff_dots:
-        part = zr  # coeff_fwd takes the dot products itself (a pointer it does not read)
-    else:
-        part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split
-        _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
+    part = x.new_empty((plan.coeff_splits, T, plan.ZP), dtype=plan.cdt)  # x φᵀ and Σ x², per split of n·C
+    _coeff_partial(plan.coeff_partial, x, phi, part, T, C, plan.coeff_k_per_split)
     _coeff_fwd(
         plan.coeff_fwd,
         part,
         x,
-        phi,
         alpha,
         b_pre,
         b_post,
@@ -182,18 +159,11 @@ def pre_backward_sums(
         weight, rn, q = alpha, zr, zr  # (pointers the kernels do not use)
     else:
         (weight, rn), q = norm, zr.new_empty((T,))  # q: per token, du = rn·dn·w − q·u
+    _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, weight, rn, q, C)
+    sums = work.sum(0)
+
     dx = dphi = dw = None
-    if plan.coeff_stream and needs_dx and norm is None:
-        d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
-        dx = torch.empty_like(x)
-        _coeff_stream_grad(
-            plan.coeff_stream_grad, d_out, du, x, h, dense(d_h), dR, zr, alpha, phi, H_res, work, dx, T, C
-        )
-        sums = work.sum(0)
-    else:
-        _coeff_bwd(plan.coeff_bwd, du, x, h, dense(d_h), dR, zr, alpha, work, weight, rn, q, C)
-        sums = work.sum(0)
-    if dx is None and (needs_dx or norm is not None):  # (stream_grad sums the norm weight's gradient too)
+    if needs_dx or norm is not None:  # (stream_grad sums the norm weight's gradient too)
         d_out = dense(d_out) if d_out is not None else torch.zeros_like(x)
         dx = torch.empty_like(x)
         dw_part = zr.new_empty((plan.stream_programs, C)) if norm is not None else zr
