@@ -20,6 +20,9 @@
 #   profile  benchmarks/step/profile_step.py $PROFILE_ARGS (default: the compiled small_gpu step in the autocast recipe,
 #            with its host table): both models' kernel tables and the site kernels against a copy; $OUT/profile.log
 #   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
+#   boundary benchmarks/site/boundary_sweep.py: a forward boundary kernel (site k's post-mix with site k+1's dot
+#            products) against postmix_fwd + coeff_partial, every variant, at the small_gpu, 134M and 1.1B shapes
+#            (BOUNDARY_ARGS); needs no setup stage (Triton kernels only)
 #   sweep32  the same for float32 streams (issue #49, fp32 weights under bf16 autocast): coeff_partial, stream_grad,
 #            phi_grad, coeff_bwd at 512x16384, 768x16384 and 2048x8192, the dot kernels over PRECISION ieee / tf32x3 /
 #            tf32, outputs against float64; --budget 450 under timeout 500, JSON after each kernel (SWEEP32_ARGS).
@@ -35,11 +38,11 @@
 # Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
 # DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
 # (bench_training.py options added after the stage's), PROFILE_ARGS (profile_step.py's, in place of the default),
-# SWEEP_ARGS / SWEEP32_ARGS (likewise added), OLD_TREE (ab, trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training profile sweep sweep32 ab trainab)"
+# SWEEP_ARGS / SWEEP32_ARGS / BOUNDARY_ARGS (likewise added), OLD_TREE (ab, trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training profile sweep boundary sweep32 ab trainab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|profile|sweep|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|profile|sweep|boundary|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
@@ -97,6 +100,9 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/profile.log" ;;
     sweep)
       timeout 500 python3 benchmarks/site/sweep_site_kernels.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS-} 2>&1 | tee "$OUT/sweep.log" ;;
+    boundary)
+      # shellcheck disable=SC2086  # the arguments are a list
+      timeout 400 python3 benchmarks/site/boundary_sweep.py --json "$OUT/boundary.json" ${BOUNDARY_ARGS-} 2>&1 | tee "$OUT/boundary.log" ;;
     sweep32)
       timeout 500 python3 benchmarks/site/sweep_site_kernels.py --dtype float32 --jobs 14 --budget 450 \
         --json "$OUT/sweep32.json" ${SWEEP32_ARGS-} 2>&1 | tee "$OUT/sweep32.log" ;;

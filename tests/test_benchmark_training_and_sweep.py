@@ -493,3 +493,32 @@ def test_sweep_site_kernels_compiles_in_worker_processes(tmp_path):
     data = json.loads(out.read_text())
     assert data["complete"] and data["compiles"]["stream_grad"]["done"] == 3 and len(data["rows"]) == 4
     assert all(r["ok"] for r in data["rows"]), data["rows"]
+
+
+def test_boundary_kernel_matches_postmix_fwd_and_coeff_partial(tmp_path):
+    """benchmarks/site/boundary_sweep.py's merged boundary kernel (site k's post-mix and site k+1's dot products in
+    one pass) gives the same x' and partial sums as postmix_fwd then coeff_partial, on masked tiles (C = 96 under
+    128-wide blocks, a partial last token block); the interpreter on the CPU, the timing left to the GPU."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU check of the boundary sweep (the GPU runs the script itself)")
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(BENCHMARKS / "site"))
+    try:
+        import boundary_sweep
+    finally:
+        sys.path.remove(str(BENCHMARKS / "site"))
+    out = tmp_path / "boundary.json"
+    assert (
+        boundary_sweep.main(["--device", "cpu", "--shapes", "96x40", "--limit", "1", "--json", str(out)]) == 0
+    )
+    inp = boundary_sweep.site_inputs(96, 40, "cpu", seed=1)
+    _, want = boundary_sweep.reference(inp)
+    for params in (
+        dict(BM=16, BC=128, num_warps=4, num_stages=1),
+        dict(BM=32, BC=32, num_warps=4, num_stages=1),
+    ):
+        _, got = boundary_sweep.merged(inp, params)
+        rel_out, rel_part = boundary_sweep.errors(got, want)
+        assert rel_out == 0.0 and rel_part < 1e-6, params
+    rows = json.loads(out.read_text())["shapes"]
+    assert [(r["C"], r["T"]) for r in rows] == [(96, 40)] and all(v["ok"] for v in rows[0]["variants"])
