@@ -495,10 +495,12 @@ def test_sweep_site_kernels_compiles_in_worker_processes(tmp_path):
     assert all(r["ok"] for r in data["rows"]), data["rows"]
 
 
-def test_boundary_kernel_matches_postmix_fwd_and_coeff_partial(tmp_path):
-    """benchmarks/site/boundary_sweep.py's merged boundary kernel (site k's post-mix and site k+1's dot products in
-    one pass) gives the same x' and partial sums as postmix_fwd then coeff_partial, on masked tiles (C = 96 under
-    128-wide blocks, a partial last token block); the interpreter on the CPU, the timing left to the GPU."""
+def test_boundary_kernels_match_the_pairs_they_would_replace(tmp_path):
+    """benchmarks/site/boundary_sweep.py's merged boundary kernels against the two kernels each would replace, on
+    masked tiles (C = 96 under 64- and 128-wide blocks, partial last token blocks): forward, site k's post-mix with
+    site k+1's dot products (x' to the bit, the sums to fp32 rounding); backward, site k+1's stream_grad with site
+    k's postmix_bwd (dx and dy to the bit, the sums to fp32 rounding). The interpreter on the CPU; the GPU times
+    them (benchmarks/gpu_session.sh boundary)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU check of the boundary sweep (the GPU runs the script itself)")
     pytest.importorskip("triton")
@@ -511,14 +513,27 @@ def test_boundary_kernel_matches_postmix_fwd_and_coeff_partial(tmp_path):
     assert (
         boundary_sweep.main(["--device", "cpu", "--shapes", "96x40", "--limit", "1", "--json", str(out)]) == 0
     )
-    inp = boundary_sweep.site_inputs(96, 40, "cpu", seed=1)
-    _, want = boundary_sweep.reference(inp)
-    for params in (
-        dict(BM=16, BC=128, num_warps=4, num_stages=1),
-        dict(BM=32, BC=32, num_warps=4, num_stages=1),
-    ):
-        _, got = boundary_sweep.merged(inp, params)
-        rel_out, rel_part = boundary_sweep.errors(got, want)
-        assert rel_out == 0.0 and rel_part < 1e-6, params
-    rows = json.loads(out.read_text())["shapes"]
-    assert [(r["C"], r["T"]) for r in rows] == [(96, 40)] and all(v["ok"] for v in rows[0]["variants"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["boundary"], r["C"], r["T"]) for r in rows] == [("forward", 96, 40), ("backward", 96, 40)]
+    assert all(v["ok"] for r in rows for v in r["variants"])
+    cases = {
+        boundary_sweep.Forward: [
+            dict(BM=16, BC=128, num_warps=4, num_stages=1),
+            dict(BM=32, BC=32, num_warps=4, num_stages=1),
+        ],
+        boundary_sweep.Backward: [
+            dict(BM=16, BC=64, tokens=32, num_warps=4, num_stages=1),
+            dict(BM=32, BC=32, tokens=64, num_warps=4, num_stages=1),
+        ],
+    }
+    for boundary, params_list in cases.items():
+        inp = boundary.inputs(96, 70, "cpu", seed=1)
+        _, want = boundary.reference(inp)
+        streams = 1 if boundary is boundary_sweep.Forward else 2  # the outputs rounded to bf16 lead
+        for params in params_list:
+            _, got = boundary.merged(inp, params)
+            rel = boundary_sweep.errors(got, want)
+            assert all(e == 0.0 for e in rel[:streams]) and all(e < 1e-6 for e in rel[streams:]), (
+                params,
+                rel,
+            )
