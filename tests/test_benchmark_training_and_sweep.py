@@ -518,8 +518,9 @@ def test_boundary_kernels_match_the_pairs_they_would_replace(tmp_path):
     assert all(v["ok"] for r in rows for v in r["variants"])
     cases = {
         boundary_sweep.Forward: [
-            dict(BM=16, BC=128, num_warps=4, num_stages=1),
-            dict(BM=32, BC=32, num_warps=4, num_stages=1),
+            dict(BM=16, BC=128, num_warps=4, num_stages=1, splits=1),
+            dict(BM=32, BC=32, num_warps=4, num_stages=1, splits=2),  # 64 columns, then 32
+            dict(BM=32, BC=32, num_warps=4, num_stages=1, splits=3),
         ],
         boundary_sweep.Backward: [
             dict(BM=16, BC=64, tokens=32, num_warps=4, num_stages=1),

@@ -58,6 +58,7 @@ def postmix_partial(
     part_ptr,
     T,
     C,
+    cols_per_split,
     n: tl.constexpr,
     NP: tl.constexpr,
     ZP: tl.constexpr,
@@ -65,10 +66,15 @@ def postmix_partial(
     BC: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
-    """``x' = H_res x + H_post ⊗ y`` for BM tokens (written around stream 0, as ``postmix_fwd``), and the next
-    site's ``[x' φᵀ | Σ x'²]`` rows (``part [T, ZP]``) from the stored ``x'``."""
+    """``x' = H_res x + H_post ⊗ y`` for BM tokens (written around stream 0, as ``postmix_fwd``) over one split
+    of the columns, ``cols_per_split`` of every stream, and the next site's ``[x' φᵀ | Σ x'²]`` over them from
+    the stored ``x'``: ``part [split, T, ZP]``, as ``coeff_partial`` writes it (its splits run over ``n·C`` in
+    order, these over ``C`` in every stream at once; ``coeff_fwd`` sums either)."""
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
+    split = tl.program_id(1)
+    c_begin = split * cols_per_split
+    c_end = tl.minimum(c_begin + cols_per_split, C)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < T
     tok = rm.to(tl.int64)
@@ -78,9 +84,9 @@ def postmix_partial(
     hpost = 2 * tl.load(h_ptr + tok[:, None] * (2 * n) + n + ri[None, :], mask=row_i, other=0.0)
     acc = tl.zeros((BM, ZP), dtype=tl.float32)
     sq = tl.zeros((BM, NP, BC), dtype=tl.float32)
-    for c0 in range(0, C, BC):
+    for c0 in range(c_begin, c_end, BC):
         rc = c0 + tl.arange(0, BC)
-        c_ok = rc < C
+        c_ok = rc < c_end
         mt = m_ok[:, None] & c_ok[None, :]
         x0 = tl.load(x_ptr + tok[:, None] * K + rc[None, :], mask=mt, other=0.0).to(tl.float32)
         mix = tl.zeros((BM, NP, BC), dtype=tl.float32)
@@ -115,7 +121,7 @@ def postmix_partial(
             acc = tl.dot(xt, w_lo.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
     total = tl.sum(tl.sum(sq, axis=2), axis=1)
     acc += tl.where(rz[None, :] == Z, total[:, None], 0.0)
-    tl.store(part_ptr + tok[:, None] * ZP + rz[None, :], acc, mask=m_ok[:, None])
+    tl.store(part_ptr + (split * T + tok)[:, None] * ZP + rz[None, :], acc, mask=m_ok[:, None])
 
 
 @triton.jit
@@ -200,8 +206,9 @@ class Forward:
     """Site k's ``postmix_fwd`` and site k+1's ``coeff_partial`` against ``postmix_partial``."""
 
     name = "forward"
-    # 16 variants: each compiles in this process (a few seconds each), so the grid stays small
-    grid = dict(BM=(32, 64), BC=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+    # 16 compiles (a few seconds each in this process), each over 1, 2, 4 and 8 splits of the columns: from
+    # coeff_partial's programs of whole rows to postmix_fwd's grid of column blocks
+    grid = dict(BM=(32, 64), BC=(64, 128), num_warps=(4, 8), num_stages=(2, 3), splits=(1, 2, 4, 8))
 
     @staticmethod
     def inputs(C: int, T: int, device: str, seed: int = 0) -> dict:
@@ -243,9 +250,13 @@ class Forward:
         """``(fn, (x', part))``: one launch of ``postmix_partial`` with ``params`` (tile sizes, warps, stages)."""
         x = inp["x"]
         T, n, C = x.shape
+        p = dict(params)
+        per = triton.cdiv(triton.cdiv(C, p.pop("splits")), p["BC"]) * p["BC"]  # whole column blocks
+        splits = triton.cdiv(C, per)
         out = torch.empty_like(x)
-        part = x.new_empty((T, triton.next_power_of_2(n * n + 2 * n + 1)), dtype=torch.float32)
-        grid = (triton.cdiv(T, params["BM"]),)
+        part = x.new_empty((splits, T, triton.next_power_of_2(n * n + 2 * n + 1)), dtype=torch.float32)
+        grid = (triton.cdiv(T, p["BM"]), splits)
+        sums = {}
 
         def run():
             postmix_partial[grid](
@@ -258,15 +269,18 @@ class Forward:
                 part,
                 T,
                 C,
+                per,
                 n=n,
                 NP=triton.next_power_of_2(n),
-                ZP=part.shape[1],
+                ZP=part.shape[2],
                 COMPILED=x.is_cuda,
-                **params,
+                **p,
             )
+            if splits > 1:  # what coeff_fwd would do with them (the pair's reference sums its splits too)
+                sums["part"] = part.sum(0)
 
         run()
-        return run, (out, part)
+        return run, (out, sums["part"] if splits > 1 else part[0])
 
 
 class Backward:
@@ -399,7 +413,11 @@ def variants(boundary, C: int, limit: int | None) -> list[dict]:
     out = []
     for values in itertools.product(*boundary.grid.values()):
         v = dict(zip(boundary.grid, values))
-        if v["BC"] <= triton.next_power_of_2(C) and v.get("tokens", v["BM"]) % v["BM"] == 0:
+        if (
+            v["BC"] <= triton.next_power_of_2(C)
+            and v.get("tokens", v["BM"]) % v["BM"] == 0
+            and v.get("splits", 1) * v["BC"] <= max(C, v["BC"])  # no empty split
+        ):
             out.append(v)
     return out[:limit]
 
