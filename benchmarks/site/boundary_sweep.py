@@ -60,7 +60,6 @@ def postmix_partial(
     C,
     cols_per_split,
     n: tl.constexpr,
-    NP: tl.constexpr,
     ZP: tl.constexpr,
     BM: tl.constexpr,
     BC: tl.constexpr,
@@ -69,7 +68,14 @@ def postmix_partial(
     """``x' = H_res x + H_post ⊗ y`` for BM tokens (written around stream 0, as ``postmix_fwd``) over one split
     of the columns, ``cols_per_split`` of every stream, and the next site's ``[x' φᵀ | Σ x'²]`` over them from
     the stored ``x'``: ``part [split, T, ZP]``, as ``coeff_partial`` writes it (its splits run over ``n·C`` in
-    order, these over ``C`` in every stream at once; ``coeff_fwd`` sums either)."""
+    order, these over ``C`` in every stream at once; ``coeff_fwd`` sums either).
+
+    Every tile is 2-d, ``[BM, BC]``: the streams' deviations from stream 0 are held for the block, and each
+    output stream is formed, stored and multiplied with its own ``[BC, ZP]`` block of ``φ`` in turn. (The
+    first prototype, e02097a, formed all streams as one ``[BM, n, BC]`` tile and reshaped it for one dot: on
+    the H100 that needed 250-430 KB of shared memory at 128-wide blocks and ran at 0.1x a copy.) Written for
+    n = 4, the streams held by name."""
+    tl.static_assert(n == 4)
     Z: tl.constexpr = n * n + 2 * n
     K = n * C
     split = tl.program_id(1)
@@ -78,49 +84,45 @@ def postmix_partial(
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = rm < T
     tok = rm.to(tl.int64)
-    ri = tl.arange(0, NP)
     rz = tl.arange(0, ZP)
-    row_i = m_ok[:, None] & (ri[None, :] < n)
-    hpost = 2 * tl.load(h_ptr + tok[:, None] * (2 * n) + n + ri[None, :], mask=row_i, other=0.0)
     acc = tl.zeros((BM, ZP), dtype=tl.float32)
-    sq = tl.zeros((BM, NP, BC), dtype=tl.float32)
+    sq = tl.zeros((BM, BC), dtype=tl.float32)
     for c0 in range(c_begin, c_end, BC):
         rc = c0 + tl.arange(0, BC)
         c_ok = rc < c_end
         mt = m_ok[:, None] & c_ok[None, :]
-        x0 = tl.load(x_ptr + tok[:, None] * K + rc[None, :], mask=mt, other=0.0).to(tl.float32)
-        mix = tl.zeros((BM, NP, BC), dtype=tl.float32)
-        for j in tl.static_range(1, n):
-            h_j = tl.load(hres_ptr + tok[:, None] * (n * n) + ri[None, :] * n + j, mask=row_i, other=0.0)
-            x_j = tl.load(x_ptr + tok[:, None] * K + j * C + rc[None, :], mask=mt, other=0.0).to(tl.float32)
-            mix += h_j[:, :, None] * (x_j - x0)[:, None, :]
+        rows = x_ptr + tok[:, None] * K + rc[None, :]
+        x0 = tl.load(rows, mask=mt, other=0.0).to(tl.float32)
+        d1 = tl.load(rows + C, mask=mt, other=0.0).to(tl.float32) - x0
+        d2 = tl.load(rows + 2 * C, mask=mt, other=0.0).to(tl.float32) - x0
+        d3 = tl.load(rows + 3 * C, mask=mt, other=0.0).to(tl.float32) - x0
         y = tl.load(y_ptr + tok[:, None] * C + rc[None, :], mask=mt, other=0.0).to(tl.float32)
-        out = x0[:, None, :] + mix + hpost[:, :, None] * y[:, None, :]
-        mask3 = row_i[:, :, None] & c_ok[None, None, :]
-        stored = tl.where(mask3, out, 0.0).to(out_ptr.dtype.element_ty)
-        tl.store(
-            out_ptr + tok[:, None, None] * K + ri[None, :, None] * C + rc[None, None, :], stored, mask=mask3
-        )
-        xf = stored.to(tl.float32)
-        sq += xf * xf
-        w = tl.load(
-            phi_ptr + rz[None, None, :] * K + ri[:, None, None] * C + rc[None, :, None],
-            mask=(ri[:, None, None] < n) & c_ok[None, :, None] & (rz[None, None, :] < Z),
-            other=0.0,
-        )
-        w = tl.reshape(w, (NP * BC, ZP))
-        w_hi = w.to(tl.bfloat16)
-        w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
-        if COMPILED:
-            xt = tl.reshape(stored, (BM, NP * BC))
-            acc = tl.dot(xt, w_hi, acc, out_dtype=tl.float32)
-            acc = tl.dot(xt, w_lo, acc, out_dtype=tl.float32)
-        else:  # the interpreter has no bf16 dot: the same exact products in fp32
-            xt = tl.reshape(xf, (BM, NP * BC))
-            acc = tl.dot(xt, w_hi.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
-            acc = tl.dot(xt, w_lo.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
-    total = tl.sum(tl.sum(sq, axis=2), axis=1)
-    acc += tl.where(rz[None, :] == Z, total[:, None], 0.0)
+        for i in tl.static_range(n):
+            h_row = hres_ptr + tok * (n * n) + i * n
+            mix = tl.load(h_row + 1, mask=m_ok, other=0.0)[:, None] * d1
+            mix += tl.load(h_row + 2, mask=m_ok, other=0.0)[:, None] * d2
+            mix += tl.load(h_row + 3, mask=m_ok, other=0.0)[:, None] * d3
+            hpost = 2 * tl.load(h_ptr + tok * (2 * n) + n + i, mask=m_ok, other=0.0)
+            out = x0 + mix + hpost[:, None] * y
+            stored = tl.where(mt, out, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + tok[:, None] * K + i * C + rc[None, :], stored, mask=mt)
+            xf = stored.to(tl.float32)
+            sq += xf * xf
+            # φ's block for stream i as stored, [Z, K] read as [BC, ZP] (coeff_partial's layout)
+            w = tl.load(
+                phi_ptr + rz[None, :] * K + (i * C + rc)[:, None],
+                mask=c_ok[:, None] & (rz[None, :] < Z),
+                other=0.0,
+            )
+            w_hi = w.to(tl.bfloat16)
+            w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
+            if COMPILED:
+                acc = tl.dot(stored, w_hi, acc, out_dtype=tl.float32)
+                acc = tl.dot(stored, w_lo, acc, out_dtype=tl.float32)
+            else:  # the interpreter has no bf16 dot: the same exact products in fp32
+                acc = tl.dot(xf, w_hi.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+                acc = tl.dot(xf, w_lo.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+    acc += tl.where(rz[None, :] == Z, tl.sum(sq, axis=1)[:, None], 0.0)
     tl.store(part_ptr + (split * T + tok)[:, None] * ZP + rz[None, :], acc, mask=m_ok[:, None])
 
 
@@ -212,9 +214,9 @@ class Forward:
     """Site k's ``postmix_fwd`` and site k+1's ``coeff_partial`` against ``postmix_partial``."""
 
     name = "forward"
-    # 16 compiles (a few seconds each in this process), each over 1, 2, 4 and 8 splits of the columns: from
+    # 24 compiles (a few seconds each in this process), each over 1, 2, 4 and 8 splits of the columns: from
     # coeff_partial's programs of whole rows to postmix_fwd's grid of column blocks
-    grid = dict(BM=(32, 64), BC=(64, 128), num_warps=(4, 8), num_stages=(2, 3), splits=(1, 2, 4, 8))
+    grid = dict(BM=(32, 64, 128), BC=(64, 128), num_warps=(4, 8), num_stages=(2, 3), splits=(1, 2, 4, 8))
 
     @staticmethod
     def inputs(C: int, T: int, device: str, seed: int = 0) -> dict:
@@ -276,7 +278,6 @@ class Forward:
                 C,
                 per,
                 n=n,
-                NP=triton.next_power_of_2(n),
                 ZP=part.shape[2],
                 COMPILED=x.is_cuda,
                 **p,
