@@ -1,6 +1,6 @@
 """Boundary kernels between two sites, against the two kernels each would replace (CUDA; issue #50's route).
 
-    python benchmarks/site/boundary_sweep.py                       # both boundaries, three shapes, every variant
+    python benchmarks/site/boundary_sweep.py                       # every boundary, three shapes, every variant
     python benchmarks/site/boundary_sweep.py --boundaries backward --shapes 512x16384 --json boundary.json
     TRITON_INTERPRET=1 python benchmarks/site/boundary_sweep.py --device cpu --shapes 32x40 --limit 2   # a check
 
@@ -16,6 +16,14 @@ with site k's streams and branch output, for ``dy = Σ_i H_post[i] dx'_i`` and t
 ``⟨dx'_i, y⟩`` and ``⟨dx'_i, x_j⟩``. ``grad_boundary`` does ``stream_grad``'s work and then, on the tile it
 has just stored, ``dy`` and those sums over its block of columns (partial sums per block, added up after), so
 ``dx`` is never read back.
+
+``forward_cuda`` and ``dots_cuda`` time a CUDA prototype (``boundary_dots.cuh``, built here on first use): a
+CTA holds one split of the columns of every stream and φ's slice for it in shared memory, loops over 64-token
+tiles, and runs the dots on ``mma.sync`` from registers loaded in the fragments' layout; ``forward_cuda`` forms
+and stores ``x'`` first (against the pair above), ``dots_cuda`` takes the streams as they are (against
+``coeff_partial`` alone, the kernel it could replace with no ops linked across sites). The Triton kernels above
+lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward 1.07-1.13x, the backward
+1.11-1.14x.
 
 These are measurements, not paths of the library: each kernel's variants are timed under ``do_bench`` against the
 plan's pair at each shape, after each variant's outputs are checked against the pair's. Whether a boundary
@@ -403,7 +411,118 @@ class Backward:
         return run, (dx, dy, total[:, : n * n].view(T, n, n), total[:, n * n :])
 
 
-BOUNDARIES = {b.name: b for b in (Forward, Backward)}
+_CUDA_PROTOTYPE = None
+
+
+def cuda_prototype():
+    """The CUDA prototype of ``boundary_dots.cu`` beside this script, built on first use (ninja, under
+    ``TORCH_EXTENSIONS_DIR``)."""
+    global _CUDA_PROTOTYPE
+    if _CUDA_PROTOTYPE is None:
+        from torch.utils.cpp_extension import load
+
+        here = Path(__file__).resolve().parent
+        _CUDA_PROTOTYPE = load(
+            name="mhc_boundary_dots_prototype",
+            sources=[str(here / "boundary_dots.cu")],
+            extra_include_paths=[str(here)],
+            extra_cuda_cflags=["-O3", "-std=c++17"],
+        )
+    return _CUDA_PROTOTYPE
+
+
+def phi_parts(phi: torch.Tensor) -> torch.Tensor:
+    """``[2, Z, K]`` bf16: φ's hi and lo parts, as ``coeff_partial``'s ``bf16x2`` splits it in its tiles."""
+    hi = phi.to(torch.bfloat16)
+    return torch.stack((hi, (phi - hi.float()).to(torch.bfloat16))).contiguous()
+
+
+def cuda_launch_shape(C: int, T: int, cols_per_split: int, ctas_per_sm: int) -> tuple[int, int]:
+    """``(splits, CTAs a split)``: the prototype's grid, about ``ctas_per_sm`` CTAs an SM in all, each CTA
+    looping over the 64-token tiles it is given (so φ's slice is loaded once for several)."""
+    splits = triton.cdiv(C, cols_per_split)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return splits, max(1, min(triton.cdiv(T, 64), triton.cdiv(sms * ctas_per_sm, splits)))
+
+
+class ForwardCuda(Forward):
+    """:class:`Forward`'s pair against the CUDA prototype (``boundary_dots.cuh`` with the post-mix): φ's
+    slice resident in shared memory, the dots on ``mma.sync``, 8-byte loads in the fragments' layout."""
+
+    name = "forward_cuda"
+    devices = ("cuda",)
+    grid = dict(cols_per_split=(64, 128, 256), ctas_per_sm=(2, 4, 8, 16))
+
+    @staticmethod
+    def valid(v: dict, C: int) -> bool:
+        return v["cols_per_split"] <= C and 2 * 24 * (4 * v["cols_per_split"] + 16) * 2 <= 200 * 1024
+
+    @staticmethod
+    def merged(inp: dict, params: dict):
+        x = inp["x"]
+        T, n, C = x.shape
+        splits, grid_y = cuda_launch_shape(C, T, params["cols_per_split"], params["ctas_per_sm"])
+        phi2 = phi_parts(inp["phi"])  # once a step per site in a library path, outside the timing here
+        out = torch.empty_like(x)
+        part = x.new_empty((splits, T, 32), dtype=torch.float32)
+        ext = cuda_prototype()
+
+        def run():
+            ext.dots(
+                x, inp["y"], inp["h"], inp["H_res"], out, phi2, part, params["cols_per_split"], grid_y, True
+            )
+
+        run()
+        return run, (out, part.sum(0))
+
+
+class DotsCuda:
+    """``coeff_partial`` alone (the plan's launch) against the CUDA prototype without the post-mix: whether the
+    dots with φ resident beat today's kernel in its own place, with no ops linked across sites."""
+
+    name = "dots_cuda"
+    devices = ("cuda",)
+    grid = ForwardCuda.grid
+    valid = ForwardCuda.valid
+
+    @staticmethod
+    def inputs(C: int, T: int, device: str, seed: int = 0) -> dict:
+        return {k: v for k, v in Forward.inputs(C, T, device, seed).items() if k in ("x", "phi")}
+
+    @staticmethod
+    def floor_bytes(C: int, T: int) -> int:
+        return common.site_kernel_bytes(T, N_STREAMS, C, 2)["coeff_partial"]
+
+    @staticmethod
+    def reference(inp: dict):
+        x, phi = inp["x"], inp["phi"]
+        plan = fused_plan.plan_for(x)
+        part = x.new_empty((plan.coeff_splits, plan.T, plan.ZP), dtype=torch.float32)
+
+        def run():
+            KERNELS["coeff_partial"](plan.coeff_partial, x, phi, part, plan.T, plan.C, plan.coeff_k_per_split)
+
+        run()
+        return run, (part.sum(0),)
+
+    @staticmethod
+    def merged(inp: dict, params: dict):
+        x = inp["x"]
+        T, n, C = x.shape
+        splits, grid_y = cuda_launch_shape(C, T, params["cols_per_split"], params["ctas_per_sm"])
+        phi2 = phi_parts(inp["phi"])
+        part = x.new_empty((splits, T, 32), dtype=torch.float32)
+        ext = cuda_prototype()
+        none = x.new_empty(0)
+
+        def run():
+            ext.dots(x, none, none, none, none, phi2, part, params["cols_per_split"], grid_y, False)
+
+        run()
+        return run, (part.sum(0),)
+
+
+BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda)}
 
 
 def errors(got, want) -> list[float]:
@@ -415,15 +534,21 @@ def errors(got, want) -> list[float]:
     return rel
 
 
+def triton_tiles_fit(v: dict, C: int) -> bool:
+    """A Triton variant's tiles fit the shape: a column block within C, whole token blocks, no empty split."""
+    return (
+        v["BC"] <= triton.next_power_of_2(C)
+        and v.get("tokens", v["BM"]) % v["BM"] == 0
+        and v.get("splits", 1) * v["BC"] <= max(C, v["BC"])
+    )
+
+
 def variants(boundary, C: int, limit: int | None) -> list[dict]:
+    valid = getattr(boundary, "valid", triton_tiles_fit)
     out = []
     for values in itertools.product(*boundary.grid.values()):
         v = dict(zip(boundary.grid, values))
-        if (
-            v["BC"] <= triton.next_power_of_2(C)
-            and v.get("tokens", v["BM"]) % v["BM"] == 0
-            and v.get("splits", 1) * v["BC"] <= max(C, v["BC"])  # no empty split
-        ):
+        if valid(v, C):
             out.append(v)
     return out[:limit]
 
@@ -439,7 +564,10 @@ def bench(fn, device: str, rep: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--boundaries", default="forward,backward", help="of forward,backward (default both)")
+    ap.add_argument(
+        "--boundaries",
+        help="of " + ",".join(BOUNDARIES) + " (default: all that run on --device; the *_cuda ones need CUDA)",
+    )
     ap.add_argument("--shapes", help="CxT,... (n = 4; default 512x16384,768x16384,2048x8192)")
     ap.add_argument(
         "--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 (a check)"
@@ -449,6 +577,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=2e-2, help="largest max rel of any output (default 2e-2)")
     ap.add_argument("--json", help="write every timing here")
     args = ap.parse_args(argv)
+    if args.boundaries is None:
+        args.boundaries = ",".join(
+            n for n, b in BOUNDARIES.items() if args.device in getattr(b, "devices", ("cuda", "cpu"))
+        )
     if unknown := set(args.boundaries.split(",")) - set(BOUNDARIES):
         ap.error(f"unknown boundaries {sorted(unknown)}")
     from mhc import _ext

@@ -1,0 +1,75 @@
+// The Python binding of boundary_dots.cuh (a measurement prototype; benchmarks/site/boundary_sweep.py builds it
+// with torch.utils.cpp_extension.load).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "boundary_dots.cuh"
+
+namespace {
+
+void check(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+}
+
+// part [splits, T, 32] = the dots of x (or, with postmix, of x' = H_res x + H_post ⊗ y, written to out) with
+// φ = phi2[0] + phi2[1], and the square sums; cols_per_split columns of every stream a split; grid_y CTAs a
+// split, each looping over token tiles of 64.
+void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres, torch::Tensor out,
+          torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y, bool postmix) {
+  using namespace boundary_proto;
+  check(x, "x", at::kBFloat16);
+  check(phi2, "phi2", at::kBFloat16);
+  check(part, "part", at::kFloat);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == kStreams, "x must be [T, 4, C]");
+  const int64_t T = x.size(0), C = x.size(2);
+  TORCH_CHECK(C % 16 == 0 && cols_per_split % 16 == 0 && cols_per_split > 0,
+              "C and cols_per_split must be multiples of 16");
+  const int64_t splits = (C + cols_per_split - 1) / cols_per_split;
+  TORCH_CHECK(phi2.dim() == 3 && phi2.size(0) == 2 && phi2.size(1) == kZ && phi2.size(2) == kStreams * C,
+              "phi2 must be [2, 24, 4C]");
+  TORCH_CHECK(part.dim() == 3 && part.size(0) == splits && part.size(1) == T && part.size(2) == kZP,
+              "part must be [splits, T, 32]");
+  if (postmix) {
+    check(y, "y", at::kBFloat16);
+    check(h, "h", at::kFloat);
+    check(hres, "hres", at::kFloat);
+    check(out, "out", at::kBFloat16);
+    TORCH_CHECK(y.numel() == T * C && h.numel() == T * 2 * kStreams && hres.numel() == T * kStreams * kStreams &&
+                    out.sizes() == x.sizes(),
+                "y [T, C], h [T, 8], hres [T, 4, 4] and out [T, 4, C] must match x");
+  }
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int smem = shared_bytes(static_cast<int>(cols_per_split));
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(std::max<int64_t>(1, grid_y)));
+  const dim3 block(kWarps * 32);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
+    kernel<<<grid, block, smem, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+        postmix ? reinterpret_cast<const __nv_bfloat16*>(y.data_ptr()) : nullptr,
+        postmix ? h.data_ptr<float>() : nullptr, postmix ? hres.data_ptr<float>() : nullptr,
+        postmix ? reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) : nullptr,
+        reinterpret_cast<const __nv_bfloat16*>(phi2.data_ptr()), part.data_ptr<float>(), static_cast<int>(T),
+        static_cast<int>(C), static_cast<int>(cols_per_split));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (postmix) {
+    launch(boundary_dots_kernel<true>);
+  } else {
+    launch(boundary_dots_kernel<false>);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dots", &dots, "the next site's dot products (with the post-mix first if postmix); a prototype");
+}
