@@ -17,9 +17,10 @@ void check(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
 
 // part [splits, T, 32] = the dots of x (or, with postmix, of x' = H_res x + H_post ⊗ y, written to out) with
 // φ = phi2[0] + phi2[1], and the square sums; cols_per_split columns of every stream a split; grid_y CTAs a
-// split, each looping over token tiles of 64.
+// split, each looping over token tiles of 16·warps tokens; prefetch: each chunk's loads issued a chunk ahead.
 void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres, torch::Tensor out,
-          torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y, bool postmix) {
+          torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y, bool postmix,
+          bool prefetch, int64_t warps) {
   using namespace boundary_proto;
   check(x, "x", at::kBFloat16);
   check(phi2, "phi2", at::kBFloat16);
@@ -42,17 +43,17 @@ void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres,
                     out.sizes() == x.sizes(),
                 "y [T, C], h [T, 8], hres [T, 4, 4] and out [T, 4, C] must match x");
   }
+  TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8");
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = shared_bytes(static_cast<int>(cols_per_split));
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(std::max<int64_t>(1, grid_y)));
-  const dim3 block(kWarps * 32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel) {
+  auto launch = [&](auto kernel, int kernel_warps) {
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    kernel<<<grid, block, smem, stream>>>(
+    kernel<<<grid, dim3(kernel_warps * 32), smem, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
         postmix ? reinterpret_cast<const __nv_bfloat16*>(y.data_ptr()) : nullptr,
         postmix ? h.data_ptr<float>() : nullptr, postmix ? hres.data_ptr<float>() : nullptr,
@@ -61,10 +62,17 @@ void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres,
         static_cast<int>(C), static_cast<int>(cols_per_split));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (postmix) {
-    launch(boundary_dots_kernel<true>);
-  } else {
-    launch(boundary_dots_kernel<false>);
+  // (postmix, prefetch, warps): one instantiation each
+  const int key = (postmix ? 4 : 0) + (prefetch ? 2 : 0) + (warps == 8 ? 1 : 0);
+  switch (key) {
+    case 0: launch(boundary_dots_kernel<false, false, 4>, 4); break;
+    case 1: launch(boundary_dots_kernel<false, false, 8>, 8); break;
+    case 2: launch(boundary_dots_kernel<false, true, 4>, 4); break;
+    case 3: launch(boundary_dots_kernel<false, true, 8>, 8); break;
+    case 4: launch(boundary_dots_kernel<true, false, 4>, 4); break;
+    case 5: launch(boundary_dots_kernel<true, false, 8>, 8); break;
+    case 6: launch(boundary_dots_kernel<true, true, 4>, 4); break;
+    default: launch(boundary_dots_kernel<true, true, 8>, 8); break;
   }
 }
 

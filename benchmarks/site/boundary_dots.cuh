@@ -3,8 +3,8 @@
 // slice resident in shared memory; with POSTMIX, the previous site's post-mix first (x' = H_res x + H_post ⊗ y,
 // written around stream 0 as postmix_fwd does), its x' stored and multiplied in registers, never read back.
 //
-// n = 4 streams, bf16 streams, Z = 24 coefficient columns. One CTA: 4 warps, 16 tokens a warp, one split of the
-// columns (cols_per_split of every stream, a multiple of 16), looping over token tiles of 64 with φ's slice in
+// n = 4 streams, bf16 streams, Z = 24 coefficient columns. One CTA: 4 or 8 warps, 16 tokens a warp, one split of
+// the columns (cols_per_split of every stream, a multiple of 16), looping over token tiles with φ's slice in
 // shared memory (φ in two bf16 parts, hi + lo, as coeff_partial's "bf16x2"). The dots run on mma.sync
 // m16n8k16 (bf16 in, fp32 accumulate).
 //
@@ -21,9 +21,7 @@ namespace boundary_proto {
 constexpr int kStreams = 4;
 constexpr int kZ = 24;       // n² + 2n
 constexpr int kZP = 32;      // a row of part: the Z dots, then Σ x² in column Z, zeros after
-constexpr int kWarps = 4;
 constexpr int kTokensPerWarp = 16;
-constexpr int kTokensPerCta = kWarps * kTokensPerWarp;
 constexpr int kRowPad = 16;  // bf16 elements after each φ row in shared memory: 8-byte B loads without bank conflicts
 
 // Shared memory bytes of one CTA: φ's two parts, Z rows of 4·cols_per_split (+ pad) bf16 each.
@@ -63,14 +61,30 @@ __device__ __forceinline__ uint2 load8(const __nv_bfloat16* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
 }
 
+// One 16-column chunk of a lane's two rows: the streams (and, with the post-mix, y), 8 bytes each.
+template <bool POSTMIX>
+__device__ __forceinline__ void load_chunk(uint2 (&v)[2][kStreams + 1], const __nv_bfloat16* __restrict__ x,
+                                           const __nv_bfloat16* __restrict__ y, const int (&rows)[2],
+                                           const bool (&ok)[2], int K, int C, int col) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __nv_bfloat16* xr = x + (size_t)rows[r] * K + col;
+#pragma unroll
+    for (int j = 0; j < kStreams; ++j) v[r][j] = load8(xr + j * C, ok[r]);
+    if constexpr (POSTMIX) v[r][kStreams] = load8(y + (size_t)rows[r] * C + col, ok[r]);
+  }
+}
+
 // x [T, 4, C] bf16 (POSTMIX: site k's streams; else the streams whose dots are taken); y [T, C] bf16, h [T, 8]
 // fp32 (H_post = 2 h[:, 4:]), hres [T, 4, 4] fp32, out [T, 4, C] bf16 (POSTMIX only); phi2 [2, Z, 4C] bf16
-// (φ's hi and lo parts); part [splits, T, ZP] fp32.
-template <bool POSTMIX>
-__global__ void __launch_bounds__(kWarps * 32) boundary_dots_kernel(
+// (φ's hi and lo parts); part [splits, T, ZP] fp32. WARPS warps a CTA, 16 tokens each. PREFETCH: a chunk's
+// loads are issued before the previous chunk's arithmetic (across token tiles too), in twice the registers.
+template <bool POSTMIX, bool PREFETCH, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) boundary_dots_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ y, const float* __restrict__ h,
     const float* __restrict__ hres, __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ phi2,
     float* __restrict__ part, int T, int C, int cols_per_split) {
+  constexpr int kTokensPerCta = WARPS * kTokensPerWarp;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* phi_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int K = kStreams * C;
@@ -97,122 +111,155 @@ __global__ void __launch_bounds__(kWarps * 32) boundary_dots_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int tiles = (T + kTokensPerCta - 1) / kTokensPerCta;
-  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
-    const int r0 = tile * kTokensPerCta + warp * kTokensPerWarp + g;  // this lane's rows r0 and r0 + 8
-    const int rows[2] = {r0, r0 + 8};
-    const bool ok[2] = {r0 < T, r0 + 8 < T};
-    float acc[3][4];
+  const int chunks = width / 16;
+  int tile = blockIdx.y, chunk = 0;
+  if (tile >= tiles) return;  // (no barrier follows)
+  auto rows_of = [&](int tl, int (&rows)[2], bool (&ok)[2]) {
+    rows[0] = tl * kTokensPerCta + warp * kTokensPerWarp + g;  // this lane's rows r0 and r0 + 8
+    rows[1] = rows[0] + 8;
+    ok[0] = rows[0] < T;
+    ok[1] = rows[1] < T;
+  };
+  int rows[2];
+  bool ok[2];
+  rows_of(tile, rows, ok);
+  uint2 cur[2][kStreams + 1];
+  load_chunk<POSTMIX>(cur, x, y, rows, ok, K, C, c_begin + 4 * t);
+
+  float acc[3][4];
+  float sq[2];
+  float hr[2][kStreams][kStreams - 1];  // the post-mix's per-token coefficients: H_res[i, 1..3], H_post[i]
+  float hp[2][kStreams];
+  for (;;) {
+    if (chunk == 0) {
 #pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
+      for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-    float sq[2] = {0.f, 0.f};
-    // The post-mix's per-token coefficients: H_res[i, 1..3] and H_post[i] for both rows.
-    float hr[2][kStreams][kStreams - 1];
-    float hp[2][kStreams];
-    if constexpr (POSTMIX) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int i = 0; i < kStreams; ++i) {
-          hp[r][i] = ok[r] ? 2.f * h[(size_t)rows[r] * (2 * kStreams) + kStreams + i] : 0.f;
-#pragma unroll
-          for (int j = 1; j < kStreams; ++j)
-            hr[r][i][j - 1] = ok[r] ? hres[((size_t)rows[r] * kStreams + i) * kStreams + j] : 0.f;
-        }
-    }
-    for (int c0 = c_begin; c0 < c_end; c0 += 16) {
-      const int col = c0 + 4 * t;
-      const int kk = c0 - c_begin + 4 * t;  // this lane's column in φ's slice, within each stream's block
-      // A fragments, one per stream: a[i][0] (row g, k 2t..2t+1), a[i][1] (row g+8), a[i][2] (row g, k 2t+8..),
-      // a[i][3] (row g+8, k 2t+8..): here columns 4t, 4t+1 and 4t+2, 4t+3 of the chunk.
-      uint32_t a[kStreams][4];
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+      sq[0] = sq[1] = 0.f;
       if constexpr (POSTMIX) {
-        uint2 xv[2][kStreams], yv[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const __nv_bfloat16* xr = x + (size_t)rows[r] * K + col;
-#pragma unroll
-          for (int j = 0; j < kStreams; ++j) xv[r][j] = load8(xr + j * C, ok[r]);
-          yv[r] = load8(y + (size_t)rows[r] * C + col, ok[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float x0[4], d[kStreams - 1][4], yf[4];
-          unpack4(xv[r][0], x0);
-          unpack4(yv[r], yf);
-#pragma unroll
-          for (int j = 1; j < kStreams; ++j) {
-            float xj[4];
-            unpack4(xv[r][j], xj);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
-          }
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
           for (int i = 0; i < kStreams; ++i) {
-            float o[4];
+            hp[r][i] = ok[r] ? 2.f * h[(size_t)rows[r] * (2 * kStreams) + kStreams + i] : 0.f;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              // Newton's rows sum to one: Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)
-              float mix = hr[r][i][0] * d[0][e];
-              mix = fmaf(hr[r][i][1], d[1][e], mix);
-              mix = fmaf(hr[r][i][2], d[2][e], mix);
-              o[e] = fmaf(hp[r][i], yf[e], x0[e] + mix);
-            }
-            const uint2 v = pack4(o);
-            if (ok[r]) *reinterpret_cast<uint2*>(out + (size_t)rows[r] * K + i * C + col) = v;
-            a[i][r] = v.x;      // columns 4t, 4t+1 (k 2t, 2t+1)
-            a[i][r + 2] = v.y;  // columns 4t+2, 4t+3 (k 2t+8, 2t+9)
+            for (int j = 1; j < kStreams; ++j)
+              hr[r][i][j - 1] = ok[r] ? hres[((size_t)rows[r] * kStreams + i) * kStreams + j] : 0.f;
           }
+      }
+    }
+    // The next chunk, possibly of the next tile.
+    int next_tile = tile, next_chunk = chunk + 1;
+    if (next_chunk == chunks) {
+      next_chunk = 0;
+      next_tile += gridDim.y;
+    }
+    const bool has_next = next_tile < tiles;
+    int next_rows[2];
+    bool next_ok[2];
+    rows_of(next_tile, next_rows, next_ok);
+    uint2 nxt[2][kStreams + 1];
+    if constexpr (PREFETCH) {
+      if (has_next) load_chunk<POSTMIX>(nxt, x, y, next_rows, next_ok, K, C, c_begin + next_chunk * 16 + 4 * t);
+    }
+
+    const int c0 = c_begin + chunk * 16;
+    const int col = c0 + 4 * t;
+    const int kk = c0 - c_begin + 4 * t;  // this lane's column in φ's slice, within each stream's block
+    // A fragments, one per stream: a[i][0] (row g, k 2t..2t+1), a[i][1] (row g+8), a[i][2] (row g, k 2t+8..),
+    // a[i][3] (row g+8, k 2t+8..): here columns 4t, 4t+1 and 4t+2, 4t+3 of the chunk.
+    uint32_t a[kStreams][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (POSTMIX) {
+        float x0[4], d[kStreams - 1][4], yf[4];
+        unpack4(cur[r][0], x0);
+        unpack4(cur[r][kStreams], yf);
+#pragma unroll
+        for (int j = 1; j < kStreams; ++j) {
+          float xj[4];
+          unpack4(cur[r][j], xj);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
+        }
+#pragma unroll
+        for (int i = 0; i < kStreams; ++i) {
+          float o[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            // Newton's rows sum to one: Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)
+            float mix = hr[r][i][0] * d[0][e];
+            mix = fmaf(hr[r][i][1], d[1][e], mix);
+            mix = fmaf(hr[r][i][2], d[2][e], mix);
+            o[e] = fmaf(hp[r][i], yf[e], x0[e] + mix);
+          }
+          const uint2 v = pack4(o);
+          if (ok[r]) *reinterpret_cast<uint2*>(out + (size_t)rows[r] * K + i * C + col) = v;
+          a[i][r] = v.x;      // columns 4t, 4t+1 (k 2t, 2t+1)
+          a[i][r + 2] = v.y;  // columns 4t+2, 4t+3 (k 2t+8, 2t+9)
         }
       } else {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const __nv_bfloat16* xr = x + (size_t)rows[r] * K + col;
-#pragma unroll
-          for (int i = 0; i < kStreams; ++i) {
-            const uint2 v = load8(xr + i * C, ok[r]);
-            a[i][r] = v.x;
-            a[i][r + 2] = v.y;
-          }
+        for (int i = 0; i < kStreams; ++i) {
+          a[i][r] = cur[r][i].x;
+          a[i][r + 2] = cur[r][i].y;
         }
       }
-      // The square sums of the values as stored (rounded), and the dots on the tensor cores.
+    }
+    // The square sums of the values as stored (rounded), and the dots on the tensor cores.
 #pragma unroll
-      for (int i = 0; i < kStreams; ++i) {
+    for (int i = 0; i < kStreams; ++i) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float f[4];
-          unpack4(make_uint2(a[i][r], a[i][r + 2]), f);
+      for (int r = 0; r < 2; ++r) {
+        float f[4];
+        unpack4(make_uint2(a[i][r], a[i][r + 2]), f);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sq[r] = fmaf(f[e], f[e], sq[r]);
+        for (int e = 0; e < 4; ++e) sq[r] = fmaf(f[e], f[e], sq[r]);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) {
+          const int z = nt * 8 + g;  // B fragment: column n = g of this n-tile
+          const uint2 b = *reinterpret_cast<const uint2*>(phi_s + (p * kZ + z) * row_len + i * cols_per_split + kk);
+          mma_bf16_16816(acc[nt], a[i], b.x, b.y);
         }
+    }
+
+    if (chunk == chunks - 1) {  // the tile's last chunk: its rows of part
 #pragma unroll
-        for (int p = 0; p < 2; ++p)
+      for (int r = 0; r < 2; ++r) {
+        // Σ x² over the row's four lanes (every lane takes part, whether its row is in range or not)
+        sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
+        sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
+      }
+      // D fragment: acc[nt][0..1] row g, columns 8 nt + 2t, +1; acc[nt][2..3] row g + 8.
 #pragma unroll
-          for (int nt = 0; nt < 3; ++nt) {
-            const int z = nt * 8 + g;  // B fragment: column n = g of this n-tile
-            const uint2 b = *reinterpret_cast<const uint2*>(phi_s + (p * kZ + z) * row_len + i * cols_per_split + kk);
-            mma_bf16_16816(acc[nt], a[i], b.x, b.y);
-          }
+      for (int r = 0; r < 2; ++r) {
+        if (!ok[r]) continue;
+        float* dst = part + ((size_t)split * T + rows[r]) * kZP;
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt)
+          *reinterpret_cast<float2*>(dst + nt * 8 + 2 * t) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+        *reinterpret_cast<float2*>(dst + kZ + 2 * t) = make_float2(t == 0 ? sq[r] : 0.f, 0.f);
       }
     }
-    // Σ x² over the row's four lanes of each row
+    if (!has_next) break;
+    if constexpr (PREFETCH) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
-      sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j <= kStreams; ++j) cur[r][j] = nxt[r][j];
+    } else {
+      load_chunk<POSTMIX>(cur, x, y, next_rows, next_ok, K, C, c_begin + next_chunk * 16 + 4 * t);
     }
-    // D fragment: acc[nt][0..1] row g, columns 8 nt + 2t, +1; acc[nt][2..3] row g + 8.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (!ok[r]) continue;
-      float* dst = part + ((size_t)split * T + rows[r]) * kZP;
-#pragma unroll
-      for (int nt = 0; nt < 3; ++nt)
-        *reinterpret_cast<float2*>(dst + nt * 8 + 2 * t) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
-      *reinterpret_cast<float2*>(dst + kZ + 2 * t) = make_float2(t == 0 ? sq[r] : 0.f, 0.f);
-    }
+    tile = next_tile;
+    chunk = next_chunk;
+    rows[0] = next_rows[0];
+    rows[1] = next_rows[1];
+    ok[0] = next_ok[0];
+    ok[1] = next_ok[1];
   }
 }
 

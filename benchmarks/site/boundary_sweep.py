@@ -437,12 +437,36 @@ def phi_parts(phi: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, (phi - hi.float()).to(torch.bfloat16))).contiguous()
 
 
-def cuda_launch_shape(C: int, T: int, cols_per_split: int, ctas_per_sm: int) -> tuple[int, int]:
+def cuda_launch_shape(C: int, T: int, params: dict) -> tuple[int, int]:
     """``(splits, CTAs a split)``: the prototype's grid, about ``ctas_per_sm`` CTAs an SM in all, each CTA
-    looping over the 64-token tiles it is given (so φ's slice is loaded once for several)."""
-    splits = triton.cdiv(C, cols_per_split)
+    looping over the tiles of ``16·warps`` tokens it is given (so φ's slice is loaded once for several)."""
+    splits = triton.cdiv(C, params["cols_per_split"])
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return splits, max(1, min(triton.cdiv(T, 64), triton.cdiv(sms * ctas_per_sm, splits)))
+    tiles = triton.cdiv(T, 16 * params["warps"])
+    return splits, max(1, min(tiles, triton.cdiv(sms * params["ctas_per_sm"], splits)))
+
+
+def cuda_merged(inp: dict, params: dict, postmix: bool):
+    """``(fn, outputs)``: one launch of the prototype with ``params`` on ``inp``, with the post-mix (outputs
+    ``(x', part)``) or without (``(part,)``); the splits' partial rows summed for the check only."""
+    x = inp["x"]
+    T, n, C = x.shape
+    splits, grid_y = cuda_launch_shape(C, T, params)
+    phi2 = phi_parts(inp["phi"])  # once a step per site in a library path, outside the timing here
+    part = x.new_empty((splits, T, 32), dtype=torch.float32)
+    if postmix:
+        out = torch.empty_like(x)
+        args = (x, inp["y"], inp["h"], inp["H_res"], out, phi2, part)
+    else:
+        none = x.new_empty(0)
+        args = (x, none, none, none, none, phi2, part)
+    ext, p = cuda_prototype(), params
+
+    def run():
+        ext.dots(*args, p["cols_per_split"], grid_y, postmix, p["prefetch"], p["warps"])
+
+    run()
+    return run, ((out, part.sum(0)) if postmix else (part.sum(0),))
 
 
 class ForwardCuda(Forward):
@@ -451,7 +475,7 @@ class ForwardCuda(Forward):
 
     name = "forward_cuda"
     devices = ("cuda",)
-    grid = dict(cols_per_split=(64, 128, 256), ctas_per_sm=(2, 4, 8, 16))
+    grid = dict(cols_per_split=(64, 128, 256), ctas_per_sm=(2, 4, 8), prefetch=(False, True), warps=(4, 8))
 
     @staticmethod
     def valid(v: dict, C: int) -> bool:
@@ -459,21 +483,7 @@ class ForwardCuda(Forward):
 
     @staticmethod
     def merged(inp: dict, params: dict):
-        x = inp["x"]
-        T, n, C = x.shape
-        splits, grid_y = cuda_launch_shape(C, T, params["cols_per_split"], params["ctas_per_sm"])
-        phi2 = phi_parts(inp["phi"])  # once a step per site in a library path, outside the timing here
-        out = torch.empty_like(x)
-        part = x.new_empty((splits, T, 32), dtype=torch.float32)
-        ext = cuda_prototype()
-
-        def run():
-            ext.dots(
-                x, inp["y"], inp["h"], inp["H_res"], out, phi2, part, params["cols_per_split"], grid_y, True
-            )
-
-        run()
-        return run, (out, part.sum(0))
+        return cuda_merged(inp, params, postmix=True)
 
 
 class DotsCuda:
@@ -507,19 +517,7 @@ class DotsCuda:
 
     @staticmethod
     def merged(inp: dict, params: dict):
-        x = inp["x"]
-        T, n, C = x.shape
-        splits, grid_y = cuda_launch_shape(C, T, params["cols_per_split"], params["ctas_per_sm"])
-        phi2 = phi_parts(inp["phi"])
-        part = x.new_empty((splits, T, 32), dtype=torch.float32)
-        ext = cuda_prototype()
-        none = x.new_empty(0)
-
-        def run():
-            ext.dots(x, none, none, none, none, phi2, part, params["cols_per_split"], grid_y, False)
-
-        run()
-        return run, (part.sum(0),)
+        return cuda_merged(inp, params, postmix=False)
 
 
 BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda)}
