@@ -23,7 +23,7 @@
 #   boundary benchmarks/site/boundary_sweep.py: boundary kernels (site k's post-mix with site k+1's dot products;
 #            site k+1's stream_grad with site k's postmix_bwd) against the pairs they would replace, in Triton and
 #            as a CUDA prototype (built in the call, ~1 min), every variant, at the small_gpu, 134M and 1.1B shapes
-#            (BOUNDARY_ARGS, e.g. "--boundaries forward_cuda,dots_cuda"); needs no setup stage
+#            (BOUNDARY_ARGS, e.g. "--boundaries forward_cuda,dots_cuda,backward_cuda"); needs no setup stage
 #   sweep32  the same for float32 streams (issue #49, fp32 weights under bf16 autocast): coeff_partial, stream_grad,
 #            phi_grad, coeff_bwd at 512x16384, 768x16384 and 2048x8192, the dot kernels over PRECISION ieee / tf32x3 /
 #            tf32, outputs against float64; --budget 450 under timeout 500, JSON after each kernel (SWEEP32_ARGS).

@@ -544,24 +544,21 @@ def test_boundary_kernels_match_the_pairs_they_would_replace(tmp_path):
     not torch.cuda.is_available(), reason="the CUDA prototype of the boundary sweep needs CUDA"
 )
 def test_cuda_boundary_prototype_matches_the_kernels_it_would_replace(tmp_path):
-    """boundary_sweep.py's CUDA prototype (benchmarks/site/boundary_dots.cuh), with and without the post-mix,
-    against the plan's postmix_fwd + coeff_partial and coeff_partial alone, on masked shapes: C = 96 (a last
-    split of 32 columns under 64-column splits), T = 40 (a partial 64-token tile); every variant within the
-    sweep's tolerance (x' within a bf16 rounding, the sums within fp32's)."""
+    """boundary_sweep.py's CUDA prototype (benchmarks/site/boundary_dots.cuh): the dots with and without the
+    post-mix, against the plan's postmix_fwd + coeff_partial and coeff_partial alone, and the backward boundary
+    against stream_grad + postmix_bwd, on masked shapes: C = 96 (a last split of 32 columns under 64-column
+    splits), T = 40 (a partial token tile); every variant within the sweep's tolerance (the bf16 outputs within
+    a rounding, the sums within fp32's)."""
     sys.path.insert(0, str(BENCHMARKS / "site"))
     try:
         import boundary_sweep
     finally:
         sys.path.remove(str(BENCHMARKS / "site"))
     out = tmp_path / "boundary.json"
-    args = ["--boundaries", "forward_cuda,dots_cuda", "--shapes", "96x40,512x200", "--json", str(out)]
+    names = ["forward_cuda", "dots_cuda", "backward_cuda"]
+    args = ["--boundaries", ",".join(names), "--shapes", "96x40,512x200", "--json", str(out)]
     assert boundary_sweep.main([*args, "--rep", "5", "--tol", "1e-2"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["boundary"], r["C"]) for r in rows] == [
-        ("forward_cuda", 96),
-        ("forward_cuda", 512),
-        ("dots_cuda", 96),
-        ("dots_cuda", 512),
-    ]
+    assert [(r["boundary"], r["C"]) for r in rows] == [(name, C) for name in names for C in (96, 512)]
     for r in rows:
         assert r["variants"] and all(v["ok"] for v in r["variants"]), r

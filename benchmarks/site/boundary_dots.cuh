@@ -263,4 +263,212 @@ __global__ void __launch_bounds__(WARPS * 32) boundary_dots_kernel(
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The backward boundary: site k+1's stream_grad (without the branch norm, as the compiled path runs it) and site
+// k's post-mix backward on the dx tile just stored, which is site k's dx' (never read back):
+//   dx_j = Σ_z (r·dz)_z φ[z, j·C + c] − c2·x_j + h_pre[j]·du + Σ_i H_res[i, j]·dx'_i          (site k+1)
+//   dy = Σ_j H_post_k[j]·dx_j,  sums[j·4 + m] += dx_j·x_k[m],  sums[16 + j] += dx_j·y_k        (site k)
+// The (r·dz)φ product on mma.sync m16n8k8 in tf32 (stream_grad's precision for bf16 streams), K = 24 in three
+// steps; φ's slice in shared memory, stored already in each lane's B-fragment order (one 16-byte load a lane
+// for both n-tiles of a chunk). The D fragment's columns are permuted so that a lane holds columns 4t .. 4t+3
+// of its two rows, as in the forward: 8-byte loads and stores.
+
+constexpr int kSums = kStreams * kStreams + kStreams;  // 20 sums a token: ⟨dx_j, x_k[m]⟩, then ⟨dx_j, y_k⟩
+
+// Floats of one CTA's shared memory: for each 16-column chunk, stream, k-step and lane, four tf32 values
+// (n-tile 0: b0, b1; n-tile 1: b0, b1).
+constexpr int kCoefs = 1 + kStreams + kStreams * kStreams + kStreams;  // c2, h_pre, H_res, H_post_k
+
+inline int grad_shared_bytes(int cols_per_split, int warps, bool coef_smem) {
+  const int phi_floats = (cols_per_split / 16) * kStreams * 3 * 32 * 4;
+  const int coef_floats = coef_smem ? warps * kTokensPerWarp * kCoefs : 0;
+  return (phi_floats + coef_floats) * static_cast<int>(sizeof(float));
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// dout (site k+1's dx'), x, dx, x_k [T, 4, C] bf16; du, y_k, dy [T, C] bf16; work [T, 2Z + 4] fp32 (r·dz in its
+// first Z columns, c2 in its last); phi [Z, 4C] fp32; h, h_k [T, 8] fp32 (h_pre = h[:, :4], H_post_k =
+// 2 h_k[:, 4:]); hres [T, 4, 4] fp32; sums [splits, T, 20] fp32.
+// COEF_SMEM: each warp's per-token coefficients (c2, h_pre, H_res, H_post_k: 25 a token) in shared memory, read
+// where used, instead of 50 registers a lane (the kernel otherwise holds about 250).
+template <int WARPS, bool COEF_SMEM>
+__global__ void __launch_bounds__(WARPS * 32) grad_boundary_kernel(
+    const __nv_bfloat16* __restrict__ dout, const __nv_bfloat16* __restrict__ du,
+    const __nv_bfloat16* __restrict__ x, const float* __restrict__ work, const float* __restrict__ phi,
+    const float* __restrict__ h, const float* __restrict__ hres, __nv_bfloat16* __restrict__ dx,
+    const __nv_bfloat16* __restrict__ x_k, const __nv_bfloat16* __restrict__ y_k, const float* __restrict__ h_k,
+    __nv_bfloat16* __restrict__ dy, float* __restrict__ sums, int T, int C, int cols_per_split) {
+  constexpr int kTokensPerCta = WARPS * kTokensPerWarp;
+  constexpr int kWork = 2 * kZ + 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint32_t* phi_s = reinterpret_cast<uint32_t*>(smem_raw);
+  const int K = kStreams * C;
+  const int split = blockIdx.x;
+  const int c_begin = split * cols_per_split;
+  const int c_end = min(c_begin + cols_per_split, C);
+  const int chunks = (c_end - c_begin) / 16;
+
+  // φ's slice in fragment order: slot ((ch·4 + i)·3 + ks)·32 + lane holds n-tile 0's (b0, b1), n-tile 1's.
+  // b0 is (k = t, n = g), b1 (k = t + 4, n = g); logical n = g of n-tile nt is the chunk's column
+  // 4·(g / 2) + g % 2 + 2·nt, so that D's columns 2t, 2t+1 of n-tiles 0 and 1 are columns 4t .. 4t+3.
+  for (int e = threadIdx.x; e < chunks * kStreams * 3 * 32 * 4; e += blockDim.x) {
+    const int q = e % 4, ln = (e / 4) % 32, ks = (e / 128) % 3, i = (e / 384) % kStreams, ch = e / 1536;
+    const int gg = ln / 4, tt = ln % 4, nt = q / 2, which = q % 2;
+    const int z = ks * 8 + tt + 4 * which;
+    const int col = c_begin + ch * 16 + 4 * (gg / 2) + gg % 2 + 2 * nt;
+    phi_s[e] = to_tf32(phi[(size_t)z * K + i * C + col]);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int tiles = (T + kTokensPerCta - 1) / kTokensPerCta;
+  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    int rows[2];
+    bool ok[2];
+    rows[0] = tile * kTokensPerCta + warp * kTokensPerWarp + g;
+    rows[1] = rows[0] + 8;
+    ok[0] = rows[0] < T;
+    ok[1] = rows[1] < T;
+    // A fragments of r·dz for the three k-steps: a0 (row g, k t), a1 (row g+8, k t), a2 (row g, k t+4),
+    // a3 (row g+8, k t+4).
+    uint32_t a[3][4];
+#pragma unroll
+    for (int ks = 0; ks < 3; ++ks)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = q % 2, z = ks * 8 + t + 4 * (q / 2);
+        a[ks][q] = to_tf32(ok[r] ? work[(size_t)rows[r] * kWork + z] : 0.f);
+      }
+    // c2, h_pre[4], H_res[4][4] (i·4 + j), H_post_k[4] of a row: a token's 25 coefficients
+    auto coef_of_row = [&](int row, int v) -> float {
+      if (row >= T) return 0.f;
+      if (v == 0) return work[(size_t)row * kWork + kWork - 1];
+      if (v <= kStreams) return h[(size_t)row * (2 * kStreams) + v - 1];
+      if (v <= kStreams + kStreams * kStreams) return hres[(size_t)row * kStreams * kStreams + v - 1 - kStreams];
+      return 2.f * h_k[(size_t)row * (2 * kStreams) + kStreams + (v - 1 - kStreams - kStreams * kStreams)];
+    };
+    float creg[2][kCoefs];
+    float* coef_s = reinterpret_cast<float*>(phi_s + chunks * kStreams * 3 * 32 * 4) + warp * kTokensPerWarp * kCoefs;
+    if constexpr (COEF_SMEM) {
+      __syncwarp();  // the previous tile's reads are done
+      for (int e = lane; e < kTokensPerWarp * kCoefs; e += 32)
+        coef_s[e] = coef_of_row(tile * kTokensPerCta + warp * kTokensPerWarp + e / kCoefs, e % kCoefs);
+      __syncwarp();
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int v = 0; v < kCoefs; ++v) creg[r][v] = coef_of_row(rows[r], v);
+    }
+    auto coef = [&](int r, int v) -> float {
+      if constexpr (COEF_SMEM) {
+        return coef_s[(g + 8 * r) * kCoefs + v];
+      } else {
+        return creg[r][v];
+      }
+    };
+    float acc[2][kSums];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int v = 0; v < kSums; ++v) acc[r][v] = 0.f;
+
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int col = c_begin + ch * 16 + 4 * t;
+      uint2 dov[2][kStreams], xv[2][kStreams], xkv[2][kStreams], duv[2], ykv[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const size_t base = (size_t)rows[r] * K + col;
+#pragma unroll
+        for (int i = 0; i < kStreams; ++i) {
+          dov[r][i] = load8(dout + base + i * C, ok[r]);
+          xv[r][i] = load8(x + base + i * C, ok[r]);
+          xkv[r][i] = load8(x_k + base + i * C, ok[r]);
+        }
+        duv[r] = load8(du + (size_t)rows[r] * C + col, ok[r]);
+        ykv[r] = load8(y_k + (size_t)rows[r] * C + col, ok[r]);
+      }
+      float dyv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int j = 0; j < kStreams; ++j) {
+        // (r·dz)φ for stream j: n-tile 0 gives columns 4t, 4t+1, n-tile 1 columns 4t+2, 4t+3
+        float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks = 0; ks < 3; ++ks) {
+          const uint4 b = *reinterpret_cast<const uint4*>(phi_s + ((((ch * kStreams + j) * 3 + ks) * 32 + lane) * 4));
+          mma_tf32_1688(d0, a[ks], b.x, b.y);
+          mma_tf32_1688(d1, a[ks], b.z, b.w);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float xj[4], duf[4], o[4];
+          unpack4(xv[r][j], xj);
+          unpack4(duv[r], duf);
+          const float dotv[4] = {d0[2 * r], d0[2 * r + 1], d1[2 * r], d1[2 * r + 1]};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[e] = fmaf(coef(r, 1 + j), duf[e], dotv[e] - coef(r, 0) * xj[e]);
+#pragma unroll
+          for (int i = 0; i < kStreams; ++i) {
+            float di[4];
+            unpack4(dov[r][i], di);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[e] = fmaf(coef(r, 1 + kStreams + i * kStreams + j), di[e], o[e]);
+          }
+          const uint2 v = pack4(o);
+          if (ok[r]) *reinterpret_cast<uint2*>(dx + (size_t)rows[r] * K + j * C + col) = v;
+          // site k's post-mix backward on the stored (rounded) values
+          float d[4], yk[4];
+          unpack4(v, d);
+          unpack4(ykv[r], yk);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            dyv[r][e] = fmaf(coef(r, 1 + kStreams + kStreams * kStreams + j), d[e], dyv[r][e]);
+            acc[r][kStreams * kStreams + j] = fmaf(d[e], yk[e], acc[r][kStreams * kStreams + j]);
+          }
+#pragma unroll
+          for (int m = 0; m < kStreams; ++m) {
+            float xm[4];
+            unpack4(xkv[r][m], xm);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][j * kStreams + m] = fmaf(d[e], xm[e], acc[r][j * kStreams + m]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (ok[r]) *reinterpret_cast<uint2*>(dy + (size_t)rows[r] * C + col) = pack4(dyv[r]);
+    }
+    // the sums over the row's four lanes, then lane t writes the values v ≡ t (mod 4)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int v = 0; v < kSums; ++v) {
+        acc[r][v] += __shfl_xor_sync(0xffffffffu, acc[r][v], 1);
+        acc[r][v] += __shfl_xor_sync(0xffffffffu, acc[r][v], 2);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!ok[r]) continue;
+      float* dst = sums + ((size_t)split * T + rows[r]) * kSums;
+#pragma unroll
+      for (int v = 0; v < kSums; ++v)
+        if (v % 4 == t) dst[v] = acc[r][v];
+    }
+  }
+}
+
 }  // namespace boundary_proto

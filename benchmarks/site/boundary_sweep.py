@@ -17,13 +17,14 @@ with site k's streams and branch output, for ``dy = Σ_i H_post[i] dx'_i`` and t
 has just stored, ``dy`` and those sums over its block of columns (partial sums per block, added up after), so
 ``dx`` is never read back.
 
-``forward_cuda`` and ``dots_cuda`` time a CUDA prototype (``boundary_dots.cuh``, built here on first use): a
-CTA holds one split of the columns of every stream and φ's slice for it in shared memory, loops over 64-token
-tiles, and runs the dots on ``mma.sync`` from registers loaded in the fragments' layout; ``forward_cuda`` forms
-and stores ``x'`` first (against the pair above), ``dots_cuda`` takes the streams as they are (against
-``coeff_partial`` alone, the kernel it could replace with no ops linked across sites). The Triton kernels above
-lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward 1.07-1.13x, the backward
-1.11-1.14x.
+``forward_cuda``, ``dots_cuda`` and ``backward_cuda`` time a CUDA prototype (``boundary_dots.cuh``, built
+here on first use). A CTA holds one split of the columns of every stream and φ's slice for it in shared memory,
+loops over tiles of tokens, and runs the products with φ on ``mma.sync`` from registers loaded in the fragments'
+layout. ``forward_cuda`` forms and stores ``x'`` first (against the forward pair above); ``dots_cuda`` takes the
+streams as they are (against ``coeff_partial`` alone, the kernel it could replace with no ops linked across
+sites); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the (r·dz)φ product in tf32).
+The Triton kernels above lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward
+1.07-1.13x, the backward 1.11-1.14x.
 
 These are measurements, not paths of the library: each kernel's variants are timed under ``do_bench`` against the
 plan's pair at each shape, after each variant's outputs are checked against the pair's. Whether a boundary
@@ -520,7 +521,40 @@ class DotsCuda:
         return cuda_merged(inp, params, postmix=False)
 
 
-BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda)}
+class BackwardCuda(Backward):
+    """:class:`Backward`'s pair against the CUDA prototype's ``grad_boundary_kernel``: φ's fp32 slice in shared
+    memory in B-fragment order, (r·dz)φ on tf32 ``mma.sync``, then site k's post-mix backward on the stored tile;
+    the per-token coefficients in registers or (``coef_smem``) in shared memory."""
+
+    name = "backward_cuda"
+    devices = ("cuda",)
+    grid = dict(cols_per_split=(64, 128, 256), ctas_per_sm=(1, 2, 4), warps=(4, 8), coef_smem=(False, True))
+
+    @staticmethod
+    def valid(v: dict, C: int) -> bool:
+        return v["cols_per_split"] <= C
+
+    @staticmethod
+    def merged(inp: dict, params: dict):
+        """``(fn, (dx, dy_k, g_res_k, g_post_k))``: one launch of the prototype, then its sums' sum."""
+        x = inp["x"]
+        T, n, C = x.shape
+        splits, grid_y = cuda_launch_shape(C, T, params)
+        dx, dy = torch.empty_like(x), torch.empty_like(inp["y_k"])
+        sums = inp["h"].new_empty((splits, T, n * n + n))
+        ext, p = cuda_prototype(), params
+        args = [inp[k] for k in ("dout", "du", "x", "work", "phi", "h", "H_res")]
+        args += [dx, inp["x_k"], inp["y_k"], inp["h_k"], dy, sums]
+
+        def run():
+            ext.grad(*args, p["cols_per_split"], grid_y, p["warps"], p["coef_smem"])
+
+        run()
+        total = sums.sum(0)
+        return run, (dx, dy, total[:, : n * n].view(T, n, n), total[:, n * n :])
+
+
+BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda, BackwardCuda)}
 
 
 def errors(got, want) -> list[float]:
