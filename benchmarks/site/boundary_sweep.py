@@ -631,6 +631,10 @@ def _sweep(args) -> int:
     copy = common.copy_gbps() if args.device == "cuda" else float("nan")
     say = lambda *a: print(*a, flush=True)  # noqa: E731
     say(f"device copy {copy:.0f} GB/s; n = {N_STREAMS}, bf16 streams")
+    if any(name.endswith("_cuda") for name in args.boundaries.split(",")):
+        t0 = time.perf_counter()
+        cuda_prototype()  # built once here: a failed build stops the sweep with its error, not every variant
+        say(f"CUDA prototype built or loaded in {time.perf_counter() - t0:.0f} s")
     rows = []
     for name in args.boundaries.split(","):
         boundary = BOUNDARIES[name]
