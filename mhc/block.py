@@ -371,6 +371,18 @@ class MHCBlock(nn.Module):
             sinkhorn_eps=self._sinkhorn_eps,
         )
 
+    def h_res_logits(self, x: Tensor) -> Tensor | None:
+        """The logits this block's projection turns into ``H_res`` for streams ``x: [..., n, C]``, or ``None``.
+
+        Returns:
+            ``[..., n, n]`` (``[..., n!]`` for mHC-lite), float32 (float64 if ``x`` is float64),
+            from :func:`mhc.site.h_res_logits`; ``None`` for ``mode`` ``"hc"`` and ``"residual"``,
+            whose ``H_res`` is not projected from logits.
+        """
+        if self._options.mode != "mhc":
+            return None
+        return site.h_res_logits(x, self.phi, self.alpha, self.b_res, self._options)
+
     def uses_fused(self, x: Tensor) -> bool:
         """Whether :meth:`forward` runs streams ``x`` on the fused backend (:mod:`mhc.fused`).
 

@@ -33,7 +33,14 @@ from .mixing import SINKHORN_EPS, lite_h_res_unchecked, sinkhorn_h_res_unchecked
 from .options import MHCOptions
 from .projection import birkhoff_project
 
-__all__ = ["branch_input_dtype", "coefficients", "residual_coefficients", "pre_mix", "post_mix"]
+__all__ = [
+    "branch_input_dtype",
+    "coefficients",
+    "h_res_logits",
+    "residual_coefficients",
+    "pre_mix",
+    "post_mix",
+]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
@@ -127,16 +134,13 @@ def coefficients(
     b_pre, b_post, b_res = b_pre.to(acc), b_post.to(acc), b_res.to(acc)
     phi = phi.to(acc)
     if options.mode == "mhc":
-        x_flat = rearrange(x, "... n c -> ... (n c)").to(acc)
-        x_norm = F.rms_norm(x_flat, (n * C,), eps=options.norm_eps)
-        lite = options.projection == "lite"
-        pre, post, res = (x_norm @ phi.t()).split([n, n, math.factorial(n) if lite else n * n], dim=-1)
+        pre, post, res = _mhc_projections(x, phi, options)
         H_pre = torch.sigmoid(a_pre * pre + b_pre)
         if pre_eps:
             H_pre = H_pre + pre_eps
         H_post = 2 * torch.sigmoid(a_post * post + b_post)
         # The block checked its options and sizes when it was built: the unchecked variants, no per-call checks.
-        if lite:
+        if options.projection == "lite":
             return H_pre, H_post, lite_h_res_unchecked(a_res * res + b_res, n)
         logits = a_res * rearrange(res, "... (i j) -> ... i j", i=n) + b_res
         if options.projection == "sinkhorn":
@@ -151,6 +155,43 @@ def coefficients(
     H_post = a_post * dyn[..., 1] + b_post
     H_res = a_res * dyn[..., 2:] + b_res
     return H_pre, H_post, H_res
+
+
+def _mhc_projections(x: Tensor, phi: Tensor, options: MHCOptions) -> tuple[Tensor, Tensor, Tensor]:
+    """``x̃ φᵀ`` split into its ``H_pre``, ``H_post`` and ``H_res`` parts (mode ``"mhc"``; ``phi`` in float32 or 64)."""
+    n, C = x.shape[-2:]
+    x_flat = rearrange(x, "... n c -> ... (n c)").to(phi.dtype)
+    x_norm = F.rms_norm(x_flat, (n * C,), eps=options.norm_eps)
+    res_count = math.factorial(n) if options.projection == "lite" else n * n
+    return (x_norm @ phi.t()).split([n, n, res_count], dim=-1)
+
+
+@_without_autocast
+def h_res_logits(x: Tensor, phi: Tensor, alpha: Tensor, b_res: Tensor, options: MHCOptions) -> Tensor:
+    """The logits that ``options.projection`` turns into ``H_res`` (mode ``"mhc"``): ``α_res z_res + b_res``.
+
+    What the projection's accuracy depends on: Sinkhorn's marginal error grows
+    with their spread, the exact projection's does not.
+
+    Args:
+        x: streams ``[..., n, C]``, any float dtype.
+        phi, alpha ``[3]``, b_res: the site's parameters, as :func:`coefficients` takes them.
+        options: ``mode`` must be ``"mhc"``; ``norm_eps`` and ``projection`` are read.
+
+    Returns:
+        ``[..., n, n]`` (``[..., n!]`` for ``projection="lite"``), float32 (float64 for float64 streams).
+
+    Raises:
+        ValueError: ``options.mode`` is not ``"mhc"`` (HC's ``H_res`` is not projected).
+    """
+    if options.mode != "mhc":
+        raise ValueError(f"H_res logits exist in mode 'mhc' only, got mode {options.mode!r}")
+    n = x.shape[-2]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    res = _mhc_projections(x, phi.to(acc), options)[2]
+    if options.projection != "lite":
+        res = rearrange(res, "... (i j) -> ... i j", i=n)
+    return alpha[2].to(acc) * res + b_res.to(acc)
 
 
 def residual_coefficients(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

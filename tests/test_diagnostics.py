@@ -19,6 +19,7 @@ from mhc.diagnostics import (
     composite_gains,
     composite_mapping,
     forward_gain,
+    logit_scale,
     near_zero_or_one,
     one_hot_rows,
     plot_report,
@@ -214,6 +215,67 @@ def test_collect_sites_reads_collapse_and_sigmoid_saturation_of_a_model():
     assert [r.name for r in records] == ["0", "1", "2"] and records[0].h_pre.shape == (2, 5, N)
 
 
+@pytest.mark.parametrize("projection", ["newton", "sinkhorn", "lite"])
+def test_logit_scale_is_the_spread_of_what_the_projection_received(projection, monkeypatch):
+    """Each site's logit scale against the logits its projection was called with, captured at the call (the
+    projection is wrapped, so the oracle is the tensor it really saw, not a second derivation); per token,
+    then mean and max in the report."""
+    import mhc.site
+
+    name = {
+        "newton": "birkhoff_project",
+        "sinkhorn": "sinkhorn_h_res_unchecked",
+        "lite": "lite_h_res_unchecked",
+    }
+    seen = []
+    project = getattr(mhc.site, name[projection])
+
+    def capture(logits, *args, **kwargs):
+        seen.append(logits.detach().clone())
+        return project(logits, *args, **kwargs)
+
+    monkeypatch.setattr(mhc.site, name[projection], capture)
+    seed = torch.seed()
+    stack = nn.Sequential(
+        *(
+            MHCBlock(nn.Linear(C, C), C, N, init="paper", layer_index=i, projection=projection)
+            for i in range(3)
+        )
+    )
+    with torch.no_grad():
+        for block in stack:
+            block.b_res.add_(torch.randn(block.b_res.shape))
+            block.alpha.fill_(1.0)  # the dynamic part varies the logits from token to token
+    x = torch.randn(2, 5, N, C)
+    records = collect_sites(stack, x)
+    report = report_from_sites(records)
+    # collect_sites runs each block forward, then its coefficients again: the second call of each pair
+    assert len(seen) == 6, len(seen)
+    for d, r in enumerate(records):
+        logits = seen[2 * d + 1]
+        expected = logits.double().reshape(2, 5, -1).std(-1, correction=0)
+        assert logits.shape[-1] == (math.factorial(N) if projection == "lite" else N)
+        torch.testing.assert_close(r.logit_scale, expected, rtol=1e-6, atol=1e-9)
+        assert report.logit_scale_mean[d] == pytest.approx(expected.mean().item(), rel=1e-6)
+        assert report.logit_scale_max[d] == pytest.approx(expected.max().item(), rel=1e-6)
+        assert expected.max() > expected.min() * (1 + 1e-3), seed  # tokens differ: a mean and a max
+    assert "logit std" in report.table()
+
+
+def test_logit_scale_is_none_without_a_projection_and_reads_sigma_for_iid_logits():
+    stack = random_stack("hc", 0)[:2]
+    records = collect_sites(stack, torch.randn(3, N, C))
+    assert [r.logit_scale for r in records] == [None, None]
+    report = report_from_sites(records)
+    assert report.logit_scale_mean == [None, None] and report.logit_scale_max == [None, None]
+    assert report_from_h_res([torch.eye(3)]).logit_scale_max == [None]
+    sigma = 7.0
+    scale = logit_scale(sigma * torch.randn(20000, 16))
+    assert scale.dtype == torch.float64 and scale.shape == (20000,)
+    assert scale.mean().item() == pytest.approx(sigma, rel=0.05)
+    assert logit_scale(torch.full((3, 16), 2.5)).abs().max().item() == 0.0  # a constant shift has no spread
+
+
 @pytest.mark.parametrize("mode", ["mhc", "hc"])
 def test_grad_ratio_is_the_measured_gradient_norm_back_to_each_depth(mode):
     """With static coefficients (alpha = 0) and a zero branch, the gradient reaching depth d is
@@ -400,6 +462,9 @@ def test_grad_ratio_with_activation_checkpointing_records_each_site_once():
         (lambda: one_hot_rows(torch.eye(3), math.inf), ValueError, "eps must be finite"),
         (lambda: one_hot_rows(torch.ones(3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
         (lambda: one_hot_rows(torch.ones(2, 3), 1e-3), ValueError, r"h_res must be \[\.\.\., n, n\]"),
+        (lambda: logit_scale(torch.ones(3, dtype=torch.int64)), TypeError, "logits must be a floating-point"),
+        (lambda: logit_scale(torch.tensor(1.0)), ValueError, r"logits must be \[\.\.\., r\]"),
+        (lambda: logit_scale(torch.ones(2, 0)), ValueError, r"logits must be \[\.\.\., r\]"),
         (lambda: collect_sites("model"), TypeError, "model must be an nn.Module"),
         (
             lambda: collect_sites(nn.Linear(2, 2), loss_fn="mean"),

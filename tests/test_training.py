@@ -385,6 +385,14 @@ def test_measure_stability_per_site_marginal_error_of_a_sinkhorn_model():
         "max": stability["marginal_error_max"],
     }
     assert record["marginal_error_max"] == max(stability["marginal_error_max"]) > 1e-3
+    # the spread of the H_res logits per site, and its largest over the sites as a scalar
+    assert record["logit_scale"] == {
+        "mean": stability["logit_scale_mean"],
+        "max": stability["logit_scale_max"],
+    }
+    assert len(stability["logit_scale_max"]) == len(errors)
+    assert record["h_res_logit_scale"] == max(stability["logit_scale_max"]) > 0
     assert set(STABILITY_SCALARS) <= set(record) and record["fwd_gain"] == gains["forward_gain"][-1]
     none = eval_record(7, 100, 2.5, None, 1.0, None)
     assert none["marginal_error"] is None and all(none[k] is None for k in STABILITY_SCALARS)
+    assert none["logit_scale"] is None

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..block import MHCBlock
-from .metrics import stream_spread
+from .metrics import logit_scale, stream_spread
 
 __all__ = ["SiteRecord", "collect_h_res", "collect_sites"]
 
@@ -30,6 +30,10 @@ class SiteRecord:
         h_pre, h_post: ``[*batch, n]`` float32 (float64 for float64 streams), detached.
         h_res: ``[*batch, n, n]``, same dtype, detached.
         spread: :func:`~mhc.diagnostics.stream_spread` of the streams the site received, ``[*batch]`` float64.
+        logit_scale: the spread of the logits the site's projection turned into ``H_res``
+            (:meth:`~mhc.MHCBlock.h_res_logits`): their standard deviation over the ``n²``
+            entries (``n!`` for mHC-lite) of each token, ``[*batch]`` float64; None for ``hc``
+            and ``residual`` sites. Sinkhorn's marginal error grows with it.
         grad_in_norm: ``‖∂loss/∂x‖_F`` of the streams the site received (all tokens), after a
             backward pass; None without one or when those streams did not require grad.
         grad_out_norm: the same for the streams the site returned.
@@ -42,6 +46,7 @@ class SiteRecord:
     h_post: Tensor
     h_res: Tensor
     spread: Tensor
+    logit_scale: Tensor | None = None
     grad_in_norm: float | None = None
     grad_out_norm: float | None = None
 
@@ -92,6 +97,7 @@ def collect_sites(
         x = args[0] if args else kwargs["x"]
         with torch.no_grad():
             h_pre, h_post, h_res = block.coefficients(x.detach())
+            logits = block.h_res_logits(x.detach())
         record = SiteRecord(
             name=names[id(block)] or f"site {len(records)}",
             mode=block.mode,
@@ -100,6 +106,10 @@ def collect_sites(
             h_post=h_post.detach(),
             h_res=h_res.detach(),
             spread=stream_spread(x),
+            # mHC-lite's logits are one per permutation, [..., n!]; the others' [..., n, n].
+            logit_scale=None
+            if logits is None
+            else logit_scale(logits if block.projection == "lite" else logits.flatten(-2)),
         )
         y = output[0] if isinstance(output, tuple) else output
         if loss_fn is not None:

@@ -33,6 +33,7 @@ from ..projection import marginal_error
 
 __all__ = [
     "CompositeGains",
+    "logit_scale",
     "TokenGains",
     "stack_h_res",
     "composite_mapping",
@@ -236,6 +237,31 @@ def stream_spread(x: Tensor) -> Tensor:
     return torch.where(
         total > 0, dev / total.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(total)
     )
+
+
+def logit_scale(logits: Tensor) -> Tensor:
+    """The spread of each token's ``H_res`` logits: their standard deviation over the last dimension.
+
+    The population standard deviation (no Bessel correction) of the ``r`` logits of a token:
+    ``r = n²`` for a Newton or Sinkhorn site (flatten ``[..., n, n]`` first), ``n!`` for mHC-lite.
+    Logits drawn i.i.d. with standard deviation ``σ`` read about ``σ``; the larger it is, the
+    sharper ``H_res`` and the further a truncated Sinkhorn falls from doubly stochastic.
+
+    Args:
+        logits: ``[..., r]``, any float dtype, ``r ≥ 1``.
+
+    Returns:
+        ``[...]`` float64.
+
+    Raises:
+        TypeError: ``logits`` is not a floating-point tensor. ValueError: it has no dimension or an empty last one.
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {type(logits).__name__}"
+                        f"{'' if not isinstance(logits, Tensor) else ' of ' + str(logits.dtype)}")  # fmt: skip
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., r] with r >= 1, got shape {tuple(logits.shape)}")
+    return logits.detach().double().std(dim=-1, correction=0)
 
 
 def near_zero_or_one(values: Tensor, eps: float) -> Tensor:

@@ -52,6 +52,9 @@ class StabilityReport:
         spread_mean, spread_min: :func:`~mhc.diagnostics.stream_spread` of the streams entering
             the site, mean and min over the tokens (0: collapsed into one stream); None when
             built from bare ``H_res`` tensors.
+        logit_scale_mean, logit_scale_max: :func:`~mhc.diagnostics.logit_scale` of the logits the
+            site's projection turned into ``H_res``, mean and max over the tokens; None for ``hc``
+            and ``residual`` sites and when built from bare ``H_res`` tensors.
         h_res_saturated_entries: fraction of the site's ``H_res`` entries within ``eps`` of 0 or 1
             (where the projection's gradient ``T(1-T)`` vanishes).
         h_res_saturated_rows: fraction of its rows within ``eps`` of one-hot.
@@ -83,6 +86,8 @@ class StabilityReport:
     marginal_error_token: list[tuple[int, ...]]
     spread_mean: list[float | None]
     spread_min: list[float | None]
+    logit_scale_mean: list[float | None]
+    logit_scale_max: list[float | None]
     h_res_saturated_entries: list[float | None]
     h_res_saturated_rows: list[float | None]
     pre_saturated: list[float | None]
@@ -144,7 +149,9 @@ def _build(
     bwd_mean, bwd_max, bwd_tok = _summaries(gains.backward, batch_shape)
     err_mean, err_max, err_tok = _summaries(marginal_error(h_res), batch_shape)
     depth = h_res.shape[0]
-    spread_mean, spread_min, pre_sat, post_sat, grad_ratio = ([None] * depth for _ in range(5))
+    spread_mean, spread_min, scale_mean, scale_max, pre_sat, post_sat, grad_ratio = (
+        [None] * depth for _ in range(7)
+    )
     if records is not None:
         last_out = records[-1].grad_out_norm
         for d, r in enumerate(records):
@@ -152,6 +159,8 @@ def _build(
                 float(r.spread.mean()),
                 float(r.spread.min()) if r.spread.numel() else None,
             )
+            if r.logit_scale is not None and r.logit_scale.numel():
+                scale_mean[d], scale_max[d] = float(r.logit_scale.mean()), float(r.logit_scale.max())
             if r.mode == "mhc":
                 pre_sat[d] = _fraction(near_zero_or_one(r.h_pre, eps))
                 post_sat[d] = _fraction(near_zero_or_one(r.h_post / 2, eps))
@@ -172,6 +181,8 @@ def _build(
         marginal_error_token=err_tok,
         spread_mean=spread_mean,
         spread_min=spread_min,
+        logit_scale_mean=scale_mean,
+        logit_scale_max=scale_max,
         h_res_saturated_entries=[
             _fraction(near_zero_or_one(h, eps)) if m in ("mhc", "?") else None for h, m in zip(h_res, modes)
         ],
@@ -266,7 +277,7 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
 
 _COLUMNS = (
     ("depth", 5), ("site", 0), ("mode", 8), ("fwd mean", 11), ("fwd max", 11), ("bwd mean", 11), ("bwd max", 11),
-    ("marg err max", 12), ("spread", 8), ("sat H_res", 9), ("sat rows", 8), ("sat pre", 7), ("sat post", 8),
+    ("marg err max", 12), ("logit std", 9), ("spread", 8), ("sat H_res", 9), ("sat rows", 8), ("sat pre", 7), ("sat post", 8),
     ("grad ratio", 10), ("pred bwd", 11),
 )  # fmt: skip
 
@@ -281,7 +292,7 @@ def format_table(report: StabilityReport) -> str:
             str(d), report.sites[d], report.modes[d],
             _fmt_gain(report.forward_gain_mean[d]), _fmt_gain(report.forward_gain_max[d]),
             _fmt_gain(report.backward_gain_mean[d]), _fmt_gain(report.backward_gain_max[d]),
-            _fmt(report.marginal_error_max[d], ".2e"), _fmt(report.spread_mean[d]),
+            _fmt(report.marginal_error_max[d], ".2e"), _fmt(report.logit_scale_max[d]), _fmt(report.spread_mean[d]),
             _fmt(report.h_res_saturated_entries[d]), _fmt(report.h_res_saturated_rows[d]),
             _fmt(report.pre_saturated[d]), _fmt(report.post_saturated[d]),
             _fmt(report.grad_ratio[d], ".4g"), _fmt_gain(report.predicted_backward_gain[d]),
@@ -303,7 +314,7 @@ def format_table(report: StabilityReport) -> str:
     ]
     key = (
         f"fwd/bwd: max abs row/column sum of H_res^d ... H_res^0, mean and max over tokens; marg err: of the site's "
-        f"own H_res; spread: ||x - mean stream|| / ||x|| of the streams entering the site (0 = collapsed); "
+        f"own H_res; logit std: of the logits projected to H_res, worst token; spread: ||x - mean stream|| / ||x|| of the streams entering the site (0 = collapsed); "
         f"sat: fraction within {report.eps:g} of 0 or 1 (rows: of one-hot; pre/post: sigmoid); grad ratio: "
         f"||dloss/dx_d|| / ||dloss/dx_L||; pred bwd: backward gain of H_res^(L-1) ... H_res^d."
     )

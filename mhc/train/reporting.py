@@ -7,7 +7,8 @@
 * ``"eval"``: ``step``, ``tokens``, ``val_loss``, ``fwd_gain``, ``bwd_gain`` (full-depth composite
   gains, None without mHC sites), the stability scalars of :data:`STABILITY_SCALARS` (None without
   mHC sites), ``marginal_error`` (``{"mean": [...], "max": [...]}``, per site over the tokens; None
-  without mHC sites), ``time_s``;
+  without mHC sites), ``logit_scale`` (the same for the spread of the ``H_res`` logits; None without
+  projected sites), ``time_s``;
 * ``"final"``: the summary (``summary.json``) less its per-depth ``composite_gains`` and ``stability``;
 * ``"stopped"``: ``step``, ``tokens``, ``reason``: the run stopped with an error because no step was
   succeeding (``max_skipped_in_a_row`` skipped steps in a row); no ``"final"`` record follows.
@@ -56,9 +57,11 @@ __all__ = [
 #: for rows within 1e-3 of one-hot; ``pre_post_saturation``: the largest fraction, over sites, of
 #: ``H_pre`` or ``H_post / 2`` within 1e-3 of 0 or 1 (the sigmoid's flat part). The three saturations
 #: are None for HC and residual models (no projection, no sigmoid: :class:`mhc.diagnostics.StabilityReport`);
-#: ``marginal_error_max``: the largest :func:`mhc.marginal_error` of one site's ``H_res`` at one token.
+#: ``marginal_error_max``: the largest :func:`mhc.marginal_error` of one site's ``H_res`` at one token;
+#: ``h_res_logit_scale``: the largest :func:`mhc.diagnostics.logit_scale` of the logits one site's
+#: projection turned into ``H_res`` at one token (None for HC and residual models).
 STABILITY_SCALARS = ("stream_spread", "h_res_saturation", "h_res_one_hot_rows", "pre_post_saturation",
-                     "marginal_error_max")  # fmt: skip
+                     "marginal_error_max", "h_res_logit_scale")  # fmt: skip
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -141,6 +144,11 @@ def eval_record(step: int, tokens: int, val_loss: float, gains: dict | None, tim
     record["marginal_error"] = (
         {"mean": stability["marginal_error_mean"], "max": stability["marginal_error_max"]}
         if stability
+        else None
+    )
+    record["logit_scale"] = (
+        {"mean": stability["logit_scale_mean"], "max": stability["logit_scale_max"]}
+        if stability and any(v is not None for v in stability["logit_scale_max"])
         else None
     )
     record["time_s"] = round(time_s, 3)
@@ -290,7 +298,8 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
         (:func:`mhc.diagnostics.composite_gains`; NaN everywhere for a diverged model: the run
         goes on). ``stability`` has per-site lists, in depth order, of
         :class:`mhc.diagnostics.StabilityReport`'s ``forward_gain_mean``, ``backward_gain_mean``,
-        ``marginal_error_mean``, ``marginal_error_max``, ``spread_mean``, ``spread_min``,
+        ``marginal_error_mean``, ``marginal_error_max``, ``logit_scale_mean``, ``logit_scale_max``,
+        ``spread_mean``, ``spread_min``,
         ``h_res_saturated_entries``, ``h_res_saturated_rows``, ``pre_saturated``, ``post_saturated``.
     """
     if not any(isinstance(m, MHCBlock) for m in model.modules()):
@@ -302,8 +311,9 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
     else:  # the SVD of the spectral norm refuses NaN
         nan = [float("nan")] * len(records)
         gains = {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
-    keys = ("forward_gain_mean", "backward_gain_mean", "marginal_error_mean", "marginal_error_max", "spread_mean",
-            "spread_min", "h_res_saturated_entries", "h_res_saturated_rows", "pre_saturated", "post_saturated")  # fmt: skip
+    keys = ("forward_gain_mean", "backward_gain_mean", "marginal_error_mean", "marginal_error_max",
+            "logit_scale_mean", "logit_scale_max", "spread_mean", "spread_min", "h_res_saturated_entries",
+            "h_res_saturated_rows", "pre_saturated", "post_saturated")  # fmt: skip
     return gains, {k: getattr(report, k) for k in keys}
 
 
@@ -319,6 +329,7 @@ def stability_scalars(stability: dict | None) -> dict[str, float | None]:
         "h_res_one_hot_rows": _finite_max(stability["h_res_saturated_rows"]),
         "pre_post_saturation": _finite_max(pre_post),
         "marginal_error_max": _finite_max(stability["marginal_error_max"]),
+        "h_res_logit_scale": _finite_max(stability["logit_scale_max"]),
     }
 
 
