@@ -50,10 +50,12 @@ from mhc.train.plots import variant_colors  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 CONFIG = "study_exactness"  # a preset (mhc/train/presets/)
+DEFAULT_TITLE = "Does an exact H_res matter? (issue 24)"
 # Slowest first (most kernels per site on the PyTorch path), so the longest runs start at once.
 LAUNCH_ORDER = ("mhc-sk20", "mhc-lite", "hc", "mhc", "residual")
 RECORD_KEYS = ("variant", "seed", "params", "tokens", "final_val_loss", "max_grad_norm", "loss_spikes", "fwd_gain",
-               "bwd_gain", "hres_marginal_err_max")  # fmt: skip
+               "bwd_gain", "hres_marginal_err_max", "hres_marginal_err_start", "hres_logit_scale_max",
+               "hres_logit_scale_start")  # fmt: skip
 TABLE_KEYS = (
     "final_val_loss",
     "max_grad_norm",
@@ -61,6 +63,7 @@ TABLE_KEYS = (
     "fwd_gain",
     "bwd_gain",
     "hres_marginal_err_max",
+    "hres_logit_scale_max",
 )
 SMOKE_CONFIG = "study_exactness_smoke"
 
@@ -123,6 +126,11 @@ def _finite_max(values) -> float | None:
     return max(finite) if finite else None
 
 
+def _finite_mean(values) -> float | None:
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return statistics.fmean(finite) if finite else None
+
+
 def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
     """``(record, curves)`` of a finished run; raises ``FileNotFoundError`` if it did not finish."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -133,6 +141,8 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
     # per-site {"mean": [...], "max": [...]} over the tokens of the trainer's diagnostic windows, per evaluation
     marginal = [(r["step"], r["marginal_error"]) for r in evals if r.get("marginal_error")]
     final_marginal = marginal[-1][1] if marginal else None
+    # the same for the spread of the H_res logits (absent from runs made before it was logged)
+    scale = [(r["step"], r["logit_scale"]) for r in evals if r.get("logit_scale")]
     record = {
         "variant": variant,
         "seed": seed,
@@ -141,6 +151,11 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
         "fwd_gain": summary.get("fwd_gain_max"),
         "bwd_gain": summary.get("bwd_gain_max"),
         "hres_marginal_err_max": _finite_max(final_marginal["max"]) if final_marginal else None,
+        # the first evaluation: the initial model (step 0) in runs made since it is evaluated
+        "hres_marginal_err_start": _finite_max(marginal[0][1]["max"]) if marginal else None,
+        "hres_marginal_err_start_step": marginal[0][0] if marginal else None,
+        "hres_logit_scale_max": _finite_max(scale[-1][1]["max"]) if scale else None,
+        "hres_logit_scale_start": _finite_max(scale[0][1]["max"]) if scale else None,
         # context: the full-depth gains (final, and their largest over the evaluations), the run itself
         **{k: summary.get(k) for k in ("fwd_gain_full_depth", "bwd_gain_full_depth")},
         "fwd_gain_full_depth_max_over_evals": _finite_max(r.get("fwd_gain") for r in evals),
@@ -168,6 +183,9 @@ def collect_run(variant: str, seed: int, run_dir: Path) -> tuple[dict, dict]:
         "marginal_over_training": [
             [step, _finite_max(m["max"]), statistics.fmean(m["mean"]) if m["mean"] else None]
             for step, m in marginal
+        ],  # fmt: skip
+        "logit_scale_over_training": [
+            [step, _finite_max(m["max"]), _finite_mean(m["mean"])] for step, m in scale
         ],  # fmt: skip
     }
     return record, curves
@@ -296,6 +314,23 @@ def plot_all(curves: list[dict], out: Path) -> list[str]:
     fig.suptitle("composite gain of H_res over depth, final models")
     finish(fig, "gain_vs_depth.png")
 
+    scaled = [
+        v for v in variants if any(c["variant"] == v and c.get("logit_scale_over_training") for c in curves)
+    ]
+    if scaled:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for v in scaled:
+            cs = [c for c in curves if c["variant"] == v and c.get("logit_scale_over_training")]
+            band(ax, [([e[0] for e in c["logit_scale_over_training"]], [e[1] for e in c["logit_scale_over_training"]])
+                      for c in cs], colors[v], v)  # fmt: skip
+        ax.set_xlabel("step")
+        ax.set_ylabel("std of the H_res logits (worst site and token)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        ax.set_title("spread of the logits projected to H_res over training")
+        finish(fig, "logit_scale.png")
+
     sk = [c for c in curves if c["variant"] == "mhc-sk20"]
     if any(c["marginal_over_training"] for c in sk) or any(c["marginal_final"] for c in sk):
         fig, (ax_t, ax_d) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -354,8 +389,36 @@ def merge_batches(batches: list[Path], out: Path) -> None:
             "config": metas[0].get("config") if metas else None,
             "tokens": sorted(budgets)[0] if len(budgets) == 1 else sorted(budgets),
             "wall_s": sum(m.get("wall_s") or 0 for m in metas), "total_s": sum(m.get("total_s") or 0 for m in metas),
-            "parallel": "/".join(str(m.get("parallel")) for m in metas), "batches": len(batches)}  # fmt: skip
+            "parallel": "/".join(str(m.get("parallel")) for m in metas), "batches": len(batches),
+            **{k: metas[0].get(k) for k in ("title", "tokenizer") if metas and metas[0].get(k)}}  # fmt: skip
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def start_end_table(records: list[dict]) -> list[str]:
+    """H_res's marginal error and logit spread at the first evaluation against the last, per projected variant."""
+    keys = (
+        "hres_marginal_err_start",
+        "hres_marginal_err_max",
+        "hres_logit_scale_start",
+        "hres_logit_scale_max",
+    )
+    variants = [
+        v for v in VARIANTS if any(r["variant"] == v and r.get("hres_logit_scale_max") for r in records)
+    ]
+    if not variants:
+        return []
+    steps = sorted(
+        {r.get("hres_marginal_err_start_step") for r in records if r["variant"] in variants} - {None}
+    )
+    lines = [f"H_res at the first evaluation (step {'/'.join(map(str, steps))}) and the last, worst site and token "
+             "(mean ± std over seeds): the marginal error ‖H1−1‖₁+‖Hᵀ1−1‖₁ and the standard deviation of the "
+             "logits the projection turns into H_res:", "",
+             "| variant | marginal error, first | marginal error, last | logit std, first | logit std, last |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for v in variants:
+        rs = [r for r in records if r["variant"] == v]
+        lines.append(f"| {v} | " + " | ".join(_mean_std([r.get(k) for r in rs]) for k in keys) + " |")
+    return [*lines, ""]
 
 
 def swap_table(records: list[dict]) -> list[str]:
@@ -375,6 +438,14 @@ def swap_table(records: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+def _repo_path(path: Path) -> str:
+    """``path`` relative to the checkout when it lies inside it (the committed page), else as given."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def write_report(out: Path) -> str:
     """README.md and the plots from OUT/results.json and OUT/curves.json; returns the README text."""
     records = json.loads((out / "results.json").read_text())
@@ -383,7 +454,7 @@ def write_report(out: Path) -> str:
     plots = plot_all(curves, out) if curves else []
     devices = sorted({str(r.get("device")) for r in records})
     lines = [
-        "# Does an exact H_res matter? (issue 24)",
+        f"# {meta.get('title') or DEFAULT_TITLE}",
         "",
         "Five ways to connect the residual streams, trained at one token budget with several seeds: "
         "`residual`, `hc` (unconstrained), `mhc` (exact Newton projection), `mhc-sk20` (the mHC paper's and "
@@ -396,13 +467,15 @@ def write_report(out: Path) -> str:
         "",
         summary_table(records),
         "",
-        "Columns: `final_val_loss` in nats/token (byte tokens); `max_grad_norm` the largest gradient norm "
+        f"Columns: `final_val_loss` in nats/token ({meta.get('tokenizer') or 'byte'} tokens); `max_grad_norm` the largest gradient norm "
         "before clipping; `loss_spikes` steps whose loss exceeded 1.25 x the running EMA after warmup; "
         "`fwd_gain` / `bwd_gain` the composite H_res gain (max row / column abs sum) at its worst depth, "
         "final model, worst token; `hres_marginal_err_max` ‖H1−1‖₁+‖Hᵀ1−1‖₁ of H_res, worst site and token "
-        "of the final evaluation. Per-run values: `results.json`; series: `curves.json`; each run's "
-        "metrics, summary and config: `runs/`.",
+        "of the final evaluation; `hres_logit_scale_max` the standard deviation of the logits a site's "
+        "projection turns into H_res, worst site and token of the final evaluation. Per-run values: "
+        "`results.json`; series: `curves.json`; each run's metrics, summary and config: `runs/`.",
         "",
+        *start_end_table(records),
         *swap_table(records),
         "## Plots",
         "",
@@ -412,7 +485,7 @@ def write_report(out: Path) -> str:
         "",
         "```",
         meta.get("command", "python scripts/study_exactness.py ..."),
-        "python scripts/study_exactness.py --report-only --out docs/studies/exactness",
+        f"python scripts/study_exactness.py --report-only --out {_repo_path(out)}",
         "```",
         "",
     ]
@@ -460,6 +533,7 @@ def main(argv=None) -> int:
         action="store_true",
         help=f"the preset {SMOKE_CONFIG} on the CPU: tests the pipeline in seconds",
     )
+    p.add_argument("--title", default=DEFAULT_TITLE, help="the results page's heading (default: %(default)s)")
     p.add_argument("--report-only", action="store_true", help="only rebuild README.md and the plots from OUT")
     p.add_argument(
         "--deepseek-gap", action="store_true", help="print mhc.hf.deepseek_v4.gap_table() (CPU) and exit"
@@ -555,7 +629,8 @@ def main(argv=None) -> int:
     command = "python scripts/study_exactness.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {"command": command, "config": os.path.relpath(config, REPO) if Path(config).is_absolute() else str(config),
             "tokens": tokens, "parallel": parallel, "wall_s": wall, "total_s": time.time() - t0,
-            "failed": failed, "calibration_tokens_per_s": rates, "target_s": args.target_s}  # fmt: skip
+            "failed": failed, "calibration_tokens_per_s": rates, "target_s": args.target_s, "title": args.title,
+            "tokenizer": cfgs[0].tokenizer}  # fmt: skip
     (out / "study.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(write_report(out))
     print(

@@ -242,13 +242,17 @@ def test_study_runner_smoke(tmp_path):
     spec.loader.exec_module(study)
     out, runs = tmp_path / "out", tmp_path / "runs"
     code = study.main(["--smoke", "--variants", "mhc-sk20", "--seeds", "3", "--tokens", "512", "--out", str(out),
-                       "--runs", str(runs), "--set", f"cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+                       "--runs", str(runs), "--set", f"cache_dir={tmp_path / 'cache'}", "--title", "A smoke study"])  # fmt: skip
     assert code == 0, (runs / "mhc-sk20" / "seed3.log").read_text()
     (record,) = json.loads((out / "results.json").read_text())
     assert set(study.RECORD_KEYS) <= set(record)
     assert (record["variant"], record["seed"], record["tokens"]) == ("mhc-sk20", 3, 512)
     # eps = 1e-6 in every sum: 2n marginals each about 1e-6 off at least, far below order one at this scale
     assert 1e-6 < record["hres_marginal_err_max"] < 1e-2
+    # the first evaluation is the initial model's; the logit spread is logged at each one
+    assert record["hres_marginal_err_start_step"] == 0 and 0 < record["hres_marginal_err_start"] < 1e-2
+    assert record["hres_logit_scale_start"] > 0 and record["hres_logit_scale_max"] > 0
+    assert record["hres_logit_scale_max"] != record["hres_logit_scale_start"]  # training moved the logits
     assert record["fwd_gain"] is not None and record["loss_spikes"] >= 0
     # The trained model evaluated with each projection: its own (Sinkhorn) reproduces the run's final loss.
     by_projection = record["val_loss_by_projection"]
@@ -256,13 +260,19 @@ def test_study_runner_smoke(tmp_path):
     assert math.isfinite(by_projection["newton"])
     readme = (out / "README.md").read_text()
     assert "| mhc-sk20 | 1 |" in readme and "sk20_marginal_error.png" in readme and "| trained as |" in readme
+    assert readme.startswith("# A smoke study\n") and "(step 0) and the last" in readme
+    assert "logit_scale.png" in readme and "(bpe tokens)" not in readme and "(byte tokens)" in readme
     assert all(
-        (out / name).is_file() for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png")
+        (out / name).is_file()
+        for name in ("loss_curves.png", "gain_vs_depth.png", "sk20_marginal_error.png", "logit_scale.png")
     )
     assert (out / "runs" / "mhc-sk20" / "seed3" / "metrics.jsonl").is_file()
     merged = tmp_path / "merged"
     assert study.main(["--report-only", "--merge", str(out), str(out), "--out", str(merged)]) == 0
     assert json.loads((merged / "results.json").read_text()) == [record]  # one run, however often merged
+    assert (
+        (merged / "README.md").read_text().startswith("# A smoke study\n")
+    )  # the title travels with the runs
     with pytest.raises(SystemExit):
         study.main(["--variants", "mhc-sk2", "--out", str(out)])
 

@@ -206,6 +206,12 @@ def train(
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
                        max_steps=max_steps, overrides=overrides, corpus=corpus.record())  # what every checkpoint holds  # fmt: skip
 
+        # ---- step 0: a fresh run evaluates its initial model, where the curves and the stability series begin ----
+        if cfg.eval_interval and state is None:
+            initial_val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
+            gains, stability = measure_stability(model, diag_ids)
+            metrics.write(eval_record(0, 0, initial_val, gains, 0.0, stability))
+
         # ---- the step loop: one optimizer step per iteration; then log, evaluate, checkpoint, stop ----
         interrupted = stopped_early = False
         last_val, throughput, t0 = None, Throughput(), time.perf_counter()
