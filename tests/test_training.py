@@ -355,6 +355,8 @@ def test_eval_records_and_summary_log_stability(full_run):
     head, _, row = md.splitlines()[:3]
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")]))
     assert cells["max H_res marginal error"] == format(summary["marginal_error_max"], ".2g"), cells
+    assert cells["max H_res logit std"] == format(summary["h_res_logit_scale"], ".3g"), cells
+    assert summary["h_res_logit_scale"] == max(stability["logit_scale_max"]) > 0
     assert cells["stream spread @ last site"] == format(summary["stream_spread"], ".3g"), cells
     assert cells["max H_res / H_pre,post saturation"] == (
         f"{summary['h_res_saturation']:.3g} / {summary['pre_post_saturation']:.3g}"

@@ -14,13 +14,16 @@ __all__ = ["write_comparison"]
 _HEAD = (
     "| run | variant | n | params | tokens | steps | time (s) | tokens/s | final val loss | loss spikes "
     "| max grad norm | fwd gain @ full depth | bwd gain @ full depth | max fwd / bwd gain over depth "
-    "| max H_res marginal error | stream spread @ last site | max H_res / H_pre,post saturation |"
+    "| max H_res marginal error | max H_res logit std | stream spread @ last site "
+    "| max H_res / H_pre,post saturation |"
 )
 _CAPTION = (
     "Loss spike: a step whose training loss exceeds 1.25x the EMA (beta 0.95) of the earlier losses, after warmup "
     "(or is not finite). Gains: max absolute row (forward) / column (backward) sum of the composite "
     "H_res product over all sites, worst token of 2 validation sequences (mhc.diagnostics). Marginal error: the "
-    "largest doubly-stochastic deviation |H1 - 1|_1 + |H^T 1 - 1|_1 of one site's H_res at one token. Stream spread: "
+    "largest doubly-stochastic deviation |H1 - 1|_1 + |H^T 1 - 1|_1 of one site's H_res at one token. Logit std: the "
+    "largest standard deviation of the logits one site's projection turns into H_res, at one token (a truncated "
+    "Sinkhorn's marginal error grows with it). Stream spread: "
     "|x - mean stream| / |x| of the streams entering the last site, mean over tokens (0 = the streams collapsed into "
     "one). Saturation: the largest fraction, over sites, of H_res entries (of H_pre or H_post/2: the sigmoid's flat "
     "part) within 1e-3 of 0 or 1."
@@ -45,7 +48,8 @@ def _table_row(r: dict) -> str:
         f"| {r['loss_spikes']} | {r['max_grad_norm']:.3g} | {_fmt_num(r.get('fwd_gain_full_depth'), '.4g')} "
         f"| {_fmt_num(r.get('bwd_gain_full_depth'), '.4g')} "
         f"| {_fmt_num(r.get('fwd_gain_max'), '.4g')} / {_fmt_num(r.get('bwd_gain_max'), '.4g')} "
-        f"| {_fmt_num(r.get('marginal_error_max'), '.2g')} | {_fmt_num(r.get('stream_spread'), '.3g')} "
+        f"| {_fmt_num(r.get('marginal_error_max'), '.2g')} | {_fmt_num(r.get('h_res_logit_scale'), '.3g')} "
+        f"| {_fmt_num(r.get('stream_spread'), '.3g')} "
         f"| {_fmt_num(r.get('h_res_saturation'), '.3g')} / {_fmt_num(r.get('pre_post_saturation'), '.3g')} |"
     )
 
