@@ -4,6 +4,7 @@
     python scripts/study_exactness.py --target-s 300   # one GPU, all runs at once; the slowest trains ~300 s
     python scripts/study_exactness.py --tokens 3000000 --jobs 8          # a fixed budget, 8 runs at a time
     python scripts/study_exactness.py --smoke --out /tmp/s --runs /tmp/r  # the pipeline on the CPU, seconds
+    python scripts/study_exactness.py --config small_gpu_mhc --seeds 0 --jobs 1 --calibrate-only  # tokens/s each
     python scripts/study_exactness.py --report-only                       # README.md + plots from OUT
     python scripts/study_exactness.py --report-only --merge b1 b2         # batches (same --tokens!) into OUT
     python scripts/study_exactness.py --deepseek-gap   # DeepSeek-V4's 20-round vs exact H_res on one site (CPU)
@@ -47,6 +48,7 @@ from mhc.hf.deepseek_v4 import gap_table  # noqa: E402
 from mhc.train import load_config, prepare_data, read_metrics  # noqa: E402
 from mhc.train.config import VARIANTS  # noqa: E402
 from mhc.train.plots import variant_colors  # noqa: E402
+from mhc.train.reporting import Throughput  # noqa: E402
 
 TRAIN = REPO / "scripts" / "train_lm.py"
 CONFIG = "study_exactness"  # a preset (mhc/train/presets/)
@@ -524,6 +526,9 @@ def main(argv=None) -> int:
     p.add_argument("--target-s", type=float, default=0.0,
                    help="calibrate: run every job --calib-steps steps at once, then pick the budget so the slowest trains ~this long")  # fmt: skip
     p.add_argument("--calib-steps", type=int, default=30)
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="only the calibration: every job's tokens/s over --calib-steps steps, --jobs at a time, "
+                        "to OUT/calibration.json (plans a study's budget and how many runs share a device)")  # fmt: skip
     p.add_argument(
         "--max-time-s", type=float, default=0.0, help="wall-clock cap per run (a capped run is flagged)"
     )
@@ -547,6 +552,9 @@ def main(argv=None) -> int:
         return 0
 
     out = Path(args.out)
+    if (args.target_s > 0 or args.calibrate_only) and args.calib_steps <= Throughput.WARMUP_STEPS:
+        p.error(f"--calib-steps must exceed the {Throughput.WARMUP_STEPS} warm-up steps a run's tokens/s leaves out, "
+                f"got {args.calib_steps}")  # fmt: skip
     if args.merge and not args.report_only:
         p.error("--merge goes with --report-only")
     if args.report_only:
@@ -584,7 +592,7 @@ def main(argv=None) -> int:
                                  stderr=subprocess.STDOUT)  # fmt: skip
     data, _, _ = prepare_data(cfgs[0])  # tokenizer and token caches once, before the runs start in parallel
     tokens, rates = args.tokens, {}
-    if args.target_s > 0:
+    if args.target_s > 0 or args.calibrate_only:
         cal_sets = common + [f"max_steps={args.calib_steps}", "tokens=0", "eval_interval=0", "max_time_s=0"]
         cal_jobs = [(v, s, runs / "calibration" / v / f"seed{s}") for v, s, _ in jobs]
         run_parallel(cal_jobs, config, cal_sets, parallel)
@@ -599,6 +607,16 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.calibrate_only:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "calibration.json").write_text(json.dumps(
+                {"tokens_per_s": rates, "calib_steps": args.calib_steps, "parallel": parallel, "config": str(config),
+                 "sets": common, "device": "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"},
+                indent=1) + "\n")  # fmt: skip
+            print(
+                f"calibration tokens/s ({parallel} at a time): {json.dumps({k: round(v) for k, v in rates.items()})}"
+            )
+            return 0
         per_step = cfgs[0].batch_size * cfgs[0].grad_accum * cfgs[0].seq_len
         tokens = max(per_step, int(min(rates.values()) * args.target_s) // per_step * per_step)
         print(

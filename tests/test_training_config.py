@@ -275,6 +275,15 @@ def test_study_runner_smoke(tmp_path):
     )  # the title travels with the runs
     with pytest.raises(SystemExit):
         study.main(["--variants", "mhc-sk2", "--out", str(out)])
+    calib = tmp_path / "calib"
+    assert study.main(["--smoke", "--calibrate-only", "--calib-steps", "5", "--variants", "residual,mhc-sk20", "--seeds",
+                       "0", "--out", str(calib), "--runs", str(tmp_path / "calib_runs"),
+                       "--set", f"cache_dir={tmp_path / 'cache'}"]) == 0  # fmt: skip
+    rates = json.loads((calib / "calibration.json").read_text())["tokens_per_s"]
+    assert set(rates) == {"residual/seed0", "mhc-sk20/seed0"} and all(r > 0 for r in rates.values())
+    assert not (calib / "results.json").exists()  # no study was run
+    with pytest.raises(SystemExit):  # too few steps to time any: refused before anything runs
+        study.main(["--smoke", "--calibrate-only", "--calib-steps", "3", "--out", str(calib)])
 
 
 def test_presets_load_by_name_and_ship_inside_the_package(tmp_path, monkeypatch):
