@@ -359,7 +359,8 @@ def train(
             log(
                 f"composite mapping at full depth ({len(gains['forward_gain'])} sites): "
                 f"forward gain {gains['forward_gain'][-1]:.4g}, backward gain {gains['backward_gain'][-1]:.4g}; "
-                f"max H_res marginal error {_or_na(summary['marginal_error_max'], '.2g')}, stream spread at the "
+                f"max H_res marginal error {_or_na(summary['marginal_error_max'], '.2g')} (logit std "
+                f"{_or_na(summary['h_res_logit_scale'], '.3g')}), stream spread at the "
                 f"last site {_or_na(summary['stream_spread'], '.3g')} (0 = collapsed), max H_res saturation "
                 f"{_or_na(summary['h_res_saturation'], '.3g')}"
             )
