@@ -585,7 +585,8 @@ def main(argv=None) -> int:
     parallel = args.jobs or len(jobs)
     t0 = time.time()
     build = None
-    if "mhc" in variants and torch.cuda.is_available() and not args.smoke:
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if "mhc" in variants and device == "cuda":
         # The Newton runs use the CUDA Birkhoff kernels, compiled on first use (about a minute): start
         # the build now; a run that needs them before it is done waits on the build's lock.
         build = subprocess.Popen([sys.executable, "-m", "mhc.cuda_build"], stdout=subprocess.DEVNULL,
@@ -611,7 +612,7 @@ def main(argv=None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             (out / "calibration.json").write_text(json.dumps(
                 {"tokens_per_s": rates, "calib_steps": args.calib_steps, "parallel": parallel, "config": str(config),
-                 "sets": common, "device": "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"},
+                 "sets": common, "device": device},
                 indent=1) + "\n")  # fmt: skip
             print(
                 f"calibration tokens/s ({parallel} at a time): {json.dumps({k: round(v) for k, v in rates.items()})}"
@@ -637,7 +638,6 @@ def main(argv=None) -> int:
         print(f"failed runs: {failed} (their logs: {runs}/<variant>/<seed>.log)", file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     windows = data.val_windows(cfgs[0].eval_batches * cfgs[0].batch_size)
     records, curves = collect_all(jobs, out, windows, device)
     (out / "results.json").write_text(

@@ -106,10 +106,8 @@ def collect_sites(
             h_post=h_post.detach(),
             h_res=h_res.detach(),
             spread=stream_spread(x),
-            # mHC-lite's logits are one per permutation, [..., n!]; the others' [..., n, n].
-            logit_scale=None
-            if logits is None
-            else logit_scale(logits if block.projection == "lite" else logits.flatten(-2)),
+            # [*batch, n, n] (mHC-lite: [*batch, n!]) -> [*batch, r]
+            logit_scale=None if logits is None else logit_scale(logits.flatten(x.dim() - 2)),
         )
         y = output[0] if isinstance(output, tuple) else output
         if loss_fn is not None:

@@ -206,11 +206,18 @@ def train(
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
                        max_steps=max_steps, overrides=overrides, corpus=corpus.record())  # what every checkpoint holds  # fmt: skip
 
+        def evaluate_and_record(
+            step: int, tokens: int, time_s: float
+        ) -> tuple[float, dict | None, dict | None]:
+            # validation loss, then gains and stability on diag_ids; one "eval" record of metrics.jsonl
+            val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
+            gains, stability = measure_stability(model, diag_ids)
+            metrics.write(eval_record(step, tokens, val, gains, time_s, stability))
+            return val, gains, stability
+
         # ---- step 0: a fresh run evaluates its initial model, where the curves and the stability series begin ----
         if cfg.eval_interval and state is None:
-            initial_val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
-            gains, stability = measure_stability(model, diag_ids)
-            metrics.write(eval_record(0, 0, initial_val, gains, 0.0, stability))
+            evaluate_and_record(0, 0, 0.0)
 
         # ---- the step loop: one optimizer step per iteration; then log, evaluate, checkpoint, stop ----
         interrupted = stopped_early = False
@@ -265,9 +272,7 @@ def train(
                     break  # the end below evaluates and checkpoints the last step
                 # evaluate
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
-                    last_val = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
-                    gains, stability = measure_stability(model, diag_ids)
-                    metrics.write(eval_record(step, tokens, last_val, gains, counters.elapsed_s, stability))
+                    last_val = evaluate_and_record(step, tokens, counters.elapsed_s)[0]
                 # checkpoint
                 if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                     save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
@@ -290,9 +295,7 @@ def train(
             return {"interrupted": True, "step": step}
 
         # ---- the end: final evaluation and checkpoint, model/, summary.json, plots ----
-        val_loss = evaluate(train_model, val_windows, cfg.batch_size, info, device, autocast)
-        gains, stability = measure_stability(model, diag_ids)
-        metrics.write(eval_record(step, tokens, val_loss, gains, counters.elapsed_s, stability))
+        val_loss, gains, stability = evaluate_and_record(step, tokens, counters.elapsed_s)
         if (
             state is None or step > start_step
         ):  # a finished run resumed again keeps its final checkpoint as it is
