@@ -137,9 +137,10 @@ class MHCBlock(nn.Module):
         self.branch = branch
         # The block that runs next on this one's output (next_site), and what the previous one left here.
         self._site_link = SiteLink()
-        self.hidden_size = sizes["hidden_size"]
-        self.n_streams = sizes["n_streams"]
-        self.layer_index = sizes["layer_index"]
+        # Read-only (properties below): the parameters' shapes and the init depend on them.
+        self._hidden_size = sizes["hidden_size"]
+        self._n_streams = sizes["n_streams"]
+        self._layer_index = sizes["layer_index"]
         self._pre_eps, self._sinkhorn_eps = sizes["pre_eps"], sizes["sinkhorn_eps"]
         if self._lite(options):
             check_lite_streams(self.n_streams)
@@ -210,6 +211,21 @@ class MHCBlock(nn.Module):
         return options.mode == "mhc" and options.projection == "lite"
 
     @property
+    def hidden_size(self) -> int:
+        """The width ``C`` of each stream (read-only; set when the block is built)."""
+        return self._hidden_size
+
+    @property
+    def n_streams(self) -> int:
+        """The number of streams ``n`` (read-only; set when the block is built)."""
+        return self._n_streams
+
+    @property
+    def layer_index(self) -> int:
+        """The block's depth index, which ``init`` reads (read-only; set when the block is built)."""
+        return self._layer_index
+
+    @property
     def pre_eps(self) -> float:
         """Added to ``H_pre`` in ``mode="mhc"`` (read-only; set when the block is built)."""
         return self._pre_eps
@@ -254,13 +270,14 @@ class MHCBlock(nn.Module):
 
         Args:
             names: only these of ``phi``, ``alpha``, ``b_pre``, ``b_post``,
-                ``b_res`` (e.g. those a checkpoint did not supply); all by default.
+                ``b_res`` (e.g. those a checkpoint did not supply), or one such name;
+                all by default.
         """
         if self.mode == "residual":
             return
         wanted = {"phi", "alpha", "b_pre", "b_post", "b_res"}
         if names is not None:
-            names = set(names)
+            names = {names} if isinstance(names, str) else set(names)  # one name, or several
             reject_unknown_options(names, sorted(wanted), "MHCBlock.reset_parameters")
             wanted = names
         n = self.n_streams

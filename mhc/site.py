@@ -149,6 +149,8 @@ def coefficients(
             H_res = birkhoff_project(logits, tol=options.tol)
         return H_pre, H_post, H_res
 
+    if options.mode != "hc":
+        raise ValueError(f"coefficients: options.mode must be 'mhc' or 'hc', got {options.mode!r}")
     x_norm = F.rms_norm(x.to(acc), (C,), eps=options.norm_eps)
     dyn = torch.tanh(x_norm @ phi.t())  # [..., n, n + 2]: row i is read off stream i
     H_pre = a_pre * dyn[..., 0] + b_pre

@@ -156,6 +156,11 @@ class StreamReduce(nn.Module):
                 self.weight.fill_(1.0 / self.n_streams)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``[..., n, C]`` streams -> ``[..., C]`` (:func:`reduce_streams`); ``n`` must be this module's."""
+        if isinstance(x, Tensor) and (x.dim() < 2 or x.shape[-2] != self.n_streams):
+            raise ValueError(
+                f"StreamReduce({self.n_streams}) expects [..., {self.n_streams}, C], got {tuple(x.shape)}"
+            )
         return reduce_streams(x, self.weight)
 
     def extra_repr(self) -> str:

@@ -333,3 +333,36 @@ def test_coefficients_and_mixes_stay_float32_under_autocast(mode, fresh_seed):
         out = with_linear(x)
         assert lin(x[..., 0, :]).dtype == torch.bfloat16  # the sublayer itself still runs under autocast
     assert out.dtype == torch.float32
+
+
+def test_sizes_are_read_only_and_reset_parameters_takes_one_name():
+    block = MHCBlock(nn.Linear(8, 8), 8, n_streams=2, init="paper", layer_index=1)
+    for name, value in (("n_streams", 3), ("hidden_size", 16), ("layer_index", -3)):
+        with pytest.raises(AttributeError, match=name):
+            setattr(block, name, value)
+    assert (block.n_streams, block.hidden_size, block.layer_index) == (2, 8, 1)
+    phi, alpha = block.phi.detach().clone(), block.alpha.detach().clone()
+    with torch.no_grad():
+        block.phi.zero_()
+        block.alpha.fill_(5.0)
+    block.reset_parameters("phi")  # one name, not its letters
+    assert not torch.equal(block.phi, torch.zeros_like(phi)) and torch.equal(
+        block.alpha, torch.full_like(alpha, 5.0)
+    )
+
+
+def test_stream_reduce_refuses_another_stream_count():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"StreamReduce\(4\) expects \[\.\.\., 4, C\], got \(2, 3, 8\)"):
+        StreamReduce(4)(x)
+    assert torch.allclose(StreamReduce(3)(x), x.mean(-2))
+
+
+def test_site_coefficients_refuse_the_residual_mode():
+    from mhc import MHCOptions
+    from mhc.site import coefficients
+
+    x = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match="options.mode must be 'mhc' or 'hc', got 'residual'"):
+        coefficients(x, torch.zeros(4, 8), torch.ones(3), torch.zeros(2), torch.zeros(2), torch.zeros(2, 2),
+                     MHCOptions(mode="residual"))  # fmt: skip

@@ -513,3 +513,20 @@ def test_stability_report_checks_eps_before_running_the_model():
     with pytest.raises(ValueError, match="eps"):
         stability_report(Counting(), torch.ones(1), eps=0.0)
     assert calls == []
+
+
+def test_no_tokens_is_a_clear_error():
+    from mhc.testing import assert_composite_stable
+
+    with pytest.raises(ValueError, match="H_res holds no matrices"):
+        assert_composite_stable([torch.empty(0, 4, 4)])
+
+
+def test_cli_refuses_a_cuda_device_it_does_not_have(tmp_path, capsys):
+    from mhc.diagnostics.__main__ import main
+
+    (tmp_path / "config.json").write_text("{}")
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert main([str(tmp_path), "--device", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"--device {missing}" in err and "Traceback" not in err, err

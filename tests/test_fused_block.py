@@ -645,7 +645,14 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
 def test_compiled_site_under_autocast_matches_eager(fresh_seed):
     """fp32 weights, bf16 streams under bf16 autocast, torch.compile(fullgraph=True): one graph, the branch
     gets u in float32 in eager mode and in the streams' bf16 compiled (mhc.site.branch_input_dtype; u_dtype
-    reaches the op), and the eager fused numbers forward and backward within bf16's rounding of u."""
+    reaches the op). Compiled = the traced program run eagerly (backend="eager", u in bf16 too), forward and
+    backward; and the outputs and input gradients of eager mode (u in float32) within bf16's rounding of u.
+
+    The parameters' gradients are compared with the traced program's only: against eager mode's float32
+    u, the small ones (α, b_pre: sums over 10 tokens with cancellation) differ by up to 0.11 of their
+    norm on some seeds (41 seeds on the CPU, 2026-12-07; 1842737830 gave 0.039), which is u's rounding,
+    not an error; the traced program's differ by at most 1.9e-3 (24 seeds).
+    """
     from torch._dynamo.utils import counters
 
     torch.manual_seed(fresh_seed)
@@ -662,8 +669,13 @@ def test_compiled_site_under_autocast_matches_eager(fresh_seed):
                 x = b(x)
         return x
 
-    out_e, dx_e, grads_e = _loss_and_grads(run, blocks, x, g)
+    out_e, dx_e, _ = _loss_and_grads(run, blocks, x, g)
     assert all(u.dtype == torch.float32 for b in blocks for u in b.branch.seen)
+    torch._dynamo.reset()
+    for b in blocks:
+        b.branch.seen.clear()
+    out_t, dx_t, grads_t = _loss_and_grads(torch.compile(run, fullgraph=True, backend="eager"), blocks, x, g)
+    assert [u.dtype for b in blocks for u in b.branch.seen] == [torch.bfloat16] * 2
     torch._dynamo.reset()
     counters.clear()
     for b in blocks:
@@ -674,9 +686,11 @@ def test_compiled_site_under_autocast_matches_eager(fresh_seed):
     assert out_c.dtype == torch.bfloat16 and dx_c.dtype == torch.bfloat16
     assert [u.dtype for b in blocks for u in b.branch.seen] == [torch.bfloat16] * 2
     tol = dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out_c, out_e, **tol, msg=lambda m: f"seed {fresh_seed}: {m}")
-    torch.testing.assert_close(dx_c, dx_e, **tol, msg=lambda m: f"seed {fresh_seed}, dx: {m}")
-    for a, b in zip(grads_c, grads_e):
+    for ref, what in ((out_t, "traced"), (out_e, "eager")):
+        torch.testing.assert_close(out_c, ref, **tol, msg=lambda m, w=what: f"seed {fresh_seed}, {w}: {m}")
+    for ref, what in ((dx_t, "traced"), (dx_e, "eager")):
+        torch.testing.assert_close(dx_c, ref, **tol, msg=lambda m, w=what: f"seed {fresh_seed}, {w} dx: {m}")
+    for a, b in zip(grads_c, grads_t):
         assert _rel(a, b) < 3e-2, f"seed {fresh_seed}"
 
 

@@ -3,7 +3,7 @@
 * a saved model loads through ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a
   fresh process that never imports mhc (the saved ``modeling_mhc.py`` + ``auto_map``), as mhc's own classes,
   with the saving process's logits; after ``import mhc`` the plain call loads it; without mhc-torch
-  installed the error says ``pip install mhc-torch``;
+  installed the error says how to install mhc-torch from its repository;
 * ``MHCForCausalLM.from_pretrained`` refuses weights holding NaN or Inf, naming the tensors;
 * :func:`mhc.convert_to_mhc` refuses a model without an LM head, naming it;
 * an :class:`mhc.MHCConfig` whose recorded adapter does not fit its base model says which disagree.
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, GPT2Model, LlamaModel
 import mhc
 from mhc import MHCBlock, MHCConfig, MHCForCausalLM, StreamReduce, convert_to_mhc
 from mhc.hf.adapters import ADAPTERS
-from mhc.hf.custom_code import AUTO_MAP, CODE_FILE, code_source
+from mhc.hf.custom_code import AUTO_MAP, CODE_FILE, INSTALL, code_source
 from mhc.hf.verify import NonFiniteWeightsError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +98,8 @@ def test_save_pretrained_writes_the_loader_and_leaves_the_config_alone(saved_wit
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["model_type"] == "mhc"
     source = (folder / CODE_FILE).read_text()
-    assert "from mhc.hf import MHCConfig, MHCForCausalLM" in source and "pip install mhc-torch" in source
+    assert "from mhc.hf import MHCConfig, MHCForCausalLM" in source and INSTALL in source
+    assert "pip install mhc-torch" not in source  # not on PyPI: that name could install anything
     compile(source, CODE_FILE, "exec")
     model = MHCForCausalLM(MHCConfig(base_config=tiny_config("llama"), n_streams=2))
     model.config.auto_map = {"AutoTokenizer": ["tok.Tok", None]}
@@ -201,7 +202,7 @@ def test_plain_from_pretrained_after_import_mhc(saved_with_logits, tmp_path):
     assert type(model) is MHCForCausalLM
 
 
-def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_logits, tmp_path):
+def test_without_mhc_installed_the_error_says_how_to_install_mhc_torch(saved_with_logits, tmp_path):
     folder, _ = saved_with_logits
     out = run_python(
         f"""
@@ -224,7 +225,7 @@ def test_without_mhc_installed_the_error_says_pip_install_mhc_torch(saved_with_l
         tmp_path,
         hide_mhc=True,
     )
-    assert "pip install mhc-torch" in out and "No module named 'mhc'" in out, out
+    assert "git+https://github.com/mhc-torch/mhc.git" in out and "No module named 'mhc'" in out, out
 
 
 def corrupt_safetensors(path: Path, tensor: str, pattern: bytes, nbytes: int = 64, offset: int = 0) -> None:
@@ -497,3 +498,71 @@ def test_config_with_other_stream_count_raises_or_reinitialises(tmp_path):
     defaults = mhc_parameters(convert_to_mhc(tiny_base("llama"), n_streams=2, reduce="learned"))
     for name, p in got.items():
         assert torch.equal(p, defaults[name] if name in resized else torch.full((3,), 0.3)), name
+
+
+# ----------------------------------------------------------------------------- one base config
+
+
+def test_resize_token_embeddings_reaches_the_model_and_its_saved_config(tmp_path):
+    """HF sets the new vocabulary on get_text_config(): that must be the base model's own config."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2).eval()
+    assert model.config.get_text_config() is model.model.config
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == model.model.config.vocab_size == 120
+    assert model.config.base_config["vocab_size"] == 120
+    x = torch.randint(100, 120, (2, 9))  # new token ids
+    loss = model(x, labels=x).loss  # the base model's loss reads its config's vocabulary
+    assert torch.isfinite(loss)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["base_config"]["vocab_size"] == 120
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_base_fields_set_on_the_config_reach_the_model():
+    base = tiny_config("llama")
+    cfg = MHCConfig(base_config=base, n_streams=2, hidden_size=48, rms_norm_eps=1e-4)
+    assert (
+        cfg.get_text_config().hidden_size == 48 and cfg.hidden_size == 48 and "hidden_size" not in vars(cfg)
+    )
+    model = MHCForCausalLM(cfg)
+    assert model.get_input_embeddings().weight.shape[1] == 48
+    assert model.model.config.rms_norm_eps == 1e-4
+    model.config.use_cache = False  # the base model reads its own config
+    assert model.model.config.use_cache is False
+    assert model(ids()).past_key_values is None
+    with pytest.raises(TypeError):  # a snapshot: set fields on the config, not in this view
+        cfg.base_config["vocab_size"] = 7
+    assert base.hidden_size == 32  # the caller's config is copied, not changed
+
+
+def test_a_lite_config_with_too_many_streams_is_refused_when_built():
+    with pytest.raises(ValueError, match="lite"):
+        MHCConfig(base_config=tiny_config("llama"), n_streams=8, projection="lite")
+
+
+def test_save_pretrained_saves_the_options_the_blocks_run(tmp_path):
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2, init="paper").eval()
+    perturb_mhc(model)
+    blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
+    for b in blocks:
+        b.projection, b.sinkhorn_iters = "sinkhorn", 2
+    x = ids()
+    with torch.no_grad():
+        out = model(x).logits
+    with pytest.warns(UserWarning, match="config.projection is 'newton', config.sinkhorn_iters is 20 but the "
+                      "model's blocks run projection='sinkhorn', sinkhorn_iters=2"):  # fmt: skip
+        model.save_pretrained(tmp_path / "a")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert {b.projection for b in loaded.modules() if isinstance(b, MHCBlock)} == {"sinkhorn"}
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, out)
+    model.config.mode = "hc"  # read when a model is built: it changes nothing here, and is not saved
+    with pytest.warns(UserWarning, match="config.mode is 'hc' but the model's blocks run mode='mhc'"):
+        model.save_pretrained(tmp_path / "b")
+    assert MHCConfig.from_pretrained(tmp_path / "b").mode == "mhc"
+    blocks[0].sinkhorn_iters = 3
+    with pytest.raises(ValueError, match="different options .*sinkhorn_iters: 2, 3"):
+        model.save_pretrained(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

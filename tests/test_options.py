@@ -305,7 +305,13 @@ def test_config_options_are_what_its_blocks_run_by():
     model = MHCForCausalLM(cfg)
     blocks = [m for m in model.modules() if isinstance(m, MHCBlock)]
     assert blocks and all(b.options == opts and b.n_streams == 2 for b in blocks)
-    cfg.tol = "small"  # HF config fields are plain attributes; options() checks them again
+    with pytest.raises(TypeError, match="tol"):  # a field set on the config is checked at once
+        cfg.tol = "small"
+    with pytest.raises(ValueError, match="reduce must be 'mean' or 'learned'"):
+        cfg.reduce = "max"
+    cfg.tol = 1e-4
+    assert cfg.options().tol == 1e-4
+    cfg.__dict__["tol"] = "small"  # a value that slipped past the check: options() checks again
     with pytest.raises(TypeError, match="tol"):
         cfg.options()
 

@@ -360,3 +360,82 @@ def test_compare_trains_each_variant_in_its_own_process_with_this_mhc(tmp_path):
     assert len({r["corpus"]["sha256"] for r in rows}) == 1  # the same text for both
     assert "-m mhc.train --config tiny_cpu_mhc" in (out / "mhc.log").read_text().splitlines()[0]
     assert "Corpus: synthetic:v1 (" in (out / "compare.md").read_text() and (out / "compare.png").is_file()
+
+
+def test_a_token_budget_replaces_a_presets_step_count(tmp_path):
+    """--tokens on a preset that sets max_steps (tiny_cpu_mhc: 300) used to be ignored without a word."""
+    assert T.load_config("tiny_cpu_mhc").max_steps == 300
+    cfg = T.load_config("tiny_cpu_mhc", ["tokens=4096"])
+    assert (cfg.tokens, cfg.max_steps) == (4096, 0)
+    cfg = T.load_config("tiny_cpu_mhc", ["tokens=4096", "max_steps=7"])  # both given: max_steps decides
+    assert (cfg.tokens, cfg.max_steps) == (4096, 7)
+    cfg = T.load_config("small_gpu_mhc", ["max_steps=5"])  # a step count leaves the token budget alone
+    assert cfg.max_steps == 5 and cfg.tokens == 100_000_000
+
+
+@pytest.mark.parametrize("key, value, kind", [("max_steps", "abc", "an integer"), ("max_steps", "2.5", "an integer"),
+                                              ("lr", "abc", "a number"), ("batch_size", "[1]", "an integer")])  # fmt: skip
+def test_a_value_of_the_wrong_type_names_its_key(key, value, kind):
+    with pytest.raises(ValueError, match=f"{key} needs {kind}, got '"):
+        T.load_config(None, [f"{key}={value}"])
+
+
+def test_a_negative_step_count_is_called_negative():
+    with pytest.raises(ValueError, match="max_steps must be >= 0 .*got -3"):
+        T.load_config(None, {"max_steps": -3, "tokens": 1000})
+    with pytest.raises(ValueError, match="set max_steps or tokens"):
+        T.load_config(None, {"max_steps": 0, "tokens": 0})
+
+
+def test_data_and_tokenizer_settings_that_give_no_data_exit_2(tmp_path, cli, capsys):
+    """Refused data settings: one line on stderr and exit status 2, as other refused settings (no traceback)."""
+    tiny = {**TINY, "cache_dir": tmp_path / "cache"}
+    cases = [
+        ({"data": str(tmp_path / "nowhere")}, "does not exist"),
+        ({"tokenizer": "gpt2"}, "tokenizer=gpt2 needs tokenizer_path"),
+        ({"tokenizer": "gpt2", "tokenizer_path": str(tmp_path)}, "needs vocab.json"),
+        ({"mhc_options": "{stream_dtype: bogus}"}, "stream_dtype must be one of"),
+    ]
+    tiny_file = tmp_path / "tiny.txt"
+    tiny_file.write_text("x")
+    cases.append(({"data": str(tiny_file)}, "too small to split"))
+    for i, (sets, message) in enumerate(cases):
+        code = cli.main(["--run-dir", str(tmp_path / f"r{i}"), *_sets(**{**tiny, **sets})])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err, (
+            sets,
+            err,
+        )
+    with pytest.raises(T.DataNotFoundError):  # a FileNotFoundError and a ValueError too, as before
+        T.load_corpus(str(tmp_path / "nowhere"))
+    assert issubclass(T.DataNotFoundError, FileNotFoundError) and issubclass(T.DataError, ValueError)
+
+
+def test_resume_of_a_run_dir_that_does_not_exist_says_it_starts_a_new_run(tmp_path, cli, capsys):
+    code = cli.main(["--resume", "--run-dir", str(tmp_path / "typo"), *_sets(**{**TINY, "max_steps": 1})])
+    out = capsys.readouterr().out
+    assert code == 0 and "there is no run at" in out and "starting a NEW run" in out, out
+
+
+def test_compare_checks_its_numbers_and_keeps_earlier_runs(tmp_path, capsys):
+    from mhc.train import cli as train_cli
+
+    for flag, value in (
+        ("--tokens", "-5"),
+        ("--target-s", "-1"),
+        ("--max-time-s", "nan"),
+        ("--calib-steps", "0"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            train_cli.compare_main([flag, value, "--out", str(tmp_path / "c")])
+        assert stop.value.code == 2 and f"{flag} must be >=" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        train_cli.compare_main(["--report-only", "--out", str(tmp_path / "none")])
+    assert stop.value.code == 2 and "holds no finished run" in capsys.readouterr().err
+    earlier = tmp_path / "c" / "mhc"
+    earlier.mkdir(parents=True)
+    (earlier / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        train_cli.compare_main(["--variants", "mhc", "--out", str(tmp_path / "c")])
+    assert stop.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert (earlier / "summary.json").read_text() == "{}"

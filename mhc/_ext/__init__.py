@@ -39,7 +39,8 @@ def extension() -> ModuleType | None:
 
     Loading registers the ``torch.ops.mhc`` operators. A failed build warns
     once (``RuntimeWarning``, naming ``python -m mhc.cuda_build`` for the log)
-    and is not retried in this process.
+    and is not retried in this process; a PyTorch without CUDA answers ``None``
+    without a word (it has no CUDA tensors for the kernels).
     """
     if not _enabled:
         return None
@@ -53,6 +54,10 @@ def _load() -> None:
     global _loaded, _module
     with _lock:
         if _loaded is not None:
+            return
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            # A CPU-only PyTorch has no CUDA tensors to run the kernels on: nothing to warn about.
+            _loaded = False
             return
         try:
             module = build.load()

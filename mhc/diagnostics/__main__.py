@@ -82,7 +82,16 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     text = args.text.read_text(encoding="utf-8") if args.text else BUILTIN_TEXT
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
 
     # (MHCForCausalLM is registered with the Auto classes: importing mhc, this module's package, did it.)
     hf_logging.disable_progress_bar()  # the table is the output; no "Loading weights" bar above it

@@ -88,7 +88,8 @@ def stack_h_res(h_res: Sequence[Tensor] | Tensor) -> Tensor:
     """Per-site ``H_res`` as one detached float64 ``[L, *batch, n, n]`` tensor, first site first.
 
     Raises:
-        ValueError: no site, non-square matrices, or sites with different batch shapes.
+        ValueError: no site, no matrix (a batch of zero tokens, or ``n = 0``), non-square
+            matrices, or sites with different batch shapes.
         TypeError: an entry that is not a floating-point tensor.
     """
     if isinstance(h_res, Tensor):
@@ -114,6 +115,10 @@ def stack_h_res(h_res: Sequence[Tensor] | Tensor) -> Tensor:
         raise ValueError(f"H_res must be [L, ..., n, n] square matrices, got {tuple(stacked.shape)}")
     if stacked.shape[0] == 0:
         raise ValueError("composite mapping needs at least one site's H_res")
+    if stacked[0].numel() == 0:
+        raise ValueError(
+            f"H_res holds no matrices (shape {tuple(stacked.shape)}): there is nothing to measure"
+        )
     return stacked.detach().double()
 
 

@@ -20,7 +20,7 @@ This subpackage imports transformers; ``import mhc`` does not import it until
 one of these names is used.
 """
 
-from .config import MHC_FIELDS, MHCConfig
+from .config import MHC_FIELDS, MHCConfig, check_model_settings
 from .convert import added_parameter_count, convert_to_mhc
 from .modeling import MHCDecoderLayer, MHCForCausalLM
 from .verify import NonFiniteWeightsError
@@ -30,6 +30,7 @@ __all__ = [
     "MHCForCausalLM",
     "MHCDecoderLayer",
     "MHC_FIELDS",
+    "check_model_settings",
     "convert_to_mhc",
     "added_parameter_count",
     "NonFiniteWeightsError",

@@ -1,15 +1,22 @@
 """``MHCConfig``: the configuration of an mHC causal LM (a base model's config plus the mHC settings).
 
-Plain serialisable fields, as HF configs are: the base model's config is kept
+Plain serialisable fields, as HF configs are: the base model's config is saved
 as a JSON dict inside ``config.json``, and the mHC settings are the fields of
 :class:`mhc.MHCOptions` plus ``n_streams``, ``expand`` and ``reduce``. The
 model that reads it is :class:`mhc.MHCForCausalLM` (:mod:`mhc.hf`).
+
+In memory the base config is one object, which a built model shares with its
+base model: HF and users change the text config (``resize_token_embeddings``,
+``use_cache``) on it, and a separate copy here would be stale when the model
+runs or is saved.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 try:
@@ -18,11 +25,12 @@ except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as _BaseConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from ..mixing import check_lite_streams
 from ..options import MHCOptions, check_options, close_option
 from ..streams import DEFAULT_STREAM_DTYPE, STREAM_DTYPES
 from .adapters import Adapter, registered_adapter, supported_model_types
 
-__all__ = ["MHCConfig", "MHC_FIELDS"]
+__all__ = ["MHCConfig", "MHC_FIELDS", "check_model_settings"]
 
 # Base-config keys MHCConfig never exposes as its own attributes. The RoPE settings are the base
 # model's alone: PretrainedConfig validates them on the wrapper too, and transformers 5.17 reads
@@ -44,6 +52,7 @@ _NOT_DELEGATED = frozenset(
 # The mHC settings of MHCConfig (everything else it takes goes to PretrainedConfig).
 _BLOCK_FIELDS = ("n_streams", *MHCOptions.fields())
 MHC_FIELDS = ("base_config", *_BLOCK_FIELDS, "expand", "reduce", "stream_dtype")
+_OWN_FIELDS = frozenset({*MHC_FIELDS, "adapter"})
 # Keyword arguments every PretrainedConfig takes (4.x and 5.x), whatever their resemblance to an mHC field.
 _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parameters) | frozenset(
     {
@@ -64,6 +73,26 @@ _STANDARD_CONFIG_KEYS = frozenset(inspect.signature(_BaseConfig.__init__).parame
 
 # MHCBlock keywords that are not MHCOptions fields, so not stored in config.json (mhc.block).
 _BLOCK_ONLY_KEYWORDS = frozenset({"pre_eps", "sinkhorn_eps"})
+
+
+def check_model_settings(**settings: Any) -> None:
+    """Check the model-level mHC settings among ``settings`` (``expand``, ``reduce``, ``stream_dtype``).
+
+    The site settings are :class:`mhc.MHCOptions`' (:func:`mhc.options.check_options`); other
+    keywords are ignored. :class:`MHCConfig` checks these when it is built, and the trainer
+    (:mod:`mhc.train`) before it prepares anything.
+
+    Raises:
+        ValueError: a value :class:`MHCConfig` does not take, naming the setting.
+    """
+    if "expand" in settings and settings["expand"] != "copy":
+        raise ValueError(f"expand must be 'copy', got {settings['expand']!r}")
+    if "reduce" in settings and settings["reduce"] not in ("mean", "learned"):
+        raise ValueError(f"reduce must be 'mean' or 'learned', got {settings['reduce']!r}")
+    if "stream_dtype" in settings and settings["stream_dtype"] not in STREAM_DTYPES:
+        raise ValueError(
+            f"stream_dtype must be one of {', '.join(STREAM_DTYPES)}; got {settings['stream_dtype']!r}"
+        )
 
 
 def _reject_misspelled_fields(kwargs: dict[str, Any], base_config: dict[str, Any]) -> None:
@@ -95,10 +124,17 @@ class MHCConfig(_BaseConfig):
 
     Args:
         base_config: the wrapped model's config, as a ``PretrainedConfig`` or
-            a dict holding its ``model_type``. Stored as a plain dict, so it
-            serialises inside ``config.json``; :meth:`get_base_config` rebuilds
-            the config object. Its attributes (``hidden_size``, ``vocab_size``,
-            ``num_hidden_layers``, token ids, ...) read through on this config.
+            a dict holding its ``model_type`` (copied). It is kept as one config
+            object (:meth:`get_text_config`; a model built on this config shares
+            its base model's own, :meth:`attach_base_config`) and serialised as a
+            dict inside ``config.json``; ``config.base_config`` is a read-only
+            snapshot of it. Its fields (``hidden_size``, ``vocab_size``,
+            ``num_hidden_layers``, ``use_cache``, token ids, ...) read through on
+            this config, and setting one here sets it there, where the model reads
+            it (``resize_token_embeddings`` and ``config.use_cache = False`` work
+            as on the base model). A keyword naming a field of the base config
+            that ``PretrainedConfig`` does not take itself (``hidden_size=64``)
+            sets that field of the base config.
         n_streams: number of residual streams ``n`` (default 4).
         mode: ``"mhc"`` (doubly stochastic ``H_res``), ``"hc"`` (unconstrained
             hyper-connections) or ``"residual"`` (no parameters; with
@@ -140,7 +176,8 @@ class MHCConfig(_BaseConfig):
     The site settings are stored as plain fields (what ``config.json``
     holds) and checked as :class:`mhc.MHCOptions` checks them (``n_streams``
     an int ``>= 1``, not a bool or ``2.7``; ``tol`` finite and ``> 0``; ...);
-    :meth:`options` returns them as one ``MHCOptions``. Unknown keywords go to ``PretrainedConfig``, which keeps
+    :meth:`options` returns them as one ``MHCOptions``; setting one later is checked
+    the same way. Unknown keywords go to ``PretrainedConfig``, which keeps
     them as attributes (HF passes its own when loading), except one that looks
     like a misspelt mHC field (``projecton=``): that raises ``TypeError``
     naming the field it resembles.
@@ -197,13 +234,15 @@ class MHCConfig(_BaseConfig):
             alpha_init=alpha_init,
             norm_eps=norm_eps,
         )
-        if expand != "copy":
-            raise ValueError(f"expand must be 'copy', got {expand!r}")
-        if reduce not in ("mean", "learned"):
-            raise ValueError(f"reduce must be 'mean' or 'learned', got {reduce!r}")
-        if stream_dtype not in STREAM_DTYPES:
-            raise ValueError(f"stream_dtype must be one of {', '.join(STREAM_DTYPES)}; got {stream_dtype!r}")
-        self.base_config = base_config
+        check_model_settings(expand=expand, reduce=reduce, stream_dtype=stream_dtype)
+        # The base model's config lives as one object (a model built on this config shares its own, see
+        # attach_base_config); base_config is its dict view. Keywords that are fields of the base model's
+        # config, not PretrainedConfig's own, go to it: a shadowing copy here would not reach the model.
+        self.__dict__["_mhc_base"] = _build_base_config(base_config) if base_config else None
+        for name in [
+            k for k in kwargs if k in base_config and _delegated(k) and k not in _STANDARD_CONFIG_KEYS
+        ]:
+            setattr(self.__dict__["_mhc_base"], name, kwargs.pop(name))
         self.n_streams = n_streams
         for name, value in opts.to_dict().items():
             setattr(self, name, value)
@@ -216,8 +255,11 @@ class MHCConfig(_BaseConfig):
             raise TypeError(
                 f"adapter must be an mhc.hf.adapters.Adapter, its to_dict() or None, got {type(adapter).__name__}"
             )
+        if opts.mode == "mhc" and opts.projection == "lite":
+            check_lite_streams(n_streams)
         self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
+        self.__dict__["_mhc_ready"] = True  # from here on, setting a base model's field writes it there
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
@@ -251,35 +293,101 @@ class MHCConfig(_BaseConfig):
             {name: getattr(self, name) for name in MHCOptions.fields()}, owner="MHCConfig"
         )
 
+    @property
+    def base_config(self) -> Mapping[str, Any]:
+        """The base model's config as a read-only dict (``model_type`` included; empty without one).
+
+        A snapshot of :meth:`get_text_config`'s object, the one the model reads: set a field on this
+        config (``config.vocab_size = ...``) or on that object, not in this dict.
+        """
+        base = self.__dict__.get("_mhc_base")
+        return MappingProxyType({} if base is None else _base_dict(base))
+
+    def attach_base_config(self, base: _BaseConfig) -> None:
+        """Share ``base``, the wrapped model's own config object, as this config's base config.
+
+        :class:`mhc.MHCForCausalLM` calls it once its base model exists, so that what HF changes
+        on the text config (``resize_token_embeddings`` sets ``vocab_size`` there) and what is set
+        on this config reach the model and are saved with it.
+        """
+        if not isinstance(base, _BaseConfig):
+            raise TypeError(f"base must be a PretrainedConfig, got {type(base).__name__}")
+        if base.model_type == self.model_type:
+            raise ValueError("base is itself an MHCConfig; pass the wrapped model's config")
+        self.__dict__["_mhc_base"] = base
+
     def get_base_config(self) -> _BaseConfig:
-        """A fresh config object of the wrapped architecture, built from ``base_config``."""
-        if not self.base_config:
+        """A fresh config object of the wrapped architecture, a copy of :meth:`get_text_config`'s."""
+        base = self.__dict__.get("_mhc_base")
+        if base is None:
             raise ValueError("this MHCConfig has no base_config; pass the wrapped model's config")
-        data = copy.deepcopy(self.base_config)
-        model_type = data.pop("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"unknown base model_type {model_type!r}")
-        return CONFIG_MAPPING[model_type].from_dict(data)
+        return _build_base_config(_base_dict(base))
 
     def get_text_config(self, *args, **kwargs) -> _BaseConfig:
-        """The base config: what generation and caches read (layers, heads, vocabulary)."""
-        if not self.__dict__.get("base_config"):
-            return self
-        cached = self.__dict__.get("_mhc_base_cache")
-        if cached is None or cached[0] != id(self.base_config):
-            cached = (id(self.base_config), self.get_base_config())
-            self.__dict__["_mhc_base_cache"] = cached
-        return cached[1]
+        """The base config object: what the model, generation and caches read (layers, heads, vocabulary).
+
+        The same object on every call; once a model is built on this config, the base model's own
+        ``config`` (:meth:`attach_base_config`). This config itself where there is no base config.
+        """
+        base = self.__dict__.get("_mhc_base")
+        return self if base is None else base
 
     def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out.pop("_mhc_base_cache", None)
+        base = self.__dict__.pop("_mhc_base", None)
+        try:
+            out = super().to_dict()
+        finally:
+            self.__dict__["_mhc_base"] = base
+        out.pop("_mhc_ready", None)
+        out["base_config"] = {} if base is None else _base_dict(base)
         return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_mhc_ready"):
+            # The mHC settings are checked as the constructor checks them (the model reads them when built).
+            if name in _BLOCK_FIELDS:
+                value = check_options(**{name: value})[name]
+            elif name in ("expand", "reduce", "stream_dtype"):
+                check_model_settings(**{name: value})
+        base = self.__dict__.get("_mhc_base")
+        if (
+            base is not None
+            and self.__dict__.get("_mhc_ready")
+            and _delegated(name)
+            and _has_field(base, name)
+        ):
+            # The model reads the base config: a value set only here would not reach it.
+            setattr(base, name, value)
+            if name not in self.__dict__:
+                return
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: read the base model's fields through.
-        if not name.startswith("_") and name not in _NOT_DELEGATED:
-            base = self.__dict__.get("base_config")
-            if base and name in base:
-                return base[name]
+        base = self.__dict__.get("_mhc_base")
+        if base is not None and _delegated(name) and _has_field(base, name):
+            return getattr(base, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def _delegated(name: str) -> bool:
+    """Whether ``name`` may be read from (and written to) the base config through an :class:`MHCConfig`."""
+    return not name.startswith("_") and name not in _NOT_DELEGATED and name not in _OWN_FIELDS
+
+
+def _has_field(base: _BaseConfig, name: str) -> bool:
+    return name in vars(base) or name in getattr(base, "attribute_map", {})
+
+
+def _base_dict(base: _BaseConfig) -> dict[str, Any]:
+    data = base.to_dict()
+    data.pop("transformers_version", None)
+    return data
+
+
+def _build_base_config(data: dict[str, Any]) -> _BaseConfig:
+    data = copy.deepcopy(dict(data))
+    model_type = data.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"unknown base model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type].from_dict(data)

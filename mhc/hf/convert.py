@@ -104,10 +104,6 @@ def convert_to_mhc(
         raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
     check_adapter_fits(model, adapter)
     config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
-    quant = config.base_config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
-        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left.
-        del config.base_config["quantization_config"]
     impl = getattr(model.config, "_attn_implementation_internal", None)
     if impl is not None:
         config._attn_implementation_internal = impl
@@ -127,6 +123,11 @@ def convert_to_mhc(
     for module in mhc_model.modules():
         if isinstance(module, (MHCBlock, StreamReduce)):
             module.to(device=ref.device)  # stays float32
+    quant = getattr(model.config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left,
+        # so the converted model (whose config is the base model's own) saves none.
+        del model.config.quantization_config
     if check:
         try:
             # The check tests the adapter: streams in the hidden state's dtype, as the original's.

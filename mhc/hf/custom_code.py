@@ -28,7 +28,8 @@ How transformers uses the hook:
 * ``transformers.dynamic_module_utils.check_imports`` asks for every package a custom module
   imports outside a ``try`` block, and would say ``pip install mhc`` (another project's
   name on PyPI). The module's import sits in a ``try`` and, without ``mhc`` installed,
-  raises an ``ImportError`` that says ``pip install mhc-torch``.
+  raises an ``ImportError`` that says to install mhc-torch from its repository (:data:`INSTALL`):
+  it is not on PyPI, so a ``pip install`` of a name would fetch whatever claims that name.
 
 :meth:`MHCConfig.register_for_auto_class` and :meth:`MHCForCausalLM.register_for_auto_class`
 are no-ops: transformers calls them on classes it loads through a hook, and a
@@ -41,9 +42,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["AUTO_MAP", "CODE_FILE", "code_source", "write_code_file"]
+__all__ = ["AUTO_MAP", "CODE_FILE", "INSTALL", "code_source", "write_code_file"]
 
 CODE_FILE = "modeling_mhc.py"
+# How a machine without mhc gets it: from the repository, since mhc-torch is not on PyPI (README, "Install").
+INSTALL = "`pip install git+https://github.com/mhc-torch/mhc.git`"
 AUTO_MAP = {
     "AutoConfig": "modeling_mhc.MHCConfig",
     "AutoModelForCausalLM": "modeling_mhc.MHCForCausalLM",
@@ -53,7 +56,7 @@ _SOURCE = '''"""An mHC model (manifold-constrained hyper-connections): the class
 
 Written by mhc-torch {version} (MHCForCausalLM.save_pretrained). config.json's "auto_map" points here, so
 that transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) loads the model
-wherever mhc-torch is installed (`pip install mhc-torch`). This file defines nothing of its own: it
+wherever mhc-torch is installed ({install}). This file defines nothing of its own: it
 imports mhc's classes. After `import mhc` the folder also loads without trust_remote_code.
 """
 
@@ -64,7 +67,8 @@ except ModuleNotFoundError as err:
         raise  # mhc is there, something it needs is not: that error says what
     raise ImportError(
         "This model is an mHC model (config.json model_type 'mhc'); loading it needs the mhc-torch package, "
-        "which is not installed here ({{}}). Install it with `pip install mhc-torch`.".format(err)
+        "which is not installed here ({{}}). Install it from its repository: {install} (it is not on PyPI, "
+        "and `pip install mhc` installs an unrelated project).".format(err)
     ) from err
 
 __all__ = ["MHCConfig", "MHCForCausalLM"]
@@ -75,7 +79,7 @@ def code_source() -> str:
     """The text of :data:`CODE_FILE` (it names the installed ``mhc`` version that wrote it)."""
     from .. import __version__
 
-    return _SOURCE.format(version=__version__)
+    return _SOURCE.format(version=__version__, install=INSTALL)
 
 
 def write_code_file(directory: str | os.PathLike) -> Path:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import torch
 import transformers
@@ -66,6 +67,7 @@ except ImportError:  # pragma: no cover - very old transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..block import MHCBlock
+from ..options import MHCOptions
 from ..streams import STREAM_DTYPES, StreamReduce, effective_stream_dtype, expand_streams, stream_dtype_for
 from .adapters import Adapter
 from .branch import SiteBranch
@@ -266,6 +268,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             adapter = config.get_adapter()
         check_adapter_fits(base_model, adapter)
+        config.attach_base_config(base_model.config)
         self.adapter = adapter
         self.model = base_model
         self.stream_reduce = StreamReduce(config.n_streams, learned=config.reduce == "learned")
@@ -344,7 +347,16 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
           conversions are regexes for its own keys (Mixtral's ``.mlp.`` matches
           ``mlp_mhc``): reverting them on save would rename the mHC blocks' keys and the
           model would not reload. This class reads its own layout.
+        * The config saved describes the blocks as they run: options set on the blocks after
+          the model was built (``block.projection = "sinkhorn"``) are written into the config
+          first, with a ``UserWarning`` where the config said otherwise (the config's site
+          settings are read once, when the model is built).
+
+        Raises:
+            ValueError: the blocks' options differ from one another; a config holds one value
+                per option, so the saved model could not be rebuilt as it runs.
         """
+        self._describe_blocks_in_config()
         if _SAVE_HAS_ORIGINAL_FORMAT:
             kwargs.setdefault("save_original_format", False)
         main = args[0] if args else kwargs.get("is_main_process", True)
@@ -364,6 +376,34 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
                 config.__dict__.pop("auto_map", None)
             else:
                 config.auto_map = before
+
+    def _describe_blocks_in_config(self) -> None:
+        """Write the blocks' ``n_streams`` and options into the config, which must describe them when saved."""
+        blocks = [m for m in self.modules() if isinstance(m, MHCBlock)]
+        if not blocks:
+            return
+        values: dict[str, set] = {"n_streams": {b.n_streams for b in blocks}}
+        for name in MHCOptions.fields():
+            values[name] = {getattr(b.options, name) for b in blocks}
+        mixed = {name: sorted(map(repr, found)) for name, found in values.items() if len(found) > 1}
+        if mixed:
+            listing = "; ".join(f"{name}: {', '.join(found)}" for name, found in mixed.items())
+            raise ValueError(
+                f"the model's mHC blocks run different options ({listing}); a saved config holds one value "
+                "per option, so the model would not reload as it runs: give every block the same value first"
+            )
+        differ = {name: value for name, (value,) in values.items() if getattr(self.config, name) != value}
+        if differ:
+            said = ", ".join(f"config.{name} is {getattr(self.config, name)!r}" for name in differ)
+            run = ", ".join(f"{name}={value!r}" for name, value in differ.items())
+            warnings.warn(
+                f"{said} but the model's blocks run {run} (the config's site settings are read when the model "
+                "is built); the config now says what the blocks run, and is saved so",
+                UserWarning,
+                stacklevel=3,
+            )
+            for name, value in differ.items():
+                setattr(self.config, name, value)
 
     def _get_files_timestamps(self, working_dir):
         # save_pretrained(push_to_hub=True) uploads the files changed since this listing, taken

@@ -167,7 +167,9 @@ def unconverged_count(device=None, reset: bool = False) -> int:
 
 
 def check_convergence(device=None) -> int:
-    """Read the counter (syncs) and warn if it grew since the last warning; returns it."""
+    """Read the counter (syncs) and warn if it grew since the last warning; returns it (0 without the extension)."""
+    if not available():
+        return 0
     count = unconverged_count(device)
     _warn_if_grown(_device_index(device), count)
     return count

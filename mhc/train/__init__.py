@@ -45,6 +45,8 @@ from .compare import write_comparison
 from .config import (
     ConfigKeyError,
     ConfigNotFoundError,
+    DataError,
+    DataNotFoundError,
     TrainConfig,
     apply_overrides,
     list_presets,
@@ -84,6 +86,8 @@ __all__ = [
     "list_presets",
     "preset_path",
     "ConfigNotFoundError",
+    "DataError",
+    "DataNotFoundError",
     "apply_overrides",
     "parse_device",
     "resolve_device",

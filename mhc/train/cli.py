@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .compare import write_comparison
-from .config import DEFAULT_PRESET, VARIANTS, TrainConfig, list_presets, load_config
+from .config import DEFAULT_PRESET, VARIANTS, DataError, TrainConfig, list_presets, load_config
 from .data import prepare_data
 from .distributed import resolve_device
 from .loop import TrainingStoppedError, train
@@ -153,7 +153,7 @@ def train_main(argv=None, prog: str = "mhc-train") -> int:
         return 2
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite, resume_override=args.resume_override)
-    except (CheckpointError, FileExistsError, RunDirLockedError, RunDirSetupError) as e:
+    except (CheckpointError, DataError, FileExistsError, RunDirLockedError, RunDirSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStoppedError as e:
@@ -174,7 +174,9 @@ _COMPARE_DOC = """Train residual, HC and mHC on the same data, seed and token bu
 
 Each variant runs as `mhc-train` (`python -m mhc.train`) in its own process (on its own GPU
 with --devices; several devices run variants in parallel). The results land in
-OUT/<variant>/ and OUT/compare.{md,json,png}.
+OUT/<variant>/ and OUT/compare.{md,json,png}. A variant whose folder holds a run from an earlier
+invocation is refused unless --overwrite; variants run into the same OUT at different times are
+merged into one table.
 """
 
 
@@ -294,7 +296,16 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
     p.add_argument(
         "--report-only", action="store_true", help="only rebuild the table and plot from OUT/<variant>/"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace runs that OUT/<variant>/ holds from an earlier invocation (default: refuse)",
+    )
     args = p.parse_args(argv)
+    for flag, value, least in (("--tokens", args.tokens, 0), ("--target-s", args.target_s, 0),
+                               ("--max-time-s", args.max_time_s, 0), ("--calib-steps", args.calib_steps, 1)):  # fmt: skip
+        if not value >= least:  # (NaN fails too)
+            p.error(f"{flag} must be >= {least}, got {value}")
 
     if args.configs:
         cfgs = list(args.configs)
@@ -315,6 +326,16 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
         labels = names
     out = Path(args.out or f"runs/compare_{args.preset}")
     run_dirs = {lab: out / lab for lab in labels}
+    if args.report_only and not any(
+        (d / "summary.json").is_file() for d in (out.iterdir() if out.is_dir() else ())
+    ):
+        p.error(f"--report-only: {out} holds no finished run (no <variant>/summary.json); check --out")
+    taken = [str(d) for d in run_dirs.values() if d.exists() and any(d.iterdir())]
+    if not args.report_only and taken and not args.overwrite:
+        p.error(
+            f"{', '.join(taken)} already hold(s) a run from an earlier invocation; pass --overwrite to replace "
+            "it, give another --out, or --report-only to rebuild the table"
+        )
     if not args.report_only:
         base_sets = list(args.set) + ["progress=false"]
         if args.seed is not None:
@@ -369,6 +390,13 @@ def compare_main(argv=None, prog: str = "mhc-compare") -> int:
         sets = base_sets + ([f"tokens={tokens}", "max_steps=0"] if tokens else [])
         codes = run_all([(lab, c, run_dirs[lab], sets) for lab, c in zip(labels, cfgs)], devices)
         failed = {k: v for k, v in codes.items() if v}
+        for label in failed:  # the child's reason, so that it is not only in its log
+            log_path = run_dirs[label].parent / f"{run_dirs[label].name}.log"
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+            print(
+                f"{label} failed (exit {failed[label]}): {lines[-1] if lines else '(empty log)'}",
+                file=sys.stderr,
+            )
         if failed:
             print(f"failed runs: {failed} (see their .log files)", file=sys.stderr)
     else:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ..hf import MHC_FIELDS
+from ..hf import MHC_FIELDS, check_model_settings
 from ..mixing import check_lite_streams
 from ..options import OPTION_NAMES, check_options
 
@@ -43,6 +43,8 @@ __all__ = [
     "mhc_config_options",
     "parse_device",
     "apply_overrides",
+    "DataError",
+    "DataNotFoundError",
     "read_yaml",
     "load_config",
     "config_yaml",
@@ -107,7 +109,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per rank per micro-step
     grad_accum: int = 1
     max_steps: int = 0  # 0: derived from `tokens`
-    tokens: int = 0  # token budget (used when max_steps is 0)
+    tokens: int = 0  # token budget (used when max_steps is 0; setting it alone sets max_steps to 0)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -149,8 +151,6 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         parse_device(self.device)
-        if self.max_steps <= 0 and self.tokens <= 0:
-            raise ValueError("set max_steps or tokens (a token budget)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         for name in _AT_LEAST_ONE:
@@ -160,6 +160,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):  # NaN fails both
                 raise ValueError(f"{name} must be >= 0 (0: {_ZERO_MEANS[name]}), got {value}")
+        if self.max_steps == 0 and self.tokens == 0:
+            raise ValueError("set max_steps or tokens (a token budget)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not (self.eps > 0 and math.isfinite(self.eps)):
@@ -178,6 +180,10 @@ class TrainConfig:
         if self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.tokenizer == "gpt2" and not self.tokenizer_path:
+            raise ValueError(
+                "tokenizer=gpt2 needs tokenizer_path (a folder with vocab.json/encoder.json + merges)"
             )
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 258:
             raise ValueError(
@@ -278,6 +284,7 @@ def mhc_config_options(cfg: TrainConfig) -> dict[str, Any]:
     settings = {"n_streams": cfg.streams, **fixed, **options}
     site_options = {k: v for k, v in settings.items() if k in OPTION_NAMES}
     settings = {**settings, **check_options(**site_options)}
+    check_model_settings(**settings)
     if settings["mode"] == "mhc" and settings.get("projection") == "lite":
         check_lite_streams(settings["n_streams"])
     return settings
@@ -313,26 +320,34 @@ def _coerce(name: str, value: Any) -> Any:
             raise ValueError(f"{name} needs a boolean, got {value!r}")
         return bool(value)
     if kind is int:
-        if isinstance(value, str):
-            value = (
-                float(value.replace("_", ""))
-                if any(c in value for c in ".eE")
-                else int(value.replace("_", ""))
-            )
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ValueError(f"{name} needs an integer, got {value}")
-            value = int(value)
-        return int(value)
+        given = value
+        try:
+            if isinstance(value, str):
+                value = (
+                    float(value.replace("_", ""))
+                    if any(c in value for c in ".eE")
+                    else int(value.replace("_", ""))
+                )
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{name} needs an integer, got {given!r}") from None
     if kind is float:
-        return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} needs a number, got {value!r}") from None
     return "" if value is None else str(value)
 
 
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any] | Sequence[str]) -> TrainConfig:
     """Return ``cfg`` with overrides applied: a mapping, or ``["key=value", ...]`` strings.
 
-    Values are coerced to each field's type (``"1e3"`` for an int field is 1000).
+    Values are coerced to each field's type (``"1e3"`` for an int field is 1000). The training
+    budget is ``max_steps`` where it is set, else ``tokens``; so overrides that give ``tokens``
+    without ``max_steps`` also set ``max_steps`` to 0, and the token budget replaces a step count
+    that ``cfg`` had (a preset's ``max_steps`` would otherwise silently win over ``--tokens``).
     """
     if not isinstance(overrides, dict):
         pairs = {}
@@ -345,7 +360,22 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any] | Sequence[str])
     values = cfg.to_dict()
     for k, v in overrides.items():
         values[k] = _coerce(k, v)
+    if "tokens" in overrides and "max_steps" not in overrides:
+        values["max_steps"] = 0
     return TrainConfig(**values)
+
+
+class DataError(ValueError):
+    """The run's data settings give it no data: a corpus path that holds no UTF-8 text, a corpus too
+    small to split or to fill one sequence, a tokenizer folder without its files.
+
+    Raised while the data is prepared, before the first step; ``mhc-train`` reports it in one line
+    and exits 2, as for other refused settings.
+    """
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+    """A corpus or tokenizer path that does not exist (a :class:`DataError` and a ``FileNotFoundError``)."""
 
 
 class ConfigNotFoundError(FileNotFoundError, ValueError):

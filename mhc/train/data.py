@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import synthetic
 from .checkpoint import atomic_write_bytes
-from .config import TrainConfig, cache_root
+from .config import DataError, DataNotFoundError, TrainConfig, cache_root
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -172,10 +172,10 @@ def _given_files(data: str, extensions: str) -> list[tuple[str, Path]]:
             paths += [(f"{p.name}/{f.relative_to(p).as_posix()}", f) for f in _walk(p, suffixes)]
         elif p.is_file():
             if _read_text(p) is None:
-                raise ValueError(f"{p} is not UTF-8 text")
+                raise DataError(f"{p} is not UTF-8 text")
             paths.append((p.name, p))
         else:
-            raise FileNotFoundError(f"data path {p} does not exist")
+            raise DataNotFoundError(f"data path {p} does not exist")
     return paths
 
 
@@ -219,7 +219,7 @@ def load_corpus(data: str = "synthetic", extensions: str = "", max_mb: float = 0
             if budget is not None:
                 budget -= len(text)
     if not docs:
-        raise ValueError(f"no text documents found in {data!r}")
+        raise DataError(f"no text documents found in {data!r}")
     return Corpus(docs, source)
 
 
@@ -258,7 +258,7 @@ def split_corpus(
         chunks = [(s, r) for s in ("train", "val") for r in out[s]]
         flat = [c for _, r in chunks for c in r]
         if len(flat) < 2:
-            raise ValueError("the corpus is too small to split into train and validation")
+            raise DataError("the corpus is too small to split into train and validation")
         n_val = max(1, int(round(len(flat) * val_fraction)))
         out = {"train": [flat[:-n_val]], "val": [flat[-n_val:]]}
     return out
@@ -312,7 +312,7 @@ class PackedData:
         """A fixed, evenly spaced set of ``count`` validation windows, ``[<=count, seq_len]`` int64."""
         n, L = self.n_val_windows, self.seq_len
         if n == 0:
-            raise ValueError(f"the validation split holds fewer than seq_len={L} tokens")
+            raise DataError(f"the validation split holds fewer than seq_len={L} tokens")
         idx = np.unique(np.linspace(0, n - 1, num=min(count, n)).round().astype(np.int64))
         return torch.from_numpy(np.stack([self.val[i * L : (i + 1) * L] for i in idx]).astype(np.int64))
 
@@ -374,7 +374,7 @@ def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer
             atomic_write_bytes(path, buf.getvalue())
     data = PackedData(arrays["train"], arrays["val"], cfg.seq_len, cfg.seed, tok.vocab_size, tok.eos_id)
     if data.n_train_windows == 0:
-        raise ValueError(f"the training split holds fewer than seq_len={cfg.seq_len} tokens")
+        raise DataError(f"the training split holds fewer than seq_len={cfg.seq_len} tokens")
     log(
         f"data: {len(corpus.documents)} documents, {corpus.num_chars / 1e6:.2f}M chars from {corpus.source}; "
         f"tokens train {len(data.train):,} / val {len(data.val):,} ({tok.kind} tokenizer, vocab {tok.vocab_size})"

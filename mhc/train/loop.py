@@ -121,6 +121,13 @@ def train(
     info, device = setup_distributed(cfg)
     log = MainProcessLog(info)
     run_dir, ckpt_root = Path(cfg.run_dir), Path(cfg.run_dir) / "checkpoints"
+    if resume and not run_dir.exists():
+        # Allowed (a job script that always passes --resume starts its first run so), but said plainly:
+        # a mistyped --run-dir would otherwise start a whole new run unnoticed.
+        log(
+            f"--resume: there is no run at {run_dir} (no such folder); starting a NEW run there from step 0. "
+            "If you meant an existing run, stop and check --run-dir."
+        )
     lock = RunDirLock(run_dir) if info.is_main else None
     # fused_projection: false keeps H_res on the PyTorch Newton path even on CUDA, for this run only.
     cuda_kernels_before = None if cfg.fused_projection else projection_cuda.set_enabled(False)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from .checkpoint import atomic_write_bytes
-from .config import TrainConfig, cache_root
+from .config import DataNotFoundError, TrainConfig, cache_root
 
 __all__ = [
     "EOS_TOKEN",
@@ -184,13 +184,13 @@ def load_gpt2_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     if p.is_file() and p.suffix == ".json" and p.name == "tokenizer.json":
         return HFTokenizer(Tokenizer.from_file(str(p)), "gpt2")
     if not p.is_dir():
-        raise FileNotFoundError(f"tokenizer_path {p} is not a folder with GPT-2 vocab/merges files")
+        raise DataNotFoundError(f"tokenizer_path {p} is not a folder with GPT-2 vocab/merges files")
     if (p / "tokenizer.json").is_file():
         return HFTokenizer(Tokenizer.from_file(str(p / "tokenizer.json")), "gpt2")
     vocab = next((p / n for n in ("vocab.json", "encoder.json") if (p / n).is_file()), None)
     merges = next((p / n for n in ("merges.txt", "vocab.bpe") if (p / n).is_file()), None)
     if vocab is None or merges is None:
-        raise FileNotFoundError(f"{p} needs vocab.json (or encoder.json) and merges.txt (or vocab.bpe)")
+        raise DataNotFoundError(f"{p} needs vocab.json (or encoder.json) and merges.txt (or vocab.bpe)")
     tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     _set_byte_level(tok)
     return HFTokenizer(tok, "gpt2")
