@@ -156,10 +156,12 @@ def test_fixed_supports(name, dtype, fresh_seed):
     R = logits_on(SUPPORTS[name], 16, dtype)
     allowed = union_of_permutations(R > NEG)
     case = f"seed={fresh_seed}, {name}, {dtype}"
-    # A decomposable support (two decoupled blocks) leaves the dual Hessian singular along the blocks' shift;
-    # in float32 Newton then stalls a little above tol now and then (5 of 20,000 random matrices at scale 2,
-    # worst 3.5e-6): that must be reported, and stay close. Every other case converges.
-    stalls = name == "blocks" and dtype == torch.float32
+    # A decomposable support leaves the dual Hessian singular along the blocks' shift: "blocks" (two decoupled
+    # blocks) and "pruned" (once its entries on no permutation drop out, a 2x2 block and two 1x1 ones). In
+    # float32 Newton then stalls a little above tol now and then (of 20,000 random matrices at scale 2: 5 for
+    # "blocks", worst 3.5e-6; 31 for "pruned", worst 3.8e-6; 2026-12-07): that must be reported, and stay
+    # close. Every other case converges.
+    stalls = name in ("blocks", "pruned") and dtype == torch.float32
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always" if stalls else "error", ConvergenceWarning)
         T, info = mhc.birkhoff_project(R, return_info=True)
