@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 import math
 
 import pytest
@@ -490,3 +491,75 @@ def test_recompute_option_same_gradients_and_saved(arch, tmp_path):
     loaded = MHCForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.recompute is True and loaded.config.fused is False
     assert all(b.recompute for b in loaded.modules() if isinstance(b, MHCBlock))
+
+
+# ----------------------------------------------------------------------------- what a user passes through
+
+
+def test_conversion_keeps_an_eval_model_in_eval_mode_and_exact():
+    """A pretrained model loads in eval mode with its dropouts: the converted model stays in eval mode
+    (the self-check used to leave every module in train mode, so the outputs differed by dropout)."""
+    base = tiny_base("gpt2")
+    base.config.resid_pdrop = base.config.embd_pdrop = base.config.attn_pdrop = 0.1
+    for m in base.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    base.eval()
+    x = ids()
+    with torch.no_grad():
+        reference = base(x).logits
+    attn = base.transformer.h[0].attn
+    attn.train()  # a mixed mode is kept module by module too (the layer itself becomes a new wrapper)
+    model = convert_to_mhc(base, n_streams=4)
+    assert not model.training and not model.model.training and not model.model.transformer.h[1].training
+    assert model.model.transformer.h[0].attn is attn and attn.training
+    attn.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reference)
+
+
+def test_generate_takes_a_callers_cache_and_inputs_embeds():
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2).eval()
+    x = ids(batch=1)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    plain = model.generate(x, **kw)
+    from transformers import DynamicCache
+
+    cache_name = (
+        "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    )
+    with_cache = model.generate(x, **{cache_name: DynamicCache(config=model.config.get_text_config())}, **kw)
+    assert torch.equal(with_cache, plain)
+    embeds = model.get_input_embeddings()(x)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(x), **kw)
+    assert torch.equal(from_embeds, plain[:, x.shape[1] :])  # only the new tokens, as for the base model
+
+
+def test_hidden_states_come_back_in_a_tuple_too():
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2).eval()
+    x = ids()
+    with torch.no_grad():
+        out = model(x, output_hidden_states=True)
+        as_tuple = model(x, output_hidden_states=True, return_dict=False, use_cache=False)
+    assert isinstance(as_tuple, tuple)
+    assert torch.equal(as_tuple[0], out.logits)
+    assert len(as_tuple[-1]) == len(out.hidden_states)
+    assert all(torch.equal(a, b) for a, b in zip(as_tuple[-1], out.hidden_states))
+
+
+def test_generic_adapter_refuses_parameters_it_would_drop():
+    """A learned residual scale that starts at 1 passes the value check: the layer's own parameters
+    (and any unused submodule with parameters) must stop the generic adapter, not be dropped."""
+    from mhc.hf.generic import UnsupportedLayoutError, infer_adapter
+
+    base = tiny_base("llama")
+    for layer in base.model.layers:
+        layer.residual_scale = torch.nn.Parameter(torch.ones(32))
+    with pytest.raises(UnsupportedLayoutError, match="residual_scale"):
+        infer_adapter(base)
+    base = tiny_base("llama")
+    for layer in base.model.layers:
+        layer.unused_proj = torch.nn.Linear(32, 32)
+    with pytest.raises(UnsupportedLayoutError, match="unused_proj"):
+        infer_adapter(base)
+    assert infer_adapter(tiny_base("llama")).sites  # the plain layer still fits

@@ -566,3 +566,33 @@ def test_save_pretrained_saves_the_options_the_blocks_run(tmp_path):
     with pytest.raises(ValueError, match="different options .*sinkhorn_iters: 2, 3"):
         model.save_pretrained(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_an_adapter_whose_converted_model_does_not_run_is_a_conversion_error():
+    """The self-check's run failing (here the MLP site calls the attention with the MLP's arguments) is
+    reported as the adapter not fitting, with the cause chained, and the model is left unconverted."""
+    import dataclasses
+
+    from mhc.hf.adapters import Branch, Site
+    from mhc.hf.verify import ConversionMismatchError
+
+    llama = ADAPTERS["llama"]
+    wrong = dataclasses.replace(
+        llama, sites=(llama.sites[0], Site("mlp", (Branch("self_attn", norm="post_attention_layernorm"),)))
+    )
+    base = tiny_base("llama")
+    with pytest.raises(ConversionMismatchError, match="the converted model does not run") as info:
+        convert_to_mhc(base, n_streams=2, adapter=wrong)
+    assert info.value.__cause__ is not None
+    assert not any(type(m).__name__ == "MHCDecoderLayer" for m in base.modules())
+
+
+def test_stability_report_under_inference_mode_says_why_it_needs_autograd():
+    from mhc.diagnostics import stability_report
+
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2)
+    x = ids()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        stability_report(model, x, labels=x, loss_fn=lambda out: out.loss)
+    with torch.inference_mode():
+        assert stability_report(model, x).sites  # the forward measures need no autograd

@@ -302,3 +302,45 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
     T.set_rng_state(loaded["rng"][0], torch.device("cpu"))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
     assert not list(ckpt.glob("*.pt")) and os.path.getsize(ckpt / "trainer_state.json") > 0
+
+
+def test_a_checkpoint_whose_tensors_do_not_fit_is_refused_naming_it(tmp_path, finished_run):
+    """Tensors of another shape, hashes recomputed: a CheckpointError (exit 2), not a traceback from
+    load_state_dict or, for the optimizer's moments, from inside AdamW.step."""
+    from safetensors.torch import load_file, save_file
+
+    def reshape_first(path: Path, keep) -> str:
+        tensors = load_file(str(path))
+        name = next(k for k, v in tensors.items() if v.dim() == 2 and keep(k))
+        tensors[name] = torch.zeros(
+            tensors[name].shape[0] + 1, tensors[name].shape[1], dtype=tensors[name].dtype
+        )
+        save_file(tensors, str(path))
+        return name
+
+    run, ckpt = _copy(finished_run, tmp_path / "model_shape")
+    reshape_first(ckpt / "model.safetensors", lambda k: True)
+    _rewrite_manifest(
+        ckpt, lambda m: m["files"].update({"model.safetensors": _hash_entry(ckpt / "model.safetensors")})
+    )
+    with pytest.raises(T.CheckpointError, match="(?s)does not fit the model: .*size mismatch"):
+        T.train(tiny_cfg(tmp_path, "model_shape"), resume=True)
+
+    run, ckpt = _copy(finished_run, tmp_path / "moment_shape")
+    tensors_file = next(
+        p for p in ckpt.iterdir() if p.name.startswith("trainer") and p.suffix == ".safetensors"
+    )
+    reshape_first(tensors_file, lambda k: True)  # keys t0, t1, ...: the first 2-d one is a moment
+    _rewrite_manifest(ckpt, lambda m: m["files"].update({tensors_file.name: _hash_entry(tensors_file)}))
+    with pytest.raises(
+        T.CheckpointError, match="(?s)optimizer or scheduler state does not fit this run: .*exp_avg"
+    ):
+        T.train(tiny_cfg(tmp_path, "moment_shape"), resume=True)
+
+    run, ckpt = _copy(finished_run, tmp_path / "bad_json")
+    (ckpt / "trainer_state.json").write_text("{not json")
+    _rewrite_manifest(
+        ckpt, lambda m: m["files"].update({"trainer_state.json": _hash_entry(ckpt / "trainer_state.json")})
+    )
+    with pytest.raises(T.CheckpointError, match="trainer_state.json could not be read"):
+        T.train(tiny_cfg(tmp_path, "bad_json"), resume=True)

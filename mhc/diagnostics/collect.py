@@ -72,11 +72,17 @@ def collect_sites(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``loss_fn`` neither callable nor ``None``.
         ValueError: the model holds no ``MHCBlock``, or ran none of them.
+        RuntimeError: ``loss_fn`` under ``torch.inference_mode()``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {loss_fn!r} ({type(loss_fn).__name__})")
+    if loss_fn is not None and torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "loss_fn needs autograd, which torch.inference_mode() switches off (enable_grad cannot turn it back "
+            "on): call this outside inference_mode, or without loss_fn for the forward measures only"
+        )
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, MHCBlock)}
     if not names:
         raise ValueError("the model holds no MHCBlock")

@@ -23,7 +23,13 @@ from .adapters import Adapter
 from .config import MHC_FIELDS, MHCConfig
 from .generic import adapter_for_model, check_adapter_fits
 from .modeling import MHCForCausalLM
-from .verify import check_logits, identity_coefficients, reference_logits, verify_by_default
+from .verify import (
+    ConversionMismatchError,
+    check_logits,
+    identity_coefficients,
+    reference_logits,
+    verify_by_default,
+)
 
 __all__ = ["convert_to_mhc", "added_parameter_count"]
 
@@ -103,6 +109,7 @@ def convert_to_mhc(
     elif not isinstance(adapter, Adapter):
         raise TypeError(f"adapter must be an mhc.hf.adapters.Adapter, got {type(adapter).__name__}")
     check_adapter_fits(model, adapter)
+    modes = [(m, m.training) for m in model.modules()]  # train/eval, restored at the end as they were
     config = MHCConfig(base_config=model.config, n_streams=n_streams, adapter=adapter, **mhc_options)
     impl = getattr(model.config, "_attn_implementation_internal", None)
     if impl is not None:
@@ -123,31 +130,40 @@ def convert_to_mhc(
     for module in mhc_model.modules():
         if isinstance(module, (MHCBlock, StreamReduce)):
             module.to(device=ref.device)  # stays float32
-    quant = getattr(model.config, "quantization_config", None)
-    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
-        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left,
-        # so the converted model (whose config is the base model's own) saves none.
-        del model.config.quantization_config
     if check:
         try:
             # The check tests the adapter: streams in the hidden state's dtype, as the original's.
             chosen = mhc_model.config.stream_dtype
             mhc_model.set_stream_dtype("hidden")
+            what = f"{type(model).__name__} ({model.config.model_type})"
             try:
                 with identity_coefficients(mhc_model):
                     _, converted = reference_logits(mhc_model, probe_ids)
+            except Exception as e:  # the layout read does not run: the adapter does not describe the layer
+                raise ConversionMismatchError(
+                    f"mHC conversion self-check failed for {what}: the converted model does not run "
+                    f"({type(e).__name__}: {e}). The adapter does not describe this model's decoder layer; the "
+                    "model was left unconverted. Register an adapter (mhc.hf.adapters.register_adapter)."
+                ) from e
             finally:
                 mhc_model.set_stream_dtype(chosen)
-            check_logits(
-                reference, converted, ref.dtype, f"{type(model).__name__} ({model.config.model_type})"
-            )
+            check_logits(reference, converted, ref.dtype, what)
         except Exception:
             _restore_layers(model, adapter, originals)
             mhc_model._final_norm_hook.remove()
             raise
+    quant = getattr(model.config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        # GGUF checkpoints are dequantized to plain float tensors on load: nothing quantized is left,
+        # so the converted model (whose config is the base model's own) saves none.
+        del model.config.quantization_config
     if getattr(model, "generation_config", None) is not None:
         mhc_model.generation_config = copy.deepcopy(model.generation_config)
-    mhc_model.train(model.training)
+    # The new modules take the model's mode, and every original module gets its own flag back (an
+    # eval-mode model stays in eval mode: with dropout on, its outputs would not be the original's).
+    mhc_model.train(modes[0][1])
+    for module, training in modes:
+        module.training = training
     return mhc_model
 
 

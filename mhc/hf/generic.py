@@ -287,6 +287,21 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
                 f"the model changes the hidden state between decoder layers {i} and {i + 1}"
             )
     sites = _Layout(recorder.calls, io[0][0], io[0][1], layer_name).sites()
+    # What the layer holds outside the modules the sites use would be dropped without a word: a learned
+    # residual scale that happens to equal 1 (Doge's, at init) passes the check by value above.
+    used = {name for site in sites for branch in site.branches for name in branch.module_names()}
+    left = [name for name, _ in layers[0].named_parameters(recurse=False)]
+    left += [
+        name
+        for name, child in layers[0].named_children()
+        if name not in used and any(True for _ in child.parameters())
+    ]
+    if left:
+        raise UnsupportedLayoutError(
+            f"{layer_name} holds parameters outside the sublayers and norms the generic adapter uses: "
+            f"{', '.join(sorted(left))} (e.g. a learned residual scale); they would take no part after "
+            "conversion, so it needs its own adapter"
+        )
 
     last = io[-1][1]
     after = [

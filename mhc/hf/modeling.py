@@ -473,8 +473,15 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.model.set_output_embeddings(value)
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
-        return self.model.prepare_inputs_for_generation(*args, **kwargs)
+    @property
+    def prepare_inputs_for_generation(self):
+        """The base model's own ``prepare_inputs_for_generation``, signature included.
+
+        ``generate()`` reads that signature to decide what it may pass (a ``cache`` /
+        ``past_key_values`` of the caller's, ``inputs_embeds``, an assistant model's inputs); a
+        ``(*args, **kwargs)`` wrapper would hide those names and have them refused.
+        """
+        return self.model.prepare_inputs_for_generation
 
     def forward(
         self,
@@ -498,6 +505,10 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         want_hidden = kwargs.pop("output_hidden_states", None)
         if want_hidden is None:
             want_hidden = bool(getattr(self.config, "output_hidden_states", False))
+        as_tuple = False
+        if want_hidden and kwargs.get("return_dict") is False:
+            # The hidden states are set on the output object, then it becomes the tuple asked for.
+            kwargs["return_dict"], as_tuple = True, True
         hidden: list[Tensor] = []
         handles = self._record_hidden_states(hidden) if want_hidden else []
         try:
@@ -514,9 +525,14 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             for h in handles:
                 h.remove()
         if want_hidden:
-            if isinstance(out, tuple):
-                raise NotImplementedError("output_hidden_states with return_dict=False")
+            if isinstance(out, tuple):  # (a config that says return_dict=False)
+                raise NotImplementedError(
+                    "output_hidden_states with a config whose return_dict is False: pass return_dict=False "
+                    "to the call instead"
+                )
             out.hidden_states = tuple(hidden)
+            if as_tuple:
+                return out.to_tuple()
         return out
 
     def _record_hidden_states(self, sink: list) -> list:

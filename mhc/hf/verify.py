@@ -72,17 +72,20 @@ def verify_by_default(model: nn.Module) -> bool:
 def reference_logits(model: nn.Module, input_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(input_ids [2, 8], logits [2, 8, V] float32)`` of ``model`` in eval mode without a cache.
 
-    The model's train/eval mode is restored; no global random state is used.
+    Every module's train/eval flag is restored as it was (not the top module's flag spread over
+    all: a fresh wrapper around an eval-mode model is in train mode itself); no global random
+    state is used.
     """
     if input_ids is None:
         input_ids = probe_input_ids(model)
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             logits = model(input_ids=input_ids, use_cache=False).logits
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     return input_ids, logits.float()
 
 

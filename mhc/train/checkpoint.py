@@ -518,9 +518,12 @@ def _old_format(path: Path, fmt: int = 1) -> CheckpointError:
 def _read_trainer_state(path: Path) -> dict:
     try:
         tree = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
-        tensors = load_file(str(path / TRAINER_TENSORS))
     except Exception as e:  # a file that matched its hash but does not parse: still a bad checkpoint
-        raise CheckpointError(f"checkpoint {path} could not be read: {e!r}") from e
+        raise CheckpointError(f"checkpoint {path}: {TRAINER_STATE} could not be read: {e!r}") from e
+    try:
+        tensors = load_file(str(path / TRAINER_TENSORS))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: {TRAINER_TENSORS} could not be read: {e!r}") from e
     state = decode_tree(tree, tensors)
     if not isinstance(state, dict) or "config" not in state:
         raise CheckpointError(f"checkpoint {path} is corrupt: {TRAINER_STATE} holds no run config")
@@ -541,7 +544,7 @@ def load_checkpoint_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], d
     try:
         sd = load_file(str(path / MODEL_WEIGHTS))
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} could not be read: {e!r}") from e
+        raise CheckpointError(f"checkpoint {path}: {MODEL_WEIGHTS} could not be read: {e!r}") from e
     state = _read_trainer_state(path)
     for alias, target in manifest.get("aliases", {}).items():
         if target not in sd:

@@ -167,7 +167,10 @@ def train(
         n_params = count_parameters(model)
         model.to(device)
         if point is not None:
-            missing, unexpected = model.load_state_dict(point.model_state, strict=False)
+            try:
+                missing, unexpected = model.load_state_dict(point.model_state, strict=False)
+            except RuntimeError as e:  # a tensor of another shape
+                raise CheckpointError(f"checkpoint {point.path} does not fit the model: {e}") from e
             if missing or unexpected:
                 raise CheckpointError(
                     f"checkpoint {point.path} does not fit the model: missing {missing}, unexpected {unexpected}"
@@ -187,7 +190,16 @@ def train(
             opt_state = (
                 shard_optimizer_state(optimizer, state["optimizer"], device) if fsdp else state["optimizer"]
             )
-            restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
+            try:
+                restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
+            except (
+                ValueError,
+                KeyError,
+                TypeError,
+            ) as e:  # torch's own load_state_dict raises ValueError too
+                raise CheckpointError(
+                    f"checkpoint {point.path}: its optimizer or scheduler state does not fit this run: {e}"
+                ) from e
             spikes.load_state_dict(state["spikes"])
             counters = Counters(state["step"], state.get("elapsed_s", 0.0), state.get("max_grad_norm", 0.0),
                                 state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0))  # fmt: skip

@@ -121,8 +121,20 @@ def restore_optimizer(
     The states carry the betas, eps, weight decay and peak LR the run had when it was saved; after a
     ``--resume-override`` the run's (new) settings are the ones to train with from here on, and the
     LR of the next step is the new schedule's at the saved step.
+
+    Raises:
+        ValueError: the optimizer state does not fit the parameters (a group or tensor shape).
     """
     optimizer.load_state_dict(optimizer_state)
+    # load_state_dict does not check the moments' shapes: a wrong one would fail inside step().
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of shape "
+                        f"{tuple(p.shape)}"
+                    )
     scheduler.load_state_dict(scheduler_state)
     for group in optimizer.param_groups:
         group["betas"], group["eps"], group["initial_lr"] = (cfg.beta1, cfg.beta2), cfg.eps, cfg.lr
