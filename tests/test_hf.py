@@ -563,3 +563,12 @@ def test_generic_adapter_refuses_parameters_it_would_drop():
     with pytest.raises(UnsupportedLayoutError, match="unused_proj"):
         infer_adapter(base)
     assert infer_adapter(tiny_base("llama")).sites  # the plain layer still fits
+
+
+def test_hidden_states_under_autocast_have_the_base_models_dtype():
+    """bf16 streams under autocast: each layer's merged state goes back to the embeddings' dtype, as the
+    final norm's input does (the base model's hidden states are float32 there)."""
+    model = convert_to_mhc(tiny_base("llama"), n_streams=2).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        states = model(ids(), output_hidden_states=True).hidden_states
+    assert {h.dtype for h in states} == {torch.float32}, [h.dtype for h in states]

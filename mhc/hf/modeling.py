@@ -421,14 +421,18 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         """
 
     def _reduce_before_final_norm(self, module: nn.Module, args: tuple):
-        hidden = self.stream_reduce(args[0])
+        return (self._merged_streams(args[0]), *args[1:])
+
+    def _merged_streams(self, streams: Tensor) -> Tensor:
+        """``[..., n, C]`` streams -> the ``[..., C]`` hidden state, in the dtype the streams were made from."""
+        hidden = self.stream_reduce(streams)
         if self.stream_dtype != "hidden":
-            # Back to the dtype the streams were made from: the embeddings' (a quantised, non-float
-            # embedding leaves the merged streams as they are).
+            # Back to the embeddings' dtype (a quantised, non-float embedding leaves the merged streams
+            # as they are): bf16 streams under autocast give the hidden states the base model has.
             weight = self.model.get_input_embeddings().weight
             if weight.is_floating_point() and hidden.dtype != weight.dtype:
                 hidden = hidden.to(weight.dtype)
-        return (hidden, *args[1:])
+        return hidden
 
     def _init_weights(self, module: nn.Module) -> None:
         # The mHC parameters get their documented init, each one only if it is
@@ -544,7 +548,7 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
 
         def layer_output(module, args, output):
             if module is not layers[-1]:  # the last entry is the final normed state
-                sink.append(self.stream_reduce(output[0] if isinstance(output, tuple) else output))
+                sink.append(self._merged_streams(output[0] if isinstance(output, tuple) else output))
 
         def final_output(module, args, output):
             sink.append(output)
