@@ -343,19 +343,16 @@ class MHCConfig(_BaseConfig):
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_mhc_ready"):
-            # The mHC settings are checked as the constructor checks them (the model reads them when built).
-            if name in _BLOCK_FIELDS:
-                value = check_options(**{name: value})[name]
-            elif name in ("expand", "reduce", "stream_dtype"):
-                check_model_settings(**{name: value})
+        if not self.__dict__.get("_mhc_ready"):  # the constructor's own settings
+            super().__setattr__(name, value)
+            return
+        # The mHC settings are checked as the constructor checks them (the model reads them when built).
+        if name in _BLOCK_FIELDS:
+            value = check_options(**{name: value})[name]
+        elif name in ("expand", "reduce", "stream_dtype"):
+            check_model_settings(**{name: value})
         base = self.__dict__.get("_mhc_base")
-        if (
-            base is not None
-            and self.__dict__.get("_mhc_ready")
-            and _delegated(name)
-            and _has_field(base, name)
-        ):
+        if base is not None and _delegated(name) and _has_field(base, name):
             # The model reads the base config: a value set only here would not reach it.
             setattr(base, name, value)
             if name not in self.__dict__:
@@ -386,7 +383,8 @@ def _base_dict(base: _BaseConfig) -> dict[str, Any]:
 
 
 def _build_base_config(data: dict[str, Any]) -> _BaseConfig:
-    data = copy.deepcopy(dict(data))
+    """A config object from ``data``, a dict of the caller's own (a copy or a fresh ``to_dict()``)."""
+    data = dict(data)  # (not the caller's: model_type is popped)
     model_type = data.pop("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown base model_type {model_type!r}")

@@ -294,7 +294,7 @@ def infer_adapter(model: nn.Module, input_ids: Tensor | None = None) -> Adapter:
     left += [
         name
         for name, child in layers[0].named_children()
-        if name not in used and any(True for _ in child.parameters())
+        if name not in used and next(child.parameters(), None) is not None
     ]
     if left:
         raise UnsupportedLayoutError(

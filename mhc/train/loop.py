@@ -192,11 +192,8 @@ def train(
             )
             try:
                 restore_optimizer(optimizer, scheduler, opt_state, state["scheduler"], cfg, max_steps)
-            except (
-                ValueError,
-                KeyError,
-                TypeError,
-            ) as e:  # torch's own load_state_dict raises ValueError too
+            # (torch's own Optimizer.load_state_dict raises ValueError for a group that does not fit)
+            except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
                     f"checkpoint {point.path}: its optimizer or scheduler state does not fit this run: {e}"
                 ) from e
