@@ -645,8 +645,11 @@ def test_fused_site_compiles_as_one_graph_and_matches_eager(dtype, fresh_seed):
 def test_compiled_site_under_autocast_matches_eager(fresh_seed):
     """fp32 weights, bf16 streams under bf16 autocast, torch.compile(fullgraph=True): one graph, the branch
     gets u in float32 in eager mode and in the streams' bf16 compiled (mhc.site.branch_input_dtype; u_dtype
-    reaches the op). Compiled = the traced program run eagerly (backend="eager", u in bf16 too), forward and
-    backward; and the outputs and input gradients of eager mode (u in float32) within bf16's rounding of u.
+    reaches the op). Compiled = the traced program run eagerly (backend="eager", u in bf16 too), element by
+    element, forward and backward. Against eager mode (u in float32) the outputs and input gradients are
+    compared by norm: single bf16 elements of dx differ by up to 0.06 where terms cancel (seed 265134873 put
+    one 0.027 off, past an elementwise 2e-2), while the relative norm error stays within 4.4e-3 (40 seeds on
+    the CPU, 2026-12-07).
 
     The parameters' gradients are compared with the traced program's only: against eager mode's float32
     u, the small ones (α, b_pre: sums over 10 tokens with cancellation) differ by up to 0.11 of their
@@ -686,10 +689,10 @@ def test_compiled_site_under_autocast_matches_eager(fresh_seed):
     assert out_c.dtype == torch.bfloat16 and dx_c.dtype == torch.bfloat16
     assert [u.dtype for b in blocks for u in b.branch.seen] == [torch.bfloat16] * 2
     tol = dict(rtol=2e-2, atol=2e-2)
-    for ref, what in ((out_t, "traced"), (out_e, "eager")):
-        torch.testing.assert_close(out_c, ref, **tol, msg=lambda m, w=what: f"seed {fresh_seed}, {w}: {m}")
-    for ref, what in ((dx_t, "traced"), (dx_e, "eager")):
-        torch.testing.assert_close(dx_c, ref, **tol, msg=lambda m, w=what: f"seed {fresh_seed}, {w} dx: {m}")
+    torch.testing.assert_close(out_c, out_t, **tol, msg=lambda m: f"seed {fresh_seed}, traced: {m}")
+    torch.testing.assert_close(dx_c, dx_t, **tol, msg=lambda m: f"seed {fresh_seed}, traced dx: {m}")
+    assert _rel(out_c, out_e) < 1e-2, f"seed {fresh_seed}"
+    assert _rel(dx_c, dx_e) < 1e-2, f"seed {fresh_seed}"
     for a, b in zip(grads_c, grads_t):
         assert _rel(a, b) < 3e-2, f"seed {fresh_seed}"
 
