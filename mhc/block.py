@@ -33,7 +33,7 @@ from . import fused, site
 from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
 from .fused.record import Backend, SiteLink
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
-from .options import MHCOptions, check_options, reject_unknown_options
+from .options import MHCOptions, check_options, coefficient_dtype, reject_unknown_options
 
 __all__ = ["MHCBlock"]
 
@@ -153,11 +153,12 @@ class MHCBlock(nn.Module):
         # has one H_res logit per permutation matrix instead of one per entry.
         res_shape = (lite_logit_count(n),) if self._lite(options) else (n, n)
         fan_in, fan_out = (n * C, math.prod(res_shape) + 2 * n) if options.mode == "mhc" else (C, n + 2)
-        self.phi = nn.Parameter(torch.empty(fan_out, fan_in))
-        self.alpha = nn.Parameter(torch.empty(3))
-        self.b_pre = nn.Parameter(torch.empty(n))
-        self.b_post = nn.Parameter(torch.empty(n))
-        self.b_res = nn.Parameter(torch.empty(res_shape))
+        dtype = coefficient_dtype()
+        self.phi = nn.Parameter(torch.empty(fan_out, fan_in, dtype=dtype))
+        self.alpha = nn.Parameter(torch.empty(3, dtype=dtype))
+        self.b_pre = nn.Parameter(torch.empty(n, dtype=dtype))
+        self.b_post = nn.Parameter(torch.empty(n, dtype=dtype))
+        self.b_res = nn.Parameter(torch.empty(res_shape, dtype=dtype))
         self.reset_parameters()
 
     @classmethod
@@ -282,6 +283,8 @@ class MHCBlock(nn.Module):
             wanted = names
         n = self.n_streams
         pre = pre_init_weights(n, self.layer_index)
+        # The values are built in float64 on the CPU and copied in: HF may build a model under a bf16
+        # default dtype or a meta-device context.
         with torch.no_grad():
             if "phi" in wanted:
                 if self.init == "identity":
@@ -297,15 +300,16 @@ class MHCBlock(nn.Module):
                 res = (
                     lite_identity_logits(n, RES_INIT_DIAGONAL)
                     if self._lite(self._options)
-                    else torch.eye(n) * diag
+                    else torch.eye(n, dtype=torch.float64, device="cpu") * diag
                 )
                 values = {
                     "b_pre": exact_sum_logits(pre, self.layer_index % n),
-                    "b_post": torch.zeros(n),
+                    "b_post": torch.zeros(n, dtype=torch.float64, device="cpu"),
                     "b_res": res,
                 }
             else:
-                values = {"b_pre": pre, "b_post": torch.ones(n), "b_res": torch.eye(n)}
+                cpu64 = dict(dtype=torch.float64, device="cpu")
+                values = {"b_pre": pre, "b_post": torch.ones(n, **cpu64), "b_res": torch.eye(n, **cpu64)}
             for name, value in values.items():
                 if name in wanted:
                     getattr(self, name).copy_(value)

@@ -48,6 +48,7 @@ def exact_sum_logits(weights: Tensor, peak: int) -> Tensor:
         if total == 1:
             break
         logits[tuned] = torch.nextafter(
-            logits[tuned], torch.tensor(math.inf if total < 1 else -math.inf, device="cpu")
+            logits[tuned],
+            torch.tensor(math.inf if total < 1 else -math.inf, dtype=logits.dtype, device="cpu"),
         )
     return logits

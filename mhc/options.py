@@ -16,6 +16,8 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
+
 __all__ = [
     "MHCOptions",
     "MODES",
@@ -156,6 +158,16 @@ def check_option(option: str, value: Any, *, name: str | None = None) -> Any:
     """
     reject_unknown_options((option,), OPTION_NAMES, "check_option")
     return _OPTION_CHECKS[option](option if name is None else name, value)
+
+
+def coefficient_dtype() -> torch.dtype:
+    """The dtype new mHC parameters (φ, α, the biases, learned reduce weights) are made in.
+
+    float32, or ``torch.get_default_dtype()`` where that is wider (float64 for gradcheck). Never
+    narrower: transformers sets the default dtype to bf16 or fp16 while it builds a model loaded with
+    ``dtype=``, and in bf16 an AdamW step at small learning rates leaves α and the biases unchanged.
+    """
+    return torch.promote_types(torch.get_default_dtype(), torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .options import check_options
+from .options import check_options, coefficient_dtype
 
 __all__ = [
     "STREAM_DTYPES",
@@ -146,7 +146,9 @@ class StreamReduce(nn.Module):
         if not isinstance(learned, bool):
             raise TypeError(f"learned must be True or False, got {learned!r}")
         self.n_streams = check_options(n_streams=n_streams)["n_streams"]
-        self.weight = nn.Parameter(torch.empty(self.n_streams)) if learned else None
+        self.weight = (
+            nn.Parameter(torch.empty(self.n_streams, dtype=coefficient_dtype())) if learned else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

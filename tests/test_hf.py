@@ -239,6 +239,26 @@ def test_gradient_checkpointing_same_gradients(arch):
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_checkpointing_enabled_before_conversion_stays_on():
+    """PEFT's prepare_model_for_kbit_training and others enable checkpointing on the base model first:
+    the converted layers checkpoint too (each sublayer runs again in backward), as the model reports."""
+    base = tiny_base("llama")
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = convert_to_mhc(base, n_streams=4)
+    assert all(layer.gradient_checkpointing for layer in model.decoder_layers())
+    model.train()
+    calls = count_sublayer_calls(model)
+    x = ids(batch=2, seq=8)
+    loss = model(x, labels=x, use_cache=False).loss
+    calls.clear()
+    loss.backward()
+    layers = tiny_config("llama").num_hidden_layers
+    assert dict(calls) == {"attn": layers, "mlp": layers}
+
+
 def test_bf16_load_keeps_coefficients_fp32(tmp_path):
     model = convert_to_mhc(tiny_base("llama"), n_streams=4, reduce="learned")
     perturb_mhc(model)
@@ -262,6 +282,49 @@ def test_bf16_load_keeps_coefficients_fp32(tmp_path):
     assert all(p.dtype == torch.float32 for n, p in bf.named_parameters() if "_mhc." in n)
     with torch.no_grad():
         assert bf(x).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_new_coefficients_are_fp32_when_a_model_is_built_in_bf16(tmp_path, low_cpu_mem_usage):
+    """transformers builds a model loaded or made with ``dtype=`` under that default dtype; the mHC
+    parameters it has no weights for (a plain checkpoint, a config) are still made in float32, at their
+    init values, so that an optimizer step at a small learning rate moves α and the biases."""
+    base = tiny_base("llama")
+    base.save_pretrained(tmp_path)
+    config = MHCConfig(base_config=base.config, n_streams=4, reduce="learned", init="paper")
+    loaded = MHCForCausalLM.from_pretrained(
+        tmp_path, config=config, dtype=torch.bfloat16, low_cpu_mem_usage=low_cpu_mem_usage
+    )
+    built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh = MHCForCausalLM(config)  # float32 throughout, for the init values
+    for model in (loaded, built):
+        mhc_params = {n: p for n, p in model.named_parameters() if "_mhc." in n or "stream_reduce" in n}
+        assert mhc_params and {p.dtype for p in mhc_params.values()} == {torch.float32}
+        for n, p in fresh.named_parameters():
+            if n in mhc_params and not n.endswith(".phi"):  # φ is drawn at random under "paper"
+                assert torch.equal(mhc_params[n], p), n
+    b_pre = loaded.decoder_layers()[0].attn_mhc.b_pre
+    before = b_pre.detach().clone()
+    loaded.train()
+    x = ids()
+    loaded(x, labels=x).loss.backward()
+    torch.optim.AdamW([b_pre], lr=1e-4).step()
+    assert not torch.equal(b_pre, before)  # in bf16 a step of 1e-4 is lost (its spacing at 3.5 is 0.016)
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16, torch.float64])
+def test_block_coefficients_follow_a_wider_default_dtype_only(default):
+    """Under a bf16 or fp16 default dtype (transformers' loading) the parameters stay float32; under
+    float64 (gradcheck) they follow it."""
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default)
+        block = MHCBlock(torch.nn.Identity(), 8, 4)
+        reduce = mhc.StreamReduce(4, learned=True)
+    finally:
+        torch.set_default_dtype(previous)
+    expected = torch.float64 if default is torch.float64 else torch.float32
+    assert {p.dtype for p in [*block.parameters(), *reduce.parameters()]} == {expected}
 
 
 def test_unsupported_architecture_raises():

@@ -402,3 +402,34 @@ def test_measure_stability_per_site_marginal_error_of_a_sinkhorn_model():
     none = eval_record(7, 100, 2.5, None, 1.0, None)
     assert none["marginal_error"] is None and all(none[k] is None for k in STABILITY_SCALARS)
     assert none["logit_scale"] is None
+
+
+def test_measure_stability_runs_in_eval_mode_and_leaves_the_rng_alone():
+    """The trainer measures at every evaluation on a model in train mode: with attention dropout the
+    figures must still be the eval-mode ones, the same every call, and the global RNG must not advance
+    (else a resumed run and one with another eval_interval would train differently)."""
+    from transformers import LlamaConfig
+
+    from mhc import MHCConfig, MHCForCausalLM
+    from mhc.train.reporting import measure_stability
+
+    torch.manual_seed(0)
+    base = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        attention_dropout=0.5,
+    )
+    model = MHCForCausalLM(MHCConfig(base_config=base, n_streams=4, init="paper"))
+    ids = torch.randint(0, 64, (2, 16))
+    model.eval()
+    reference = measure_stability(model, ids)
+    model.train()
+    model.get_output_embeddings().eval()  # one module in another mode than the rest: flags come back per module
+    modes = [m.training for m in model.modules()]
+    state = torch.get_rng_state()
+    assert measure_stability(model, ids) == reference
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [m.training for m in model.modules()] == modes

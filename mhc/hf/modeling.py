@@ -141,6 +141,10 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
             ):
                 setattr(self, key, value)
         self.train(layer.training)
+        checkpoint_fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and checkpoint_fn is not None:
+            # enabled on the base model before conversion (e.g. by PEFT's prepare_model_for_kbit_training)
+            self.gradient_checkpointing, self._gradient_checkpointing_func = True, checkpoint_fn
 
         names = _positional_names(type(layer).forward)[1:]  # drop self
         self._input_names = names[1:]  # after hidden_states

@@ -292,6 +292,9 @@ def _finite_max(values: list) -> float | None:
 def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None, dict | None]:
     """The model's composite gains and per-site stability metrics on ``input_ids`` (``[B, S]`` int64).
 
+    Measured in eval mode, every module's train/eval flag restored after; the global random state is
+    left as it was.
+
     Returns:
         ``(gains, stability)``, both None for a model without mHC sites. ``gains`` has the
         per-depth lists ``forward_gain``, ``backward_gain`` (worst token) and ``spectral_norm``
@@ -304,7 +307,17 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
     """
     if not any(isinstance(m, MHCBlock) for m in model.modules()):
         return None, None
-    records = collect_sites(model, input_ids=input_ids, use_cache=False)
+    # In eval mode (dropout would make the figures noisy and draw from the training RNG), each
+    # module's flag restored after; the RNG forked besides, so measuring never changes training.
+    modes = [(m, m.training) for m in model.modules()]
+    devices = [input_ids.device] if input_ids.device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=input_ids.device.type):
+            model.eval()
+            records = collect_sites(model, input_ids=input_ids, use_cache=False)
+    finally:
+        for module, training in modes:
+            module.training = training
     report = report_from_sites(records)
     if all(bool(torch.isfinite(r.h_res).all()) for r in records):
         gains = composite_gains([r.h_res for r in records]).as_dict()
