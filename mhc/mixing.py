@@ -119,7 +119,10 @@ def _permutations(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         with torch.inference_mode(False), torch.no_grad():
             eye = torch.eye(n, dtype=dtype, device="cpu")
             cached = eye[order].to(device)  # row i of P_k is e_{σ_k(i)}
-        _PERMUTATIONS[key] = cached
+        # Only a real tensor is kept: one built while tracing (torch.compile, export, a FakeTensorMode
+        # dry run) is a traced or fake value, or an inference tensor once the graph runs.
+        if not torch.compiler.is_compiling() and type(cached) is Tensor and not cached.is_inference():
+            _PERMUTATIONS[key] = cached
     return cached
 
 

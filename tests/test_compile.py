@@ -172,3 +172,29 @@ def test_cuda_projection_autograd_compiles_as_one_graph():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     torch.testing.assert_close(T, T_eager, rtol=0, atol=0)
     torch.testing.assert_close(dR, dR_eager, rtol=1e-6, atol=1e-6)
+
+
+def test_a_block_compiles_as_one_graph_when_its_tol_changes_or_shapes_are_dynamic():
+    """A float that changes between calls (the block's settable tol) or dynamic=True makes dynamo trace tol as
+    a symbol; birkhoff_project's argument check must trace too (math.isfinite could not: a graph break,
+    an error under fullgraph)."""
+    C, n = 8, 4
+    block = mhc.MHCBlock(nn.Linear(C, C), C, n, init="paper")
+    x = torch.randn(2, 3, n, C)
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    for tol in (1e-6, 1e-5, 3e-6):
+        block.tol = tol
+        torch.testing.assert_close(compiled(x), block(x))
+    torch._dynamo.reset()
+    torch.testing.assert_close(
+        torch.compile(block, backend="eager", fullgraph=True, dynamic=True)(x), block(x)
+    )
+    project = torch.compile(lambda r, tol: mhc.birkhoff_project(r, tol=tol), backend="eager", fullgraph=True)
+    logits = torch.randn(5, 4, 4)
+    for tol in (1e-6, 1e-5):
+        torch.testing.assert_close(project(logits, tol), mhc.birkhoff_project(logits, tol=tol))
+    # fullgraph: dynamo reports the raised ValueError with its message
+    with pytest.raises(
+        (ValueError, torch._dynamo.exc.Unsupported), match="tol must be finite and > 0, got -1.0"
+    ):
+        project(logits, -1.0)

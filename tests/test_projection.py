@@ -218,6 +218,17 @@ def test_valid_option_edge_cases_are_accepted():
 
 
 @pytest.mark.parametrize("method", ["newton", "sinkhorn"])
+def test_info_is_a_report_outside_the_graph(method):
+    """info.error takes no gradient on either method (Newton's op gives it none: attached, a penalty on it
+    would get a silent zero gradient and keep the step's graph alive)."""
+    R = torch.randn(3, 4, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        _, info = birkhoff_project(5 * R, method=method, max_iter=0, iters=1, return_info=True)
+    assert not info.error.requires_grad and info.error.grad_fn is None
+
+
+@pytest.mark.parametrize("method", ["newton", "sinkhorn"])
 def test_reference_entry_point_is_the_cpu_path(method):
     g = fresh_generator()
     R = 4 * torch.randn(2, 3, 4, 4, generator=g, requires_grad=True)

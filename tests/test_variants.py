@@ -431,3 +431,32 @@ def test_the_block_forward_skips_the_public_checks(projection, monkeypatch):
         monkeypatch.setattr(mhc.mixing, name, refuse)
         monkeypatch.setattr(mhc.site, name, refuse, raising=False)
     assert torch.equal(block(x), expected)
+
+
+def test_lite_permutations_built_while_tracing_are_not_kept(monkeypatch):
+    """The permutation matrices are cached per (n, device, dtype). One built while tracing is not kept: under
+    torch.export or a FakeTensorMode dry run it is fake (every later eager lite block returned fake tensors),
+    and a graph compiled under inference_mode made it an inference tensor (later training raised)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mhc import mixing
+
+    monkeypatch.setattr(mixing, "_PERMUTATIONS", {})
+    C, n = 8, 3
+    x = torch.randn(2, n, C)
+    with FakeTensorMode() as mode:
+        fake_out = lite_h_res(mode.from_tensor(torch.randn(5, math.factorial(n))))
+    assert type(fake_out) is not torch.Tensor
+    torch.export.export(MHCBlock(nn.Linear(C, C), C, n, projection="lite", init="paper"), (x,))
+    with torch.inference_mode():
+        torch.compile(MHCBlock(nn.Linear(C, C), C, n + 1, projection="lite"), backend="aot_eager")(
+            torch.randn(2, n + 1, C)
+        )
+    assert all(type(P) is torch.Tensor and not P.is_inference() for P in mixing._PERMUTATIONS.values())
+    for streams in (n, n + 1):
+        block = MHCBlock(nn.Linear(C, C), C, streams, projection="lite", init="paper")
+        xs = torch.randn(2, streams, C, requires_grad=True)
+        out = block(xs)
+        assert type(out) is torch.Tensor and torch.isfinite(out).all()
+        out.sum().backward()
+        assert type(xs.grad) is torch.Tensor and block.b_res.grad is not None

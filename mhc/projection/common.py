@@ -127,8 +127,10 @@ def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
         raise ValueError("birkhoff_project needs n >= 1, got 0x0 matrices")
     if not isinstance(tol, numbers.Real) or isinstance(tol, bool):
         raise TypeError(f"birkhoff_project: tol must be a real number, got {type(tol).__name__} {tol!r}")
-    if not (math.isfinite(tol) and tol > 0):
-        raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {tol!r}")
+    # Comparisons only (False for NaN): torch.compile traces a float that changed between calls (a
+    # block's tol set anew, dynamic=True) as a symbol, which math.isfinite cannot take.
+    if not 0 < tol < math.inf:
+        raise ValueError(f"birkhoff_project: tol must be finite and > 0, got {float(tol)!r}")
     if not _is_int(max_iter):
         raise TypeError(
             f"birkhoff_project: max_iter must be an int, got {type(max_iter).__name__} {max_iter!r}"
@@ -147,7 +149,7 @@ def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -211,6 +213,7 @@ def newton_report(
     """
     if warn:
         warn_unconverged(error, tol, max_iter)
+    error = error.detach()  # a report: the op's backward gives it no gradient, so it takes none
     converged = error <= tol
     return ProjectionInfo(
         iterations=iterations.reshape(batch_shape),
