@@ -51,6 +51,14 @@ def _token(token: tuple[int, ...]) -> str:
     return f"token {token}" if token else "the only token"  # () for unbatched [n, n] H_res
 
 
+def _beyond(value: float, limit: float) -> str:
+    """``value`` with enough digits to show it is past ``limit`` (``1+1.2e-07`` against a limit of 1)."""
+    text = f"{value:.6g}"
+    if math.isfinite(value) and float(text) <= limit:
+        text = f"{limit:.6g}+{value - limit:.2g}"
+    return text
+
+
 def _gain_problem(
     report: StabilityReport, what: str, maxima: list[float], tokens: list, limit: float
 ) -> str | None:
@@ -59,7 +67,7 @@ def _gain_problem(
         return None
     worst = max(over, key=lambda d: math.inf if math.isnan(maxima[d]) else maxima[d])
     return (
-        f"{what} gain {maxima[worst]:.6g} > max_gain {limit:.6g}: worst at {_site(report, worst)}, "
+        f"{what} gain {_beyond(maxima[worst], limit)} > max_gain {limit:.6g}: worst at {_site(report, worst)}, "
         f"{_token(tokens[worst])}; over the limit from {_site(report, over[0])} on, at {len(over)} of {report.depth} depths"
     )
 

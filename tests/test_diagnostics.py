@@ -530,3 +530,36 @@ def test_cli_refuses_a_cuda_device_it_does_not_have(tmp_path, capsys):
     assert main([str(tmp_path), "--device", missing]) == 2
     err = capsys.readouterr().err
     assert f"--device {missing}" in err and "Traceback" not in err, err
+
+
+def test_a_diverged_token_gives_nan_gains_from_its_depth_on():
+    """composite_gains on a model with a NaN token: NaN (not the SVD's LinAlgError) from the first
+    depth whose composite holds it; the table's header shows a NaN marginal error behind finite ones."""
+    eye = torch.eye(3, dtype=torch.float64).expand(4, 3, 3).clone()
+    bad = eye.clone()
+    bad[2, 0, 1] = math.nan
+    gains = composite_gains([eye, bad, eye])
+    for values in (gains.forward_gain, gains.backward_gain, gains.spectral_norm):
+        assert values[0] == 1 and values[1:].isnan().all(), gains
+    report = report_from_h_res([eye, eye, bad])
+    assert report.marginal_error_max[:2] == [0.0, 0.0] and math.isnan(report.marginal_error_max[2])
+    assert report.table().splitlines()[0].endswith("max marginal error nan")
+
+
+def test_cli_checks_device_and_figure_path_before_loading(tmp_path, capsys):
+    from mhc.diagnostics.__main__ import main
+
+    (tmp_path / "config.json").write_text("{}")  # never loaded: each check comes first
+    for device, message in (
+        ("meta", "holds no data"),
+        ("xpu" if not torch.xpu.is_available() else "mps", "cannot use it"),
+    ):
+        assert main([str(tmp_path), "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert f"--device {device}" in err and message in err and "Traceback" not in err, err
+    assert main([str(tmp_path), "--out", str(tmp_path / "s.pdf")]) == 2
+    assert "ending in .png" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert main([str(tmp_path), "--text", str(tmp_path / "latin1.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "latin1.txt" in err and "not UTF-8" in err, err

@@ -151,3 +151,10 @@ def test_bad_arguments_name_the_problem():
         assert_composite_stable("model")
     with pytest.raises(ValueError, match="at least one"):
         assert_composite_stable([])
+
+
+def test_a_gain_just_past_the_limit_reads_as_past_it():
+    """A gain 2.6e-7 over max_gain=1 printed at 6 significant digits would read "1 > max_gain 1"."""
+    H = torch.tensor([[1.0, 0.0], [0.0, 1.0 + 2.6e-7]], dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"gain 1\+2\.6e-07 > max_gain 1"):
+        assert_composite_stable([H], max_gain=1.0)

@@ -81,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{model_dir} is not a saved model folder (no config.json)")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    text = args.text.read_text(encoding="utf-8") if args.text else BUILTIN_TEXT
+    out = args.out if args.out is not None else model_dir / "stability.png"
+    if out.suffix.lower() != ".png":  # checked before the model is loaded and run
+        raise ValueError(f"--out: the figure is a PNG: give a path ending in .png, got {out}")
+    try:
+        text = args.text.read_text(encoding="utf-8") if args.text else BUILTIN_TEXT
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {args.text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
@@ -92,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
+    if device.type == "meta":
+        raise ValueError(f"--device {args.device}: a meta tensor holds no data to measure")
+    try:  # any other device type this torch cannot use (mps, xpu, ...)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:  # torch asserts for a backend it was built without
+        raise ValueError(
+            f"--device {args.device}: this torch cannot use it ({str(e).splitlines()[0]})"
+        ) from None
 
     # (MHCForCausalLM is registered with the Auto classes: importing mhc, this module's package, did it.)
     hf_logging.disable_progress_bar()  # the table is the output; no "Loading weights" bar above it
@@ -125,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
         f"{len(ids)} tokens ({text_name}, {source})"
     )
     print(report.table())
-    out = args.out if args.out is not None else model_dir / "stability.png"
     plot_report(report, out, title=str(model_dir))
     print(f"figure: {out}")
     if args.json is not None:

@@ -22,6 +22,7 @@ is too and both gains are 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -188,11 +189,14 @@ def composite_gains(h_res: Sequence[Tensor] | Tensor) -> CompositeGains:
         h_res: as for :func:`composite_mapping`.
 
     Returns:
-        :class:`CompositeGains` with ``[L]`` float64 tensors (max over the batch).
+        :class:`CompositeGains` with ``[L]`` float64 tensors (max over the batch). A token whose
+        composite holds NaN or Inf (a diverged model) makes all three NaN at that depth and after.
     """
     P = composite_mapping(h_res)
     flat = P.flatten(1, -3) if P.dim() > 3 else P.unsqueeze(1)  # [L, B, n, n]
-    spectral = torch.linalg.matrix_norm(flat, ord=2).amax(-1)
+    finite = torch.isfinite(flat).flatten(-2).all(-1)  # [L, B]; the SVD refuses the others
+    spectral = torch.linalg.matrix_norm(torch.where(finite[..., None, None], flat, 0), ord=2)
+    spectral = spectral.masked_fill(~finite, math.nan).amax(-1)
     return CompositeGains(
         forward_gain=forward_gain(flat).amax(-1),
         backward_gain=backward_gain(flat).amax(-1),

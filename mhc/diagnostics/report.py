@@ -309,7 +309,7 @@ def format_table(report: StabilityReport) -> str:
         f"{report.depth} sites, {tokens} tokens (batch shape {tuple(report.batch_shape)}); at full depth: "
         f"forward gain {_fmt_gain(report.forward_gain_max[last])} (token {report.forward_gain_token[last]}), "
         f"backward gain {_fmt_gain(report.backward_gain_max[last])} (token {report.backward_gain_token[last]}); "
-        f"max marginal error {max(report.marginal_error_max):.2e}",
+        f"max marginal error {max(report.marginal_error_max, key=lambda v: math.inf if math.isnan(v) else v):.2e}",
         line([c for c, _ in _COLUMNS]),
     ]
     key = (

@@ -298,7 +298,7 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
     Returns:
         ``(gains, stability)``, both None for a model without mHC sites. ``gains`` has the
         per-depth lists ``forward_gain``, ``backward_gain`` (worst token) and ``spectral_norm``
-        (:func:`mhc.diagnostics.composite_gains`; NaN everywhere for a diverged model: the run
+        (:func:`mhc.diagnostics.composite_gains`; NaN from the first diverged depth on: the run
         goes on). ``stability`` has per-site lists, in depth order, of
         :class:`mhc.diagnostics.StabilityReport`'s ``forward_gain_mean``, ``backward_gain_mean``,
         ``marginal_error_mean``, ``marginal_error_max``, ``logit_scale_mean``, ``logit_scale_max``,
@@ -319,11 +319,7 @@ def measure_stability(model: nn.Module, input_ids: Tensor) -> tuple[dict | None,
         for module, training in modes:
             module.training = training
     report = report_from_sites(records)
-    if all(bool(torch.isfinite(r.h_res).all()) for r in records):
-        gains = composite_gains([r.h_res for r in records]).as_dict()
-    else:  # the SVD of the spectral norm refuses NaN
-        nan = [float("nan")] * len(records)
-        gains = {"forward_gain": nan, "backward_gain": list(nan), "spectral_norm": list(nan)}
+    gains = composite_gains([r.h_res for r in records]).as_dict()
     keys = ("forward_gain_mean", "backward_gain_mean", "marginal_error_mean", "marginal_error_max",
             "logit_scale_mean", "logit_scale_max", "spread_mean", "spread_min", "h_res_saturated_entries",
             "h_res_saturated_rows", "pre_saturated", "post_saturated")  # fmt: skip
