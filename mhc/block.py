@@ -34,6 +34,7 @@ from .block_init import RES_INIT_DIAGONAL, exact_sum_logits, pre_init_weights
 from .fused.record import Backend, SiteLink
 from .mixing import SINKHORN_EPS, check_lite_streams, lite_identity_logits, lite_logit_count
 from .options import MHCOptions, check_options, coefficient_dtype, reject_unknown_options
+from .streams import Float32Coefficients
 
 __all__ = ["MHCBlock"]
 
@@ -41,7 +42,7 @@ __all__ = ["MHCBlock"]
 _BLOCK_KEYWORDS = ("hidden_size", "n_streams", "layer_index", "options", "pre_eps", "sinkhorn_eps")
 
 
-class MHCBlock(nn.Module):
+class MHCBlock(Float32Coefficients):
     """One mHC site: ``x' = H_res·x + H_postᵀ ⊗ F(H_pre·x)`` around a sublayer ``F``.
 
     The coefficients are per token (dynamic) plus static biases, and are

@@ -131,7 +131,23 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
     return torch.einsum("...n,...nc->...c", weights.to(acc), x.to(acc)).to(x.dtype)
 
 
-class StreamReduce(nn.Module):
+class Float32Coefficients(nn.Module):
+    """A module whose own float32 parameters stay float32 through ``.half()``, ``.bfloat16()`` and
+    ``.to(dtype)`` (its submodules are cast as usual); devices follow a move, and a cast to float64
+    applies. The mHC paper keeps the coefficients in fp32 while the streams run in bf16."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: p.data for name, p in self.named_parameters(recurse=False) if p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, p in self.named_parameters(recurse=False):
+            if name in kept and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = kept[name].to(device=p.device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(torch.float32)
+        return self
+
+
+class StreamReduce(Float32Coefficients):
     """Reduce ``n`` streams by the mean, or by learned weights initialised to the mean.
 
     Args:

@@ -366,3 +366,26 @@ def test_site_coefficients_refuse_the_residual_mode():
     with pytest.raises(ValueError, match="options.mode must be 'mhc' or 'hc', got 'residual'"):
         coefficients(x, torch.zeros(4, 8), torch.ones(3), torch.zeros(2), torch.zeros(2), torch.zeros(2, 2),
                      MHCOptions(mode="residual"))  # fmt: skip
+
+
+def test_standalone_block_cast_keeps_coefficients_float32(fresh_seed):
+    """``.bfloat16()`` on a bare block (no HF model around it) casts the sublayer, not the coefficients;
+    ``.double()`` casts both, and a StreamReduce keeps its weights the same way."""
+    torch.manual_seed(fresh_seed)
+    n, C = 4, 16
+    block = MHCBlock(nn.Linear(C, C), C, n, fused=False)
+    reduce = StreamReduce(n, learned=True)
+    own = {name: p.clone() for name, p in block.named_parameters(recurse=False)}
+    assert own and all(p.dtype == torch.float32 for p in own.values())
+    block.bfloat16()
+    reduce.bfloat16()
+    for name, p in block.named_parameters(recurse=False):
+        assert p.dtype == torch.float32 and torch.equal(p, own[name]), f"{name} cast to {p.dtype}"
+    assert block.branch.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in reduce.parameters())
+    x = torch.randn(2, 3, n, C, dtype=torch.bfloat16)
+    out = block(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert reduce(out).dtype == torch.bfloat16
+    block.double()
+    assert all(p.dtype == torch.float64 for p in block.parameters())

@@ -562,30 +562,6 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
         handles.append(self.model.get_submodule(self.adapter.final_norm).register_forward_hook(final_output))
         return handles
 
-    def _apply(self, fn, recurse=True):
-        """``.to()``, ``.half()``, ``.bfloat16()`` ... keep the mHC coefficients in float32.
-
-        Devices follow the move; a cast to fp16/bf16 applies to the base weights only,
-        as the paper keeps the coefficients in fp32 while the streams run in bf16.
-        """
-        keep = {
-            id(p): p.data
-            for m in self.modules()
-            if isinstance(m, (MHCBlock, StreamReduce))
-            for p in m.parameters(recurse=False)
-            if p.dtype == torch.float32
-        }
-        super()._apply(fn, recurse)
-        for m in self.modules():
-            if isinstance(m, (MHCBlock, StreamReduce)):
-                for p in m.parameters(recurse=False):
-                    old = keep.get(id(p))
-                    if old is not None and p.dtype in (torch.float16, torch.bfloat16):
-                        p.data = old.to(device=p.device)
-                        if p.grad is not None:
-                            p.grad = p.grad.to(torch.float32)
-        return self
-
 
 AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
 AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
