@@ -567,3 +567,33 @@ def test_marginal_error_of_what_it_documents():
     assert marginal_error(torch.eye(3, dtype=torch.bfloat16)).item() == 0.0
     assert marginal_error(torch.zeros(2, 5, 2, 2)).shape == (2, 5)
     assert marginal_error(torch.full((2, 2), 0.5, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_forward_mode_is_refused_for_newton_and_exact_for_sinkhorn(fresh_seed):
+    """Newton's custom op has no forward-mode rule, so a tangent would come back as zero: refused.
+
+    Sinkhorn's plain ops take forward mode; its JVP equals the reverse-mode Jacobian applied to the tangent.
+    """
+    from torch.autograd import forward_ad
+
+    x = torch.randn(3, 4, 4, dtype=torch.float64) * 2
+    v = torch.randn_like(x)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(birkhoff_project, (x,), (v,))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(birkhoff_project_reference, (x,), (v,))
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
+        birkhoff_project(forward_ad.make_dual(x, v))
+    block = MHCBlock(torch.nn.Identity(), 8, 4, fused=False).double()
+    streams = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(block, (streams,), (torch.randn_like(streams),))
+
+    def sinkhorn(a):
+        return birkhoff_project(a, method="sinkhorn", iters=30)
+
+    _, tangent = torch.func.jvp(sinkhorn, (x,), (v,))
+    jacobian = torch.autograd.functional.jacobian(sinkhorn, x).reshape(x.numel(), x.numel())
+    expected = (jacobian @ v.reshape(-1)).reshape(x.shape)
+    assert tangent.abs().max() > 1e-3, f"seed={fresh_seed}: a zero tangent would pass the comparison"
+    torch.testing.assert_close(tangent, expected, rtol=1e-9, atol=1e-12, msg=f"seed={fresh_seed}")

@@ -568,6 +568,14 @@ def test_fast_path_equals_the_checked_path(n, dtype, fresh_seed):
     torch.testing.assert_close(
         torch.func.vmap(mhc.birkhoff_project)(R), mhc.birkhoff_project(R), rtol=0, atol=1e-6
     )
+    # a forward-mode tangent declines too, and the checked path refuses it (it would come back as zero)
+    from torch.autograd import forward_ad
+
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(R[0], torch.ones_like(R[0]))
+        assert projection_cuda.project_fast(dual, 1e-6, 100) is None
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            mhc.birkhoff_project(dual)
     # a Parameter (a Tensor subclass) takes the checked path and still gets its gradient
     p = torch.nn.Parameter(torch.randn(16, n, n, device="cuda"))
     mhc.birkhoff_project(p).sum().backward()

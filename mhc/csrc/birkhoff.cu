@@ -306,8 +306,10 @@ static void poll_counter(const at::Tensor& out) {
 // these (float32-computed) dtypes. Polls the counter (poll_counter).
 at::Tensor project_or_none(const at::Tensor& logits, double tol, int64_t max_iter) {
   const int64_t d = logits.dim();
+  // A forward-mode tangent (torch.autograd.forward_ad, level 0) goes the checked way too, which refuses it.
   if (!logits.is_cuda() || d < 2 ||
-      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+      logits._fw_grad(/*level=*/0).defined()) {
     return at::Tensor();
   }
   const int64_t n = logits.size(d - 1);

@@ -141,7 +141,10 @@ class MHCConfig(_BaseConfig):
             ``n_streams=1`` exactly the base model).
         init: ``"identity"`` (function-preserving: a converted model keeps its
             outputs) or ``"paper"`` (random ``φ``).
-        projection: ``"newton"`` (exact) or ``"sinkhorn"`` for ``H_res``.
+        projection: how ``H_res`` is made doubly stochastic: ``"newton"`` (the
+            exact projection), ``"sinkhorn"`` (``sinkhorn_iters`` fixed steps) or
+            ``"lite"`` (mHC-lite: a convex combination of the ``n!`` permutation
+            matrices, exact by construction; ``n_streams`` ≤ 5).
         tol: Newton tolerance on the marginal error.
         sinkhorn_iters: steps for ``projection="sinkhorn"``.
         fused: run CUDA streams on the fused Triton kernels (``MHCBlock(fused=...)``).

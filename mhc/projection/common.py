@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.autograd import forward_ad
 
 __all__ = [
     "METHODS",
@@ -146,6 +147,18 @@ def check_arguments(logits, tol, max_iter, method, iters, return_info) -> None:
         raise ValueError(f"birkhoff_project: iters must be >= 1, got {iters}")
     if not isinstance(return_info, bool):
         raise TypeError(f"birkhoff_project: return_info must be a bool, got {type(return_info).__name__}")
+    # Newton's op has a reverse-mode backward only; a forward-mode tangent would come back as zero.
+    if (
+        method == "newton"
+        and not torch.compiler.is_compiling()
+        and forward_ad.unpack_dual(logits).tangent is not None
+    ):
+        raise NotImplementedError(
+            "birkhoff_project: method='newton' has no forward-mode derivative (torch.func.jvp, jacfwd, "
+            "hessian, torch.autograd.forward_ad); use torch.autograd's reverse mode (backward(), "
+            "torch.autograd.grad, double backward included), or method='sinkhorn', whose plain ops take "
+            "every transform"
+        )
 
 
 def _is_int(value) -> bool:

@@ -285,7 +285,7 @@ def project_fast(logits: Tensor, tol: float, max_iter: int) -> Tensor | None:
     whether its kernels take ``logits``, picks the autograd node when a graph
     is recorded and polls the convergence counter every :data:`POLL_EVERY`
     calls. ``None`` under ``torch.compile`` (dynamo traces the op instead),
-    under functorch transforms, or while the extension is unavailable.
+    under functorch transforms, for a forward-mode dual tensor, or while the extension is unavailable.
     :func:`mhc.birkhoff_project` makes the same call inline: at small batches
     its host time is the projection's cost (issue #23).
     """
