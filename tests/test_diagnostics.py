@@ -5,6 +5,7 @@ import json
 import math
 import runpy
 import sys
+import warnings
 
 import matplotlib.image
 import pytest
@@ -520,6 +521,12 @@ def test_no_tokens_is_a_clear_error():
 
     with pytest.raises(ValueError, match="H_res holds no matrices"):
         assert_composite_stable([torch.empty(0, 4, 4)])
+    # a model run on an empty batch gets the same error, with no warning from the logits' spread before it
+    stack = random_stack("mhc", 0)[:2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="H_res holds no matrices"):
+            stability_report(stack, torch.randn(0, 5, N, C))
 
 
 def test_cli_refuses_a_cuda_device_it_does_not_have(tmp_path, capsys):

@@ -270,6 +270,8 @@ def logit_scale(logits: Tensor) -> Tensor:
                         f"{'' if not isinstance(logits, Tensor) else ' of ' + str(logits.dtype)}")  # fmt: skip
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., r] with r >= 1, got shape {tuple(logits.shape)}")
+    if logits.numel() == 0:  # an empty batch; torch.std would warn about 0/0 degrees of freedom
+        return logits.new_empty(logits.shape[:-1], dtype=torch.float64)
     return logits.detach().double().std(dim=-1, correction=0)
 
 
