@@ -95,7 +95,11 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
     Returns:
         ``[..., C]`` in the dtype of ``x``. The sum accumulates in float32 (or
         better; the weights are used in that precision too) and is cast back
-        once, so bf16 streams lose nothing to a bf16 running sum.
+        once, so bf16 streams lose nothing to a bf16 running sum. It is taken
+        around stream 0, ``(Σ_i w_i) x_0 + Σ_i w_i (x_i - x_0)``, as the site's
+        mixes are (:mod:`mhc.site`): ``n`` equal streams give back that stream
+        exactly whenever the weights sum to one in float32 (the mean for every
+        ``n``), so a converted model's logits equal the original's.
 
     Raises:
         TypeError: ``x`` is not a tensor, or ``weights`` neither a tensor nor ``None``.
@@ -106,8 +110,10 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
     if x.dim() < 2:
         raise ValueError(f"reduce_streams expects [..., n, C], got shape {tuple(x.shape)}")
     acc = torch.promote_types(x.dtype, torch.float32)
+    x0 = x[..., :1, :].to(acc)
+    deviations = x.to(acc) - x0
     if weights is None:
-        return x.mean(dim=-2, dtype=acc).to(x.dtype)
+        return (x0.squeeze(-2) + deviations.mean(dim=-2)).to(x.dtype)
     if not isinstance(weights, Tensor):
         raise TypeError(
             f"reduce_streams: weights must be a torch.Tensor or None, got {type(weights).__name__}"
@@ -128,7 +134,9 @@ def reduce_streams(x: Tensor, weights: Tensor | None = None) -> Tensor:
                 f"weights of shape {tuple(weights.shape)} do not broadcast to [..., n] = {target} "
                 f"(x of shape {tuple(x.shape)})"
             )
-    return torch.einsum("...n,...nc->...c", weights.to(acc), x.to(acc)).to(x.dtype)
+    weights = weights.to(acc)
+    mixed = torch.einsum("...n,...nc->...c", weights, deviations)
+    return (weights.sum(-1, keepdim=True) * x0.squeeze(-2) + mixed).to(x.dtype)
 
 
 class Float32Coefficients(nn.Module):

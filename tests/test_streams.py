@@ -14,6 +14,22 @@ def test_expand_then_reduce_round_trips():
     assert torch.allclose(reduce_streams(x), h)
 
 
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_of_equal_streams_is_that_stream_exactly(n, dtype, fresh_seed):
+    """A mean of n equal values rounds in float32 for most n (3x is not exact); the reduce around
+    stream 0 gives the stream back bit for bit, so conversion stays exact for every n_streams."""
+    h = (torch.randn(64, 96) * torch.logspace(-3, 3, 96)).to(dtype)
+    x = expand_streams(h, n)
+    assert torch.equal(reduce_streams(x), h), f"seed={fresh_seed}"
+    assert torch.equal(reduce_streams(x, torch.full((n,), 1.0 / n)), h), f"seed={fresh_seed}"
+    assert torch.equal(StreamReduce(n, learned=True)(x), h), f"seed={fresh_seed}"
+    # a plain mean shows what this guards against: some n leave a rounding error
+    if n in (3, 5, 6):
+        plain = x.mean(dim=-2, dtype=torch.float32).to(dtype)
+        assert dtype == torch.bfloat16 or not torch.equal(plain, h), f"seed={fresh_seed}"
+
+
 def test_weighted_reduce_accumulates_in_fp32():
     x = torch.randn(5, 4, 8, dtype=torch.bfloat16)
     w = torch.tensor([0.1, 0.2, 0.3, 0.4])
