@@ -648,3 +648,49 @@ def test_conversion_is_bit_exact_for_stream_counts_whose_mean_rounds(n, reduce):
         reference = base(x).logits
         model = convert_to_mhc(base, n_streams=n, reduce=reduce)
         assert torch.equal(model(x).logits, reference)
+
+
+def test_a_second_model_built_on_a_live_config_shares_it_as_hf_models_do():
+    """Building a model from ``model.config`` used to re-point the first model's base config at the
+    second model's copy: after ``resize_token_embeddings`` the first model's loss then failed."""
+    model = convert_to_mhc(tiny_base("llama"))
+    twin = MHCForCausalLM(model.config)
+    also = AutoModelForCausalLM.from_config(model.config)
+    assert model.config.get_text_config() is model.model.config
+    assert twin.model.config is model.model.config and also.model.config is model.model.config
+    model.resize_token_embeddings(VOCAB + 8)
+    x = ids()
+    loss = model(input_ids=x, labels=x).loss
+    assert torch.isfinite(loss)
+    model.config.use_cache = False
+    assert model.model.config.use_cache is False
+
+
+def test_standard_keywords_reach_the_base_config_and_read_back():
+    """``MHCConfig(use_cache=False, pad_token_id=..., ...)`` used to stay on the wrapper (or be lost) while
+    the model read the base config; a saved file's top-level copy of such a field no longer wins."""
+    given = dict(
+        use_cache=False, tie_word_embeddings=True, pad_token_id=3, bos_token_id=7, output_hidden_states=True
+    )
+    config = MHCConfig(base_config=tiny_config("llama"), **given)
+    base = config.get_text_config()
+    for name, value in given.items():
+        assert getattr(config, name) == value and getattr(base, name) == value, name
+    model = MHCForCausalLM(config)
+    assert model.model.lm_head.weight is model.model.model.embed_tokens.weight  # tied as asked
+    config.output_hidden_states = False
+    assert base.output_hidden_states is False and config.output_hidden_states is False
+    stale = config.to_dict()
+    stale["bos_token_id"] = None  # as an older file's top level held a default beside the base's value
+    assert MHCConfig.from_dict(stale).bos_token_id == 7
+
+
+def test_output_hidden_states_set_on_the_base_model_before_conversion():
+    base = tiny_base("llama").eval()
+    base.config.output_hidden_states = True
+    x = ids()
+    expected = base(x).hidden_states
+    got = convert_to_mhc(base)(x).hidden_states
+    assert len(got) == len(expected) == 3
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e)

@@ -133,8 +133,8 @@ class MHCConfig(_BaseConfig):
             this config, and setting one here sets it there, where the model reads
             it (``resize_token_embeddings`` and ``config.use_cache = False`` work
             as on the base model). A keyword naming a field of the base config
-            that ``PretrainedConfig`` does not take itself (``hidden_size=64``)
-            sets that field of the base config.
+            (``hidden_size=64``, ``use_cache=False``, ``pad_token_id=0``) sets
+            that field of the base config.
         n_streams: number of residual streams ``n`` (default 4).
         mode: ``"mhc"`` (doubly stochastic ``H_res``), ``"hc"`` (unconstrained
             hyper-connections) or ``"residual"`` (no parameters; with
@@ -241,11 +241,9 @@ class MHCConfig(_BaseConfig):
         # The base model's config lives as one object (a model built on this config shares its own, see
         # attach_base_config); base_config is its dict view. Keywords that are fields of the base model's
         # config, not PretrainedConfig's own, go to it: a shadowing copy here would not reach the model.
-        self.__dict__["_mhc_base"] = _build_base_config(base_config) if base_config else None
-        for name in [
-            k for k in kwargs if k in base_config and _delegated(k) and k not in _STANDARD_CONFIG_KEYS
-        ]:
-            setattr(self.__dict__["_mhc_base"], name, kwargs.pop(name))
+        base = self.__dict__["_mhc_base"] = _build_base_config(base_config) if base_config else None
+        for name in [k for k in kwargs if k in base_config and _delegated(k)]:
+            setattr(base, name, kwargs.pop(name))
         self.n_streams = n_streams
         for name, value in opts.to_dict().items():
             setattr(self, name, value)
@@ -262,7 +260,25 @@ class MHCConfig(_BaseConfig):
             check_lite_streams(n_streams)
         self.adapter = None if adapter is None else adapter.to_dict()
         super().__init__(**kwargs)
+        if base is not None:
+            # PretrainedConfig set its defaults of fields the base config holds too (token ids,
+            # output_hidden_states, tie_word_embeddings, ...); a copy here would shadow the base's value,
+            # which the model reads, so these read through.
+            for name in [k for k in self.__dict__ if _delegated(k) and _has_field(base, k)]:
+                del self.__dict__[name]
+                if not _same(getattr(self, name, None), getattr(base, name)):
+                    # a class-level default of PretrainedConfig answers before __getattr__ can read
+                    # through (output_hidden_states): keep a copy, which __setattr__ keeps in step
+                    self.__dict__[name] = getattr(base, name)
         self.__dict__["_mhc_ready"] = True  # from here on, setting a base model's field writes it there
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """``PretrainedConfig.from_dict``, where a field saved both at the top and in ``base_config`` takes the
+        base config's value (files written before the top-level copies were dropped hold stale defaults there)."""
+        base = config_dict.get("base_config") or {}
+        config_dict = {k: v for k, v in config_dict.items() if not (k in base and _delegated(k))}
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
@@ -373,6 +389,13 @@ class MHCConfig(_BaseConfig):
 def _delegated(name: str) -> bool:
     """Whether ``name`` may be read from (and written to) the base config through an :class:`MHCConfig`."""
     return not name.startswith("_") and name not in _NOT_DELEGATED and name not in _OWN_FIELDS
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # values without a plain truth value
+        return False
 
 
 def _has_field(base: _BaseConfig, name: str) -> bool:
