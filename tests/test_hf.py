@@ -694,3 +694,42 @@ def test_output_hidden_states_set_on_the_base_model_before_conversion():
     assert len(got) == len(expected) == 3
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e)
+
+
+def test_generic_adapter_refuses_a_sublayer_that_flattens_the_tokens():
+    """Llama4's MoE returns [B·S, C] (its layer reshapes it back): conversion used to fail on adding it
+    to [B, S, C] with a bare shape error from inside the adapter's probe."""
+    import transformers
+
+    from mhc.hf.generic import UnsupportedLayoutError
+
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Llama4")
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        UnsupportedLayoutError, match=r"'feed_forward' has shape \(\d+, 32\), the layer input"
+    ):
+        convert_to_mhc(base)
+
+
+def test_loading_mistakes_get_errors_that_say_what_to_do(tmp_path):
+    plain = tmp_path / "plain"
+    tiny_base("llama").save_pretrained(plain)
+    with pytest.raises(ValueError, match="'llama' config, not an mHC one.*base_config=AutoConfig"):
+        MHCForCausalLM.from_pretrained(plain)
+    with pytest.raises(TypeError, match="needs an mhc.MHCConfig, got LlamaConfig"):
+        MHCForCausalLM(tiny_config("llama"))
+    with pytest.raises(TypeError, match="needs an mhc.MHCConfig"):
+        MHCForCausalLM.from_pretrained(plain, config=tiny_config("llama"))
+    saved = tmp_path / "mhc"
+    convert_to_mhc(tiny_base("llama")).save_pretrained(saved)
+    # PreTrainedModel drops keywords it does not know; a misspelt option used to load the default silently
+    with pytest.raises(TypeError, match="n_stream.*did you mean 'n_streams'"):
+        MHCForCausalLM.from_pretrained(saved, n_stream=2)
+    with pytest.raises(TypeError, match="foo_bar"):
+        MHCForCausalLM.from_pretrained(saved, foo_bar=2)
+    assert MHCForCausalLM.from_pretrained(saved, sinkhorn_iters=7).config.sinkhorn_iters == 7

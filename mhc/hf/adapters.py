@@ -332,7 +332,12 @@ def register_adapter(model_type: str, adapter: AdapterSpec) -> AdapterSpec | Non
     the converted model on a short random input and raises ``ValueError``,
     with the measured logit difference, if they disagree; the model is then
     left unconverted. A wrong adapter cannot silently change a model unless
-    the check is turned off (``verify=False``).
+    the check is turned off (``verify=False``), with one limit: the check
+    sees the weights the model has. On a freshly initialised model every
+    norm's weight is one, so an adapter that swaps two norms (the attention
+    reading ``post_attention_layernorm``) passes there and computes
+    something else once the norms are trained; verify a new adapter on
+    trained weights.
     """
     if not isinstance(model_type, str) or not model_type:
         raise TypeError(f"model_type must be a non-empty str, got {model_type!r}")

@@ -276,6 +276,13 @@ class MHCConfig(_BaseConfig):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs):
         """``PretrainedConfig.from_dict``, where a field saved both at the top and in ``base_config`` takes the
         base config's value (files written before the top-level copies were dropped hold stale defaults there)."""
+        found = config_dict.get("model_type")
+        if found is not None and found != cls.model_type:
+            raise ValueError(
+                f"this config is a {found!r} config, not an mHC one: load a plain checkpoint into mHC with "
+                "MHCForCausalLM.from_pretrained(path, config=MHCConfig(base_config=AutoConfig.from_pretrained(path))), "
+                "or convert a loaded model with mhc.convert_to_mhc"
+            )
         base = config_dict.get("base_config") or {}
         config_dict = {k: v for k, v in config_dict.items() if not (k in base and _delegated(k))}
         return super().from_dict(config_dict, **kwargs)

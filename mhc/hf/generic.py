@@ -232,6 +232,12 @@ class _Layout:
                 f"the attention {attn_call.name!r} does not read the layer input (or a norm of it)"
             )
         mlp, mlp_start, m = self.branch(mlp_call, layer_inputs=False)
+        for name, value in ((attn_call.name, a), (mlp_call.name, m), ("the MLP's input", mlp_start)):
+            if tuple(value.shape) != tuple(self.x.shape):
+                raise self.fail(
+                    f"{name!r} has shape {tuple(value.shape)}, the layer input {tuple(self.x.shape)} (a "
+                    "sublayer that flattens the tokens, as some mixtures of experts do, needs its own adapter)"
+                )
         if _same(mlp_start, self.x):  # parallel residual: both read x
             self.check_close(self.x + a + m, self.out, "its output is not x + attn + mlp")
             sites = (Site("parallel", (attn, mlp)),)

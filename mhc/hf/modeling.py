@@ -67,11 +67,11 @@ except ImportError:  # pragma: no cover - very old transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..block import MHCBlock
-from ..options import MHCOptions
+from ..options import MHCOptions, close_option
 from ..streams import STREAM_DTYPES, StreamReduce, effective_stream_dtype, expand_streams, stream_dtype_for
 from .adapters import Adapter
 from .branch import SiteBranch
-from .config import MHCConfig
+from .config import MHC_FIELDS, MHCConfig
 from .custom_code import AUTO_MAP, CODE_FILE, write_code_file
 from .generic import check_adapter_fits
 from .verify import (
@@ -255,7 +255,22 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
     _keep_in_fp32_modules_strict = ["attn_mhc", "mlp_mhc", "parallel_mhc", "stream_reduce"]
 
     def __init__(self, config: MHCConfig, *inputs, base_model: PreTrainedModel | None = None, **kwargs):
-        super().__init__(config, *inputs, **kwargs)
+        if not isinstance(config, MHCConfig):
+            raise TypeError(
+                f"MHCForCausalLM needs an mhc.MHCConfig, got {type(config).__name__}; wrap the base model's "
+                "config: mhc.MHCConfig(base_config=config)"
+            )
+        if inputs or kwargs:
+            # PreTrainedModel would drop them without a word, and from_pretrained passes on every keyword
+            # the config did not take (a misspelt option such as n_stream=2).
+            unknown = [*map(repr, inputs), *kwargs]
+            guesses = {name: close_option(name, MHC_FIELDS) for name in kwargs}
+            hint = "; ".join(f"did you mean {g!r} for {n!r}?" for n, g in guesses.items() if g)
+            raise TypeError(
+                f"MHCForCausalLM got arguments that neither it nor its config takes: {', '.join(unknown)}"
+                + (f" ({hint})" if hint else "")
+            )
+        super().__init__(config)
         if base_model is None:
             config.get_base_config()  # raises if there is none
             # The base config object itself, not a copy: a second model built on this config (as HF's
