@@ -24,12 +24,13 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .compare import write_comparison
-from .config import DEFAULT_PRESET, VARIANTS, DataError, TrainConfig, list_presets, load_config
+from .config import DEFAULT_PRESET, VARIANTS, DataError, TrainConfig, key_help, list_presets, load_config
 from .data import prepare_data
 from .distributed import resolve_device
 from .loop import TrainingStoppedError, train
@@ -103,7 +104,13 @@ def parse_train_args(argv=None, prog: str = "mhc-train") -> argparse.Namespace:
     )
     keys = p.add_argument_group("config keys (same as --set KEY=VALUE)")
     for f in dataclasses.fields(TrainConfig):
-        keys.add_argument("--" + f.name.replace("_", "-"), dest="key_" + f.name, default=None, metavar="V")
+        keys.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest="key_" + f.name,
+            default=None,
+            metavar="V",
+            help=key_help(f.name),
+        )
     return p.parse_args(argv)
 
 
@@ -133,6 +140,21 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return saved
 
 
+def check_run_dir_creatable(run_dir: Path) -> None:
+    """``ValueError`` unless ``run_dir`` is a folder or can be made one (not under a file, not in ``/proc``),
+    so that such a mistake stops before training as one line; nothing is left behind."""
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--run-dir {run_dir}: {existing} is a file, not a folder")
+    if existing != run_dir.absolute():
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".mhc-probe-", dir=existing))
+        except OSError as e:
+            raise ValueError(
+                f"--run-dir {run_dir}: cannot create a folder in {existing} ({e.strerror or e})"
+            ) from None
+
+
 def train_main(argv=None, prog: str = "mhc-train") -> int:
     """``mhc-train`` (and ``scripts/train_lm.py``, ``python -m mhc.train``): parse, check, train; the exit status."""
     args = parse_train_args(argv, prog)
@@ -148,6 +170,7 @@ def train_main(argv=None, prog: str = "mhc-train") -> int:
         resolve_device(
             cfg.device, int(os.environ.get("WORLD_SIZE", "1"))
         )  # a device that is not here stops now
+        check_run_dir_creatable(Path(cfg.run_dir))
     except (CheckpointError, ValueError, TypeError, KeyError) as e:  # bad settings: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ __all__ = [
     "resolve_config_path",
     "TOKENIZERS",
     "TrainConfig",
+    "key_help",
     "ConfigKeyError",
     "mhc_config_options",
     "parse_device",
@@ -118,7 +119,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
-    max_time_s: float = 0.0  # stop early by wall clock (0: never); the summary says so
+    max_time_s: float = (
+        0.0  # stop early by wall clock, over the whole run with its resumed sessions (0: never)
+    )
     max_skipped_in_a_row: int = (
         20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
     )
@@ -173,9 +176,25 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (self.spike_threshold > 0 and math.isfinite(self.spike_threshold)):
             raise ValueError(f"spike_threshold must be a finite number > 0, got {self.spike_threshold}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (a window predicts its next tokens), got {self.seq_len}")
+        if self.batch_size * self.seq_len >= 2**31:
+            raise ValueError(
+                f"a batch of batch_size x seq_len = {self.batch_size} x {self.seq_len} tokens must stay below 2**31"
+            )
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        cpus = os.cpu_count() or 1
+        if self.threads > 4 * cpus:
+            raise ValueError(f"threads must be at most 4 x this machine's {cpus} CPUs, got {self.threads}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size / num_heads = {self.hidden_size // self.num_heads} must be even (rotary embeddings "
+                "rotate pairs of a head's channels)"
             )
         if self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -224,6 +243,14 @@ _ZERO_MEANS = {
     "stop_at_step": "never",
 }
 _NON_NEGATIVE = tuple(_ZERO_MEANS)
+
+
+def key_help(name: str) -> str:
+    """One line for ``--help`` on config key ``name``: its default, and what 0 means where it means something."""
+    f = FIELDS[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    zero = f"; 0: {_ZERO_MEANS[name]}" if name in _ZERO_MEANS else ""
+    return f"default {default!r}{zero}"
 
 
 class ConfigKeyError(KeyError, ValueError):
@@ -305,7 +332,10 @@ def _coerce(name: str, value: Any) -> Any:
     default = FIELDS[name].default
     if FIELDS[name].default_factory is not dataclasses.MISSING:  # dict
         if isinstance(value, str):
-            value = yaml.safe_load(value) or {}
+            try:
+                value = yaml.safe_load(value) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{name}: not a valid YAML mapping ({' '.join(str(e).split())})") from None
         if not isinstance(value, dict):
             raise TypeError(f"{name} must be a mapping, got {value!r}")
         return value
@@ -318,7 +348,12 @@ def _coerce(name: str, value: Any) -> Any:
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError(f"{name} needs a boolean, got {value!r}")
-        return bool(value)
+        if not isinstance(value, bool):  # bool([1]) or bool(2) would pass anything
+            raise ValueError(f"{name} needs a boolean, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        # YAML's true is an int to Python (batch_size: true would be 1), a list is no number
+        raise ValueError(f"{name} needs {'an integer' if kind is int else 'a number'}, got {value!r}")
     if kind is int:
         given = value
         try:
@@ -442,8 +477,13 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         raise ValueError(f"config inheritance loop through {path}")
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a config must be a YAML mapping")
     base = raw.pop("base", None)

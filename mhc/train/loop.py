@@ -201,9 +201,20 @@ def train(
             counters = Counters(state["step"], state.get("elapsed_s", 0.0), state.get("max_grad_norm", 0.0),
                                 state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0))  # fmt: skip
             set_rng_state(state["rng"][info.rank], device)
+            if 0 < cfg.max_time_s <= counters.elapsed_s and counters.step < max_steps:
+                # the budget covers the whole run: resuming would train one step and stop again
+                raise CheckpointError(
+                    f"cannot resume from {point.path}: the run's wall-clock budget max_time_s={cfg.max_time_s:g} s is "
+                    f"already spent ({counters.elapsed_s:.1f} s over its sessions so far). Resume with a larger budget "
+                    f"(--set max_time_s=<seconds> --resume-override), or --set max_time_s=0 for none."
+                )
             log(f"resumed from {point.path} at step {counters.step}")
         start_step = counters.step
         overrides = point.overrides if point else []
+
+        # the validation windows before any run file: too little validation data stops a fresh run here
+        val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
+        diag_ids = val_windows[:2].to(device)  # gains and stability are measured on these (model, not DDP)
 
         # ---- run files: metrics.jsonl (kept up to the checkpoint on resume), config.yaml ----
         metrics = MetricsLog(run_dir / "metrics.jsonl", info.is_main, start_step if state is not None else None,
@@ -217,8 +228,6 @@ def train(
             f"{'bf16 autocast' if use_bf16 else 'fp32'}; {max_steps} steps x {tokens_per_step:,} tokens"
         )
         log(f"unigram entropy of the data: {h_unigram:.4f} nats/token ({h_unigram / math.log(2):.3f} bits)")
-        val_windows = data.val_windows(cfg.eval_batches * cfg.batch_size * info.world)  # global batches
-        diag_ids = val_windows[:2].to(device)  # gains and stability are measured on these (model, not DDP)
         to_save = dict(model=model, optimizer=optimizer, scheduler=scheduler, spikes=spikes, counters=counters, tok=tok,
                        max_steps=max_steps, overrides=overrides, corpus=corpus.record())  # what every checkpoint holds  # fmt: skip
 

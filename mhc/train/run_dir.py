@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from .checkpoint import find_latest_checkpoint, write_model_dir
+from .checkpoint import MANIFEST, find_latest_checkpoint, write_model_dir
 from .distributed import DistInfo, broadcast_flag, broadcast_text
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "remove_outputs",
     "remove_stale_temporaries",
     "prepare_run_dir",
+    "refuse_run_outputs",
     "claim_run_dir",
     "replace_model_dir",
 ]
@@ -181,6 +182,30 @@ def prepare_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, log=p
     remove_stale_temporaries(run_dir)
 
 
+def refuse_run_outputs(run_dir: str | Path) -> None:
+    """``FileExistsError`` if ``run_dir`` is a checkpoint, or lies inside a run's ``checkpoints/`` or ``model/``.
+
+    Such a folder belongs to a run already: a run there would write its lock and outputs among the
+    checkpoint's files (whose manifest then refuses it for good) or the saved model's.
+    """
+    rd = Path(run_dir).absolute()
+    if (rd / MANIFEST).exists():
+        raise FileExistsError(
+            f"{run_dir} holds {MANIFEST}: it is a checkpoint, not a run dir. Pick another --run-dir."
+        )
+    for folder in (rd, *rd.parents):
+        parent = folder.parent
+        if folder.name in ("checkpoints", "model") and any((parent / n).exists() for n in _RUN_MARKERS):
+            raise FileExistsError(
+                f"{run_dir} lies in {folder}, the {folder.name}/ folder of the run in {parent}: pick a --run-dir "
+                "outside any run's outputs."
+            )
+
+
+# Files every run writes at its top level (a folder with one of them is a run dir).
+_RUN_MARKERS = ("metrics.jsonl", "config.yaml", "summary.json")
+
+
 def claim_run_dir(
     run_dir: str | Path,
     lock: RunDirLock | None,
@@ -200,6 +225,7 @@ def claim_run_dir(
     failure = None
     if info.is_main:
         try:
+            refuse_run_outputs(run_dir)  # before the lock file is written there
             lock.acquire()
             prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, log=log)
         except Exception as e:  # handed to every rank below, so that none waits for rank 0
