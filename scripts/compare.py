@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``mhc-compare`` from a checkout: the command line of :func:`mhc.train.cli.compare_main`.
+"""``mhc-compare`` from a checkout: the command line of :func:`mhc.train.compare.compare_main`.
 
     python scripts/compare.py                                   # the tiny CPU presets
     python scripts/compare.py --variants residual,hc,mhc,mhc-sk20,mhc-lite  # all five variants
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 if (REPO / "mhc" / "__init__.py").is_file():  # this checkout's mhc, not another installed one
     sys.path.insert(0, str(REPO))
 
-from mhc.train.cli import compare_main  # noqa: E402
+from mhc.train.compare import compare_main  # noqa: E402
 
 
 def main(argv=None) -> int:
