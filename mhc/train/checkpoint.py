@@ -61,6 +61,10 @@ __all__ = [
     "sha256_file",
     "nonfinite_tensors",
     "TOKENIZER_FILES",
+    "MANIFEST",
+    "TRAINER_STATE",
+    "STEP_NAME",
+    "short_repr",
 ]
 
 # 1: trainer state as a torch pickle (trainer_state.pt), no longer loaded. 2: JSON + safetensors.
@@ -515,6 +519,12 @@ def _old_format(path: Path, fmt: int = 1) -> CheckpointError:
     )
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: for messages about values read from a file."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _read_trainer_state(path: Path) -> dict:
     try:
         tree = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
@@ -525,7 +535,7 @@ def _read_trainer_state(path: Path) -> dict:
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: {TRAINER_TENSORS} could not be read: {e!r}") from e
     state = decode_tree(tree, tensors)
-    if not isinstance(state, dict) or "config" not in state:
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"checkpoint {path} is corrupt: {TRAINER_STATE} holds no run config")
     return state
 
@@ -546,7 +556,20 @@ def load_checkpoint_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], d
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: {MODEL_WEIGHTS} could not be read: {e!r}") from e
     state = _read_trainer_state(path)
-    for alias, target in manifest.get("aliases", {}).items():
+    aliases = manifest.get("aliases", {})
+    # The hashes do not cover the manifest itself: a re-signed one may hold anything JSON can.
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {MANIFEST} field 'aliases' is {short_repr(aliases)}, not a mapping of "
+            f"weight names to the names they share a tensor with"
+        )
+    for alias, target in aliases.items():
+        if alias in sd:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {MANIFEST} aliases {alias}, which {MODEL_WEIGHTS} already holds"
+            )
         if target not in sd:
             raise CheckpointError(
                 f"checkpoint {path} is corrupt: alias {alias} -> {target}, which is not in {MODEL_WEIGHTS}"

@@ -8,6 +8,9 @@ folders can be given instead. Every run records which corpus it read (:meth:`Cor
 documents, characters, SHA-256 of names and texts, Python version) in ``summary.json``, and a resumed
 run refuses a corpus that changed since its checkpoint.
 
+Folders given as data leave out training runs' folders inside them (:func:`load_corpus`): a run
+would otherwise train on its own outputs, and find another corpus when it resumes.
+
 The split depends only on document names and contents, and the batch order only on
 ``(seed, global sample index)``, so a resumed run sees the same batches.
 """
@@ -30,8 +33,9 @@ import torch
 from torch import Tensor
 
 from . import synthetic
-from .checkpoint import atomic_write_bytes
+from .checkpoint import atomic_write_bytes, list_checkpoints
 from .config import DataError, DataNotFoundError, TrainConfig, cache_root
+from .run_dir import LOCK_NAME, RUN_OUTPUTS
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -58,6 +62,8 @@ class Corpus:
     documents: list[tuple[str, str]]
     source: str
     _sha256: str | None = field(default=None, repr=False, compare=False)
+    #: Training runs' folders inside the data folders, left out of the documents.
+    skipped_runs: list[Path] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_chars(self) -> int:
@@ -126,15 +132,41 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = ()) -> list[Path]:
-    """Files under ``root`` in sorted order, hidden names and ``__pycache__`` left out."""
+def _is_run_dir(d: Path) -> bool:
+    """Whether ``d`` is a training run's folder: it holds the run's lock (from the run's start on),
+    ``metrics.jsonl`` and ``config.yaml`` (written before its first step), or a complete checkpoint."""
+    return (
+        (d / LOCK_NAME).is_file()
+        or ((d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file())
+        or bool(list_checkpoints(d / "checkpoints"))
+    )
+
+
+def _walk(
+    root: Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = (), runs: list[Path] | None = None
+) -> list[Path]:
+    """Files under ``root`` in sorted order, hidden names and ``__pycache__`` left out.
+
+    With ``runs`` (a list), training runs' folders (:func:`_is_run_dir`) are left out too and appended
+    to it; of a ``root`` that is one, only the run's outputs (:data:`~mhc.train.run_dir.RUN_OUTPUTS`).
+    """
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    root_outputs = set(RUN_OUTPUTS) if runs is not None and _is_run_dir(root) else set()
+    if root_outputs:
+        runs.append(root)
+    for depth, (dirpath, dirnames, filenames) in enumerate(os.walk(root)):
+        skip = root_outputs if depth == 0 else set()
         dirnames[:] = sorted(
-            d for d in dirnames if not d.startswith(".") and d not in skip_dirs and d != "__pycache__"
+            d
+            for d in dirnames
+            if not d.startswith(".") and d not in skip_dirs and d != "__pycache__" and d not in skip
         )
+        if runs is not None:
+            found = [d for d in dirnames if _is_run_dir(Path(dirpath) / d)]
+            runs += [Path(dirpath) / d for d in found]
+            dirnames[:] = [d for d in dirnames if d not in found]
         for fn in sorted(filenames):
-            if fn.startswith("."):
+            if fn.startswith(".") or fn in skip:
                 continue
             if suffixes and not fn.endswith(suffixes):
                 continue
@@ -159,7 +191,7 @@ def _python_sources(with_site_packages: bool) -> tuple[list[tuple[str, Path]], s
     return paths, f"python sources: stdlib {root} + site-packages"
 
 
-def _given_files(data: str, extensions: str) -> list[tuple[str, Path]]:
+def _given_files(data: str, extensions: str, runs: list[Path]) -> list[tuple[str, Path]]:
     suffixes = tuple(
         s.strip() if s.strip().startswith(".") else "." + s.strip()
         for s in extensions.split(",")
@@ -169,11 +201,13 @@ def _given_files(data: str, extensions: str) -> list[tuple[str, Path]]:
     for item in [s.strip() for s in data.split(",") if s.strip()]:
         p = Path(item).expanduser()
         if p.is_dir():
-            paths += [(f"{p.name}/{f.relative_to(p).as_posix()}", f) for f in _walk(p, suffixes)]
+            paths += [(f"{p.name}/{f.relative_to(p).as_posix()}", f) for f in _walk(p, suffixes, runs=runs)]
         elif p.is_file():
             if _read_text(p) is None:
                 raise DataError(f"{p} is not UTF-8 text")
             paths.append((p.name, p))
+        elif p.exists():
+            raise DataError(f"data path {p} is neither a regular file nor a folder")
         else:
             raise DataNotFoundError(f"data path {p} does not exist")
     return paths
@@ -187,7 +221,11 @@ def load_corpus(data: str = "synthetic", extensions: str = "", max_mb: float = 0
             text everywhere), ``"stdlib"`` (this Python's own standard-library ``.py`` sources,
             without ``site-packages``: they differ between Python versions), ``"python"`` (the
             standard library plus every installed package's ``.py`` sources: more text, but it
-            differs between machines), or comma-separated text files and folders.
+            differs between machines), or comma-separated text files and folders. Training runs'
+            folders inside those (their lock, ``metrics.jsonl`` + ``config.yaml`` or a checkpoint mark
+            them) are left out, and listed in :attr:`Corpus.skipped_runs`: a run in its own data folder
+            would train on its outputs and read another corpus on every resume. Of a folder that is
+            itself a run's, only the run's outputs are left out.
         extensions: for folders, comma-separated file suffixes to keep (``""``: all
             files that decode as UTF-8 and hold no NUL byte).
         max_mb: keep documents (in name order) until this many MB of text; 0 keeps all.
@@ -203,10 +241,11 @@ def load_corpus(data: str = "synthetic", extensions: str = "", max_mb: float = 0
                 budget -= len(text)
             docs = kept
         return Corpus(docs, f"synthetic:v{synthetic.VERSION}")
+    runs: list[Path] = []
     if data in ("stdlib", "python"):
         paths, source = _python_sources(with_site_packages=data == "python")
     else:
-        paths, source = _given_files(data, extensions), data
+        paths, source = _given_files(data, extensions, runs), data
     paths.sort(key=lambda t: t[0])
     budget = int(max_mb * 1e6) if max_mb and max_mb > 0 else None
     docs: list[tuple[str, str]] = []
@@ -219,8 +258,9 @@ def load_corpus(data: str = "synthetic", extensions: str = "", max_mb: float = 0
             if budget is not None:
                 budget -= len(text)
     if not docs:
-        raise DataError(f"no text documents found in {data!r}")
-    return Corpus(docs, source)
+        left_out = f" (training runs' folders left out: {', '.join(map(str, runs))})" if runs else ""
+        raise DataError(f"no text documents found in {data!r}{left_out}")
+    return Corpus(docs, source, skipped_runs=runs)
 
 
 def _in_val(name: str, index: int, val_fraction: float) -> bool:
@@ -347,17 +387,44 @@ def _bpe_texts(splits: dict[str, list[list[str]]], train_mb: float) -> Iterator[
             yield chunk
 
 
+def _token_problem(tokens, vocab_size: int) -> str | None:
+    """Why ``tokens`` is not a stream of ids below ``vocab_size`` (the embedding's rows), or None."""
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        return "not a 1-D array of integers"
+    low, high = (int(tokens.min()), int(tokens.max())) if len(tokens) else (0, 0)
+    if low < 0 or high >= vocab_size:
+        return f"token id {low if low < 0 else high} is outside the vocabulary of {vocab_size} tokens"
+    return None
+
+
+def _read_token_cache(path: Path, vocab_size: int) -> tuple[np.ndarray | None, str | None]:
+    """The token array cached in ``path``, or None and why it cannot be used."""
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        return None, f"it could not be read ({e})"
+    problem = _token_problem(tokens, vocab_size)
+    return (None, problem) if problem else (tokens, None)
+
+
 def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer | HFTokenizer, Corpus]:
     """Load the corpus, split it, build the tokenizer and pack both splits.
 
     Token arrays of non-byte tokenizers are cached under the cache dir (as ``.npy``, loaded
-    with ``allow_pickle=False``).
+    with ``allow_pickle=False``). A cached array that does not load, or holds ids outside the
+    vocabulary, is packed again and rewritten, with a log line.
+
+    Raises:
+        DataError: no usable corpus, or a tokenizer that gives ids outside its own vocabulary.
     """
     corpus = load_corpus(cfg.data, cfg.data_extensions, cfg.max_corpus_mb)
     log(corpus.describe())
+    if corpus.skipped_runs:
+        log(f"data: left out training runs' folders (their outputs are no training text): "
+            f"{', '.join(map(str, corpus.skipped_runs))}")  # fmt: skip
     corpus_id = corpus.fingerprint()
     splits = split_corpus(corpus, cfg.val_fraction, cfg.split_chunk_chars)
-    tok = build_tokenizer(cfg, _bpe_texts(splits, cfg.bpe_train_mb), corpus_id)
+    tok = build_tokenizer(cfg, _bpe_texts(splits, cfg.bpe_train_mb), corpus_id, log=log)
     arrays = {}
     cache = (
         cache_root(cfg) / f"tokens-{corpus_id}-{tok.fingerprint()}-{cfg.val_fraction}-{cfg.split_chunk_chars}"
@@ -365,9 +432,15 @@ def prepare_data(cfg: TrainConfig, log=print) -> tuple[PackedData, ByteTokenizer
     for split in ("train", "val"):
         path = cache.with_name(cache.name + f"-{split}.npy")
         if tok.kind != "byte" and path.is_file():
-            arrays[split] = np.load(path, allow_pickle=False)
-            continue
+            arrays[split], problem = _read_token_cache(path, tok.vocab_size)
+            if problem is None:
+                continue
+            # The cache holds only what packing gives again: a damaged one is replaced, not an error.
+            log(f"the token cache {path} is unusable: {problem}; packing the tokens again")
         arrays[split] = pack_runs(tok, splits[split])
+        problem = _token_problem(arrays[split], tok.vocab_size)
+        if problem:  # a tokenizer file whose ids skip numbers: the embedding has vocab_size rows
+            raise DataError(f"the {tok.kind} tokenizer's tokens of the {split} split are unusable: {problem}")
         if tok.kind != "byte":
             buf = io.BytesIO()
             np.save(buf, arrays[split])

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .checkpoint import (
     CHECKPOINT_FORMAT,
+    STEP_NAME,
+    TRAINER_STATE,
     CheckpointError,
     describe_nonfinite,
     find_latest_checkpoint,
@@ -29,8 +32,10 @@ from .checkpoint import (
     load_checkpoint_state,
     nonfinite_tensors,
     read_checkpoint_config,
+    short_repr,
 )
 from .config import FIELDS, TrainConfig, apply_overrides, read_yaml
+from .rng import rng_state, set_rng_state
 
 __all__ = [
     "RESUME_FIXED",
@@ -41,6 +46,7 @@ __all__ = [
     "resume_config",
     "ResumePoint",
     "load_resume_point",
+    "check_trainer_state",
     "check_finite_state",
 ]
 
@@ -117,6 +123,127 @@ def resume_config(
     return cfg
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _restores(rng: Any) -> bool:
+    """Whether :func:`~mhc.train.rng.set_rng_state` takes ``rng`` (tried on CPU, this process's state put back).
+
+    Trying is the one check that covers every way the nested torch/Python/NumPy states can be wrong.
+    """
+    if not isinstance(rng, dict) or ("cuda" in rng and not isinstance(rng["cuda"], Tensor)):
+        return False  # the CUDA state is restored only on CUDA: its type is all a CPU process can check
+    cpu = torch.device("cpu")
+    saved = rng_state(cpu)
+    try:
+        set_rng_state(rng, cpu)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError):
+        return False
+    finally:
+        set_rng_state(saved, cpu)
+    return True
+
+
+def _is_optimizer_state(v: Any) -> bool:
+    return (
+        isinstance(v, dict) and isinstance(v.get("state"), dict) and isinstance(v.get("param_groups"), list)
+    )
+
+
+def _is_spike_state(v: Any) -> bool:
+    return (
+        isinstance(v, dict)
+        and "ema" in v
+        and (v["ema"] is None or _is_number(v["ema"]))
+        and (v.get("ema_step") is None or _is_int(v["ema_step"]))
+        and _is_int(v.get("spikes"))
+        and v["spikes"] >= 0
+    )
+
+
+def _is_override_list(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(o, dict)
+        and _is_int(o.get("step"))
+        and isinstance(o.get("changes"), dict)
+        and all(isinstance(c, list) and len(c) == 2 for c in o["changes"].values())
+        for o in v
+    )
+
+
+def check_trainer_state(path: Path, state: dict) -> None:
+    """Refuse a trainer state that lacks a field a resume reads, or holds one of the wrong type or range.
+
+    The manifest's hashes show only that the files are the ones it lists: a hand-edited or foreign
+    ``trainer_state.json`` under a re-signed manifest passes them, and would otherwise fail deep in the
+    training loop (a KeyError, an IndexError, or a negative step naming a checkpoint ``step_-0000005``).
+
+    Raises:
+        CheckpointError: naming the checkpoint, the file and the field.
+    """
+
+    def check(field: str, ok, expected: str, optional: bool = False) -> None:
+        if field not in state:
+            if optional:
+                return
+            raise CheckpointError(f"checkpoint {path} is corrupt: {TRAINER_STATE} has no field {field!r}")
+        if not ok(state[field]):
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {TRAINER_STATE} field {field!r} is {short_repr(state[field])}, "
+                f"not {expected}"
+            )
+
+    check("step", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    named = STEP_NAME.fullmatch(path.name)
+    if named:  # the next checkpoints are named by this step; another one would renumber the run
+        check(
+            "step",
+            lambda v: v == int(named.group(1)),
+            f"{int(named.group(1))}, the step in the folder's name",
+        )
+    step = state["step"]
+    check("optimizer", _is_optimizer_state, "an optimizer state (a dict with 'state' and 'param_groups')")
+    # The schedule steps once per step: another count would resume at another point of the LR schedule.
+    check(
+        "scheduler",
+        lambda v: isinstance(v, dict) and _is_int(v.get("last_epoch")) and v["last_epoch"] == step,
+        f"a scheduler state at step {step} (its 'last_epoch')",
+    )
+    check(
+        "spikes",
+        _is_spike_state,
+        "a loss-spike state {'ema': number|null, 'ema_step': int|null, 'spikes': int}",
+    )
+    check("world", lambda v: _is_int(v) and v >= 1, "a number of processes >= 1")
+    check(
+        "rng",
+        lambda v: isinstance(v, list) and len(v) == state["world"] and all(_restores(r) for r in v),
+        f"a list of {state['world']} RNG state(s), one per process, as mhc.train.rng_state returns them",
+    )
+    for field in ("elapsed_s", "max_grad_norm"):
+        check(field, _is_number, "a number", optional=True)
+    for field in ("skipped_steps", "skipped_in_a_row"):
+        check(field, lambda v: _is_int(v) and v >= 0, "an integer >= 0", optional=True)
+    check(
+        "overrides", _is_override_list, "a list of {'step': int, 'changes': {key: [old, new]}}", optional=True
+    )
+    check(
+        "corpus_sha256", lambda v: v is None or isinstance(v, str), "a SHA-256 (hex) or null", optional=True
+    )
+    # The message of a changed corpus quotes the record, read only when a SHA-256 is recorded.
+    check(
+        "corpus",
+        lambda v: isinstance(v, dict) or (v is None and state.get("corpus_sha256") is None),
+        "the corpus's record (a dict)",
+        optional=True,
+    )
+
+
 def check_finite_state(path: Path, model_state: dict[str, Tensor], trainer_state: dict) -> None:
     """Refuse a checkpoint whose weights or optimizer state hold NaN/Inf: no step from it can succeed.
 
@@ -166,7 +293,8 @@ def load_resume_point(cfg: TrainConfig, world: int, *, resume_override: bool, lo
     """Load the run dir's latest checkpoint (``None`` if it has none) and check that ``cfg`` may continue it.
 
     Raises:
-        CheckpointError: the checkpoint is bad, of another trainer-state format, was written by
+        CheckpointError: the checkpoint is bad, of another trainer-state format, lacks a field a
+            resume reads or holds one of the wrong type (:func:`check_trainer_state`), was written by
             another number of processes, holds weights or optimizer state that are not finite
             (:func:`check_finite_state`), or ``cfg`` changes settings it may not (:func:`check_resume_changes`).
     """
@@ -177,6 +305,7 @@ def load_resume_point(cfg: TrainConfig, world: int, *, resume_override: bool, lo
     model_state, state = load_checkpoint_state(path)
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: trainer state of format {state.get('format')!r}")
+    check_trainer_state(path, state)
     check_finite_state(path, model_state, state)
     changes = config_changes(state["config"], cfg)
     check_resume_changes(changes, f"from {path}", resume_override)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from .checkpoint import atomic_write_bytes
-from .config import DataNotFoundError, TrainConfig, cache_root
+from .config import DataError, DataNotFoundError, TrainConfig, cache_root
 
 __all__ = [
     "EOS_TOKEN",
@@ -197,14 +197,18 @@ def load_gpt2_tokenizer(path: str | os.PathLike) -> HFTokenizer:
 
 
 def build_tokenizer(
-    cfg: TrainConfig, train_texts: Iterable[str] | None = None, corpus_id: str = ""
+    cfg: TrainConfig, train_texts: Iterable[str] | None = None, corpus_id: str = "", log=print
 ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer that ``cfg`` names. A corpus BPE is cached under the cache dir.
+
+    A cached BPE that does not load (a damaged file) is trained again and the cache rewritten,
+    with a log line; without ``train_texts`` that is a :class:`~mhc.train.DataError` instead.
 
     Args:
         cfg: the run's settings (``tokenizer``, ``bpe_*``, ``tokenizer_path``, ``cache_dir``).
         train_texts: the texts to train a BPE on; not needed when it is cached.
         corpus_id: :meth:`Corpus.fingerprint` of the corpus, part of the cache file's name.
+        log: where the line about a damaged cache goes.
     """
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
@@ -218,7 +222,15 @@ def build_tokenizer(
         f"bpe-{corpus_id}-{cfg.val_fraction}-{cfg.split_chunk_chars}-{cfg.bpe_vocab_size}-{cfg.bpe_train_mb}.json"
     )
     if cache.is_file():
-        return HFTokenizer(Tokenizer.from_file(str(cache)), "bpe")
+        try:
+            return HFTokenizer(Tokenizer.from_file(str(cache)), "bpe")
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            # The cache holds only what training on these texts gives again, so a damaged one is rebuilt.
+            if train_texts is None:
+                raise DataError(
+                    f"the cached BPE {cache} could not be read ({e}); delete it, and the next run trains it again"
+                ) from e
+            log(f"the cached BPE {cache} could not be read ({e}); training it again")
     if train_texts is None:
         raise ValueError("training a BPE needs the training texts")
     tok = train_bpe(train_texts, cfg.bpe_vocab_size)
