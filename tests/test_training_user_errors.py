@@ -103,3 +103,33 @@ def test_a_resume_whose_time_budget_is_spent_is_refused(tmp_path, cli, capsys):
     )
     more = sets(max_steps=summary["steps"] + 2, max_time_s=0)
     assert cli.main(["--run-dir", str(run), "--resume", "--resume-override", *more]) == 0
+
+
+def test_a_resume_below_the_runs_step_is_refused(tmp_path, cli, capsys):
+    """A finished 2-step run resumed with max_steps=1 wrote a summary of 2 steps against max_steps 1."""
+    run = tmp_path / "run"
+    assert cli.main(["--run-dir", str(run), *sets()]) == 0
+    capsys.readouterr()
+    argv = ["--run-dir", str(run), "--resume", "--resume-override", *sets(max_steps=1)]
+    refused(cli, capsys, argv, "the run is at step 2 already")
+
+
+def test_a_batch_larger_than_the_training_split_says_its_windows_repeat(tmp_path, cli, capsys):
+    data = tmp_path / "small.txt"
+    data.write_text("".join(chr(97 + i * 7 % 26) for i in range(5000)))  # 140 training windows
+    small = dict(data=data, max_corpus_mb=0, split_chunk_chars=250, batch_size=256, max_steps=1)
+    argv = ["--run-dir", str(tmp_path / "run"), *sets(**small)]
+    assert cli.main(argv) == 0
+    assert "windows repeat within every step" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, cli, capsys, monkeypatch):
+    import mhc.train.cli as train_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "train", interrupted)
+    assert cli.main(["--run-dir", str(tmp_path / "run"), *sets()]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; continue from the last checkpoint with --resume" in err and "Traceback" not in err

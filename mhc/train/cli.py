@@ -58,7 +58,8 @@ threads, progress, plots, stop_at_step.
 
 Exit status: 0 when the run finished (or stopped at stop_at_step); 2 when settings, a checkpoint
 or the run directory are refused before training; 1 when training stopped because no step was
-succeeding (max_skipped_in_a_row skipped steps in a row).
+succeeding (max_skipped_in_a_row skipped steps in a row); 130 when interrupted (Ctrl-C), after which
+--resume continues from the last checkpoint.
 """
 
 
@@ -175,4 +176,10 @@ def train_main(argv=None, prog: str = "mhc-train") -> int:
     except TrainingStoppedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the run is as resumable as after a kill, so no traceback
+        print(
+            f"\ninterrupted; continue from the last checkpoint with --resume --run-dir {cfg.run_dir}",
+            file=sys.stderr,
+        )
+        return 130
     return 0

@@ -160,6 +160,17 @@ def train(
         h_unigram = unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
         tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
         max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
+        if state is not None and state["step"] > max_steps:
+            raise CheckpointError(
+                f"cannot resume from {point.path} with max_steps={max_steps}: the run is at step {state['step']} "
+                "already; give max_steps at or above it"
+            )
+        per_step_windows = cfg.batch_size * cfg.grad_accum * info.world
+        if data.n_train_windows < per_step_windows:
+            log(
+                f"note: the training split holds {data.n_train_windows} windows of seq_len={cfg.seq_len} tokens, "
+                f"fewer than a step's {per_step_windows}: windows repeat within every step"
+            )
 
         # ---- model: built from the seed, then the checkpoint's weights; wrapped for DDP/FSDP2 ----
         torch.manual_seed(cfg.seed)
