@@ -133,3 +133,12 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, cli, capsys, monkeypatch):
     assert cli.main(["--run-dir", str(tmp_path / "run"), *sets()]) == 130
     err = capsys.readouterr().err
     assert "interrupted; continue from the last checkpoint with --resume" in err and "Traceback" not in err
+
+
+def test_a_config_beside_resume_and_run_dir_is_said_to_be_unread(tmp_path, cli, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["--run-dir", str(run), *sets()]) == 0
+    capsys.readouterr()
+    argv = ["--config", "tiny_cpu_hc", "--run-dir", str(run), "--resume", *sets()]
+    assert cli.main(argv) == 0
+    assert "--config tiny_cpu_hc is not read" in capsys.readouterr().out

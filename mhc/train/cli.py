@@ -131,6 +131,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     saved = resume_config(run_dir, overrides)
     if saved is None:  # nothing saved yet: train() says so and starts from step 0
         return load_config(args.config, overrides)
+    if given and args.config != DEFAULT_PRESET:
+        print(
+            f"note: --resume trains with the settings saved in {run_dir}; --config {args.config} is not read "
+            "(flags and --set still apply, as overrides)"
+        )
     return saved
 
 
