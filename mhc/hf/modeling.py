@@ -272,10 +272,11 @@ class MHCForCausalLM(PreTrainedModel, GenerationMixin):
             )
         super().__init__(config)
         if base_model is None:
-            config.get_base_config()  # raises if there is none
             # The base config object itself, not a copy: a second model built on this config (as HF's
             # models share theirs) then shares it with the first instead of re-pointing the first's.
             base_cfg = config.get_text_config()
+            if base_cfg is config:
+                raise ValueError("this MHCConfig has no base_config; pass the wrapped model's config")
             adapter = config.get_adapter()
             if type(base_cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
                 raise ValueError(f"no causal-LM class for base model_type {base_cfg.model_type!r}")

@@ -119,9 +119,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
-    max_time_s: float = (
-        0.0  # stop early by wall clock, over the whole run with its resumed sessions (0: never)
-    )
+    max_time_s: float = 0.0  # stop by wall clock, over the whole run and its resumes (0: never)
     max_skipped_in_a_row: int = (
         20  # stop with an error after this many skipped (non-finite) steps in a row (0: never)
     )

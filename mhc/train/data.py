@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 
 from . import synthetic
-from .checkpoint import atomic_write_bytes, list_checkpoints
+from .checkpoint import atomic_write_bytes
 from .config import DataError, DataNotFoundError, TrainConfig, cache_root
-from .run_dir import LOCK_NAME, RUN_OUTPUTS
+from .run_dir import RUN_OUTPUTS, is_run_dir
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
@@ -132,26 +132,17 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _is_run_dir(d: Path) -> bool:
-    """Whether ``d`` is a training run's folder: it holds the run's lock (from the run's start on),
-    ``metrics.jsonl`` and ``config.yaml`` (written before its first step), or a complete checkpoint."""
-    return (
-        (d / LOCK_NAME).is_file()
-        or ((d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file())
-        or bool(list_checkpoints(d / "checkpoints"))
-    )
-
-
 def _walk(
     root: Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = (), runs: list[Path] | None = None
 ) -> list[Path]:
     """Files under ``root`` in sorted order, hidden names and ``__pycache__`` left out.
 
-    With ``runs`` (a list), training runs' folders (:func:`_is_run_dir`) are left out too and appended
-    to it; of a ``root`` that is one, only the run's outputs (:data:`~mhc.train.run_dir.RUN_OUTPUTS`).
+    With ``runs`` (a list), training runs' folders (:func:`~mhc.train.run_dir.is_run_dir`) are left
+    out too and appended to it; of a ``root`` that is one, only the run's outputs
+    (:data:`~mhc.train.run_dir.RUN_OUTPUTS`).
     """
     out = []
-    root_outputs = set(RUN_OUTPUTS) if runs is not None and _is_run_dir(root) else set()
+    root_outputs = set(RUN_OUTPUTS) if runs is not None and is_run_dir(root) else set()
     if root_outputs:
         runs.append(root)
     for depth, (dirpath, dirnames, filenames) in enumerate(os.walk(root)):
@@ -162,7 +153,7 @@ def _walk(
             if not d.startswith(".") and d not in skip_dirs and d != "__pycache__" and d not in skip
         )
         if runs is not None:
-            found = [d for d in dirnames if _is_run_dir(Path(dirpath) / d)]
+            found = [d for d in dirnames if is_run_dir(Path(dirpath) / d)]
             runs += [Path(dirpath) / d for d in found]
             dirnames[:] = [d for d in dirnames if d not in found]
         for fn in sorted(filenames):

@@ -158,18 +158,18 @@ def train(
                 f"other text; train on the run's own corpus (the same files or Python), or start a new run."
             )
         h_unigram = unigram_entropy(np.concatenate([data.train, data.val]), tok.vocab_size)
-        tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len
+        windows_per_step = cfg.batch_size * cfg.grad_accum * info.world
+        tokens_per_step = windows_per_step * cfg.seq_len
         max_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.tokens / tokens_per_step))
         if state is not None and state["step"] > max_steps:
             raise CheckpointError(
                 f"cannot resume from {point.path} with max_steps={max_steps}: the run is at step {state['step']} "
                 "already; give max_steps at or above it"
             )
-        per_step_windows = cfg.batch_size * cfg.grad_accum * info.world
-        if data.n_train_windows < per_step_windows:
+        if data.n_train_windows < windows_per_step:
             log(
                 f"note: the training split holds {data.n_train_windows} windows of seq_len={cfg.seq_len} tokens, "
-                f"fewer than a step's {per_step_windows}: windows repeat within every step"
+                f"fewer than a step's {windows_per_step}: windows repeat within every step"
             )
 
         # ---- model: built from the seed, then the checkpoint's weights; wrapped for DDP/FSDP2 ----

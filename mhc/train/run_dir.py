@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from .checkpoint import MANIFEST, find_latest_checkpoint, write_model_dir
+from .checkpoint import MANIFEST, find_latest_checkpoint, list_checkpoints, write_model_dir
 from .distributed import DistInfo, broadcast_flag, broadcast_text
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "remove_stale_temporaries",
     "prepare_run_dir",
     "refuse_run_outputs",
+    "is_run_dir",
     "claim_run_dir",
     "replace_model_dir",
 ]
@@ -195,15 +196,22 @@ def refuse_run_outputs(run_dir: str | Path) -> None:
         )
     for folder in (rd, *rd.parents):
         parent = folder.parent
-        if folder.name in ("checkpoints", "model") and any((parent / n).exists() for n in _RUN_MARKERS):
+        if folder.name in ("checkpoints", "model") and is_run_dir(parent):
             raise FileExistsError(
                 f"{run_dir} lies in {folder}, the {folder.name}/ folder of the run in {parent}: pick a --run-dir "
                 "outside any run's outputs."
             )
 
 
-# Files every run writes at its top level (a folder with one of them is a run dir).
-_RUN_MARKERS = ("metrics.jsonl", "config.yaml", "summary.json")
+def is_run_dir(folder: str | Path) -> bool:
+    """Whether ``folder`` is a training run's: it holds the run's lock (from the run's start on),
+    ``metrics.jsonl`` and ``config.yaml`` (written before its first step), or a complete checkpoint."""
+    d = Path(folder)
+    return (
+        (d / LOCK_NAME).is_file()
+        or ((d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file())
+        or bool(list_checkpoints(d / "checkpoints"))
+    )
 
 
 def claim_run_dir(
