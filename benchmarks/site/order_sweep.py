@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import re
 import statistics
 import sys
 import tempfile
