@@ -562,3 +562,40 @@ def test_cuda_boundary_prototype_matches_the_kernels_it_would_replace(tmp_path):
     assert [(r["boundary"], r["C"]) for r in rows] == [(name, C) for name in names for C in (96, 512)]
     for r in rows:
         assert r["variants"] and all(v["ok"] for v in r["variants"]), r
+
+
+def test_order_sweep_variants_compute_what_todays_order_does():
+    """benchmarks/site/order_sweep.py's variants (every site kernel with its token blocks reversed; the passes on
+    token chunks, 12 tokens a chunk at the smallest) write what today's sequences write, every output filled with
+    NaN first: the reversal maps the programs onto every token once, and the chunks cover the tokens once. The
+    interpreter on the CPU; the GPU times them (benchmarks/gpu_session.sh)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU check of the order sweep (the GPU runs the script itself)")
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(BENCHMARKS / "site"))
+    try:
+        import order_sweep
+    finally:
+        sys.path.remove(str(BENCHMARKS / "site"))
+    order_sweep.REVERSED = order_sweep.reversed_kernels()
+    site = order_sweep.Site(32, 96, torch.device("cpu"))
+    outputs = ("x", "u", "zr", "h", "R", "dx", "work", "dy", "g_h", "g_res")
+    chosen = {"F fff", "F rrr", "F pre in 8 chunks", "F all in 2 chunks", "B ffff", "B rrrr", "BP rrrr"}
+    chosen |= {"BP all in 4 chunks", "B pre in 8 chunks"}
+    runs = {}
+    for label, passes, orders, chunks, chunked in order_sweep.variants():
+        if label not in chosen:
+            continue
+        for name in outputs:
+            getattr(site, name).fill_(float("nan"))
+        if label[0] == "B":  # the backward reads what the forward wrote
+            order_sweep.sequence(site, order_sweep.FORWARD, "fff", 1, set())()
+        order_sweep.sequence(site, passes, orders, chunks, chunked)()
+        written = outputs[:5] if label[0] == "F" else outputs[5:]
+        runs[label] = {name: getattr(site, name).clone() for name in written}
+    assert set(runs) == chosen
+    for label, got in runs.items():
+        want = runs["F fff" if label[0] == "F" else "B ffff"]
+        for name, value in got.items():
+            assert not value.isnan().any(), (label, name)
+            assert torch.equal(value, want[name]), (label, name)
