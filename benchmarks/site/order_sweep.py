@@ -279,8 +279,8 @@ def main() -> None:
         results[shape] = best
         del graphs, site
         torch.cuda.empty_cache()
-    if args.json:
-        common.write_json(args.json, {"environment": common.environment(), "results": results})
+        if args.json:  # after each shape: a call cut short keeps what it measured
+            common.write_json(args.json, {"environment": common.environment(), "results": results})
 
 
 REVERSED = None
