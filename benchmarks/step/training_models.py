@@ -195,7 +195,7 @@ def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, devic
         scheduler.step()
         counts["steps"] += 1
 
-    step.optimizer = optimizer
+    step.optimizer, step.scheduler = optimizer, scheduler
     step.counts = counts
     return step
 

@@ -1,0 +1,131 @@
+"""How much of a training step is the host's, residual against mHC: ``mhc.train``'s step against one without its sync.
+
+    python benchmarks/step/host_gap.py                       # small_gpu, fp32 weights under bf16 autocast, compiled
+    python benchmarks/step/host_gap.py --shape 134m --mode eager
+    python benchmarks/step/host_gap.py --device cpu --tiny --mode eager   # a check of the script, not a figure
+
+``mhc.train``'s step reads the gradient norm and the loss on the host before the optimizer step (it skips a
+step whose loss or gradient is not finite). That read waits for the GPU, and the GPU then waits while the host
+runs the optimizer's Python, ``zero_grad``, the batch's copy and the compiled model's guards, until the next
+forward's kernels arrive. A model with more parameter tensors (mHC adds five a site) pays more of that host time.
+
+Two steps per model, on the same (compiled) model and optimizer, timed in interleaved rounds in one process:
+
+* ``loop``: ``mhc.train.loop``'s body as ``bench_training.py`` runs it (``training_models.make_step``);
+* ``no sync``: the same forward, backward, clipping, optimizer and scheduler calls with nothing read on the
+  host, so the host runs ahead of the GPU (what a loop that checks the values a step late would do).
+
+The gap between the two is the host time the sync exposes; the ``no sync`` ratio of mHC over residual is what
+the ratio would be without it. A measurement for issue #49, not a path of the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # training_models, bench_compile
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # common
+sys.path.insert(2, str(Path(__file__).resolve().parents[2]))  # this tree's mhc
+import common  # noqa: E402
+import torch  # noqa: E402
+import training_models as tm  # noqa: E402
+
+
+def unsynced_step(model, run, ids, device, cfg, loop_step):
+    """The loop's calls with no host read: loss, backward, clipping, optimizer and scheduler steps."""
+    from mhc.train.loop import lm_loss
+
+    optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    batch = ids.cpu()  # the loop copies each batch from the host, as here
+    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(run, batch.to(device, non_blocking=True), autocast)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+
+    return step
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="small_gpu", choices=("small_gpu", "134m", "1b"))
+    ap.add_argument("--mode", default="compiled", choices=("compiled", "eager"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (a check on the CPU)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        common.require_cuda("host_gap.py")
+    elif not args.tiny:
+        ap.error("--device cpu runs only with --tiny")
+    device = torch.device(args.device)
+    args.init, args.compile_backend = "paper", "inductor" if args.device == "cuda" else "eager"
+    plan = tm.shape_plan(args.shape, args.tiny)
+    B, S = plan["batch"], plan["seq"]
+    torch.manual_seed(1)
+    ids = torch.randint(0, plan["vocab"], (B, S), device=device)
+    cfg = tm.preset_config("mhc", batch=B, seq=S, tiny=args.tiny)
+    steps = {}
+    for kind in ("residual", "mhc"):
+        t0 = time.perf_counter()
+        model = tm.build(args.shape, kind, "autocast", device, args)
+        run = tm.compile_model(model, args.compile_backend, device, cfg) if args.mode == "compiled" else model
+        loop = tm.make_step(model, "autocast", run, ids, device, cfg)
+        loop()  # compiles
+        loop()
+        steps[f"{kind} loop"] = loop
+        steps[f"{kind} no sync"] = unsynced_step(model, run, ids, device, cfg, loop)
+        steps[f"{kind} no sync"]()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    # Wall time over a run of steps with one synchronisation at its end, so that a step that reads nothing
+    # on the host can run ahead of the GPU; the loop's own read still waits inside each of its steps.
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_ms(fn) -> float:
+        for _ in range(args.warmup):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / args.steps
+
+    best = {k: float("inf") for k in steps}
+    rounds = {k: [] for k in steps}
+    for _ in range(args.rounds):  # interleaved; the best round kept
+        for k, fn in steps.items():
+            rounds[k].append(run_ms(fn))
+            best[k] = min(best[k], rounds[k][-1])
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(
+        f"\n{args.shape} autocast {args.mode}, {name}: best of {args.rounds} interleaved rounds of {args.steps} steps (wall time)"
+    )
+    print("| step | residual ms | mHC ms | mHC / residual |\n|---|---|---|---|")
+    for variant in ("loop", "no sync"):
+        r, m = best[f"residual {variant}"], best[f"mhc {variant}"]
+        print(f"| {variant} | {r:.2f} | {m:.2f} | {m / r:.3f}× |")
+    print("rounds: " + "; ".join(f"{k} " + " / ".join(f"{v:.2f}" for v in r) for k, r in rounds.items()))
+    for kind in ("residual", "mhc"):
+        gap = best[f"{kind} loop"] - best[f"{kind} no sync"]
+        print(f"{kind}: the sync exposes {gap:.2f} ms a step")
+
+
+if __name__ == "__main__":
+    main()
