@@ -599,3 +599,26 @@ def test_order_sweep_variants_compute_what_todays_order_does():
         for name, value in got.items():
             assert not value.isnan().any(), (label, name)
             assert torch.equal(value, want[name]), (label, name)
+
+
+def test_host_gap_times_both_steps_of_both_models(capsys):
+    """benchmarks/step/host_gap.py on tiny CPU models: the loop's step and the one without a host read, for the
+    residual and the mHC model, and the gap the sync exposes for each (the figures themselves come from the GPU)."""
+    sys.path.insert(0, str(BENCHMARKS / "step"))
+    try:
+        import host_gap
+    finally:
+        sys.path.remove(str(BENCHMARKS / "step"))
+    host_gap.main(
+        ["--device", "cpu", "--tiny", "--mode", "eager", "--rounds", "1", "--steps", "1", "--warmup", "0"]
+    )
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (loop|no sync) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)× \|$", out, re.M)
+    assert [r[0] for r in rows] == ["loop", "no sync"], out
+    for _, res, mhc_ms, ratio in rows:
+        assert float(res) > 0 and float(mhc_ms) > 0
+        assert abs(float(ratio) - float(mhc_ms) / float(res)) < 2e-3 * float(ratio) + 1e-3
+    assert re.search(r"^residual: the sync exposes -?[\d.]+ ms a step$", out, re.M), out
+    assert re.search(r"^mhc: the sync exposes -?[\d.]+ ms a step$", out, re.M), out
+    with pytest.raises(SystemExit):
+        host_gap.main(["--device", "cpu"])  # real shapes on the CPU: refused
