@@ -4,6 +4,7 @@ reports, and small runs on CPU models or in Triton's interpreter. Tests that run
 marked ``slow``.
 """
 
+import importlib
 import json
 import re
 import sys
@@ -17,13 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def _bench_training():
-    sys.path.insert(0, str(BENCHMARKS / "step"))
+def _benchmark_module(folder: str, name: str):
+    """``benchmarks/<folder>/<name>.py`` imported as a module (its folder on ``sys.path`` while it imports)."""
+    sys.path.insert(0, str(BENCHMARKS / folder))
     try:
-        import bench_training
+        return importlib.import_module(name)
     finally:
-        sys.path.remove(str(BENCHMARKS / "step"))
-    return bench_training
+        sys.path.remove(str(BENCHMARKS / folder))
+
+
+def _bench_training():
+    return _benchmark_module("step", "bench_training")
 
 
 def test_bench_training_options_shapes_report_and_json(tmp_path):
@@ -318,12 +323,7 @@ def test_site_bytes_count_u_and_y_in_their_own_dtypes():
 
 def _sweep_site_kernels():
     pytest.importorskip("triton")
-    sys.path.insert(0, str(BENCHMARKS / "site"))
-    try:
-        import sweep_site_kernels
-    finally:
-        sys.path.remove(str(BENCHMARKS / "site"))
-    return sweep_site_kernels
+    return _benchmark_module("site", "sweep_site_kernels")
 
 
 def test_sweep_site_kernels_options_grids_and_error_bound():
@@ -504,11 +504,7 @@ def test_boundary_kernels_match_the_pairs_they_would_replace(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU check of the boundary sweep (the GPU runs the script itself)")
     pytest.importorskip("triton")
-    sys.path.insert(0, str(BENCHMARKS / "site"))
-    try:
-        import boundary_sweep
-    finally:
-        sys.path.remove(str(BENCHMARKS / "site"))
+    boundary_sweep = _benchmark_module("site", "boundary_sweep")
     out = tmp_path / "boundary.json"
     assert (
         boundary_sweep.main(["--device", "cpu", "--shapes", "96x40", "--limit", "1", "--json", str(out)]) == 0
@@ -549,11 +545,7 @@ def test_cuda_boundary_prototype_matches_the_kernels_it_would_replace(tmp_path):
     against stream_grad + postmix_bwd, on masked shapes: C = 96 (a last split of 32 columns under 64-column
     splits), T = 40 (a partial token tile); every variant within the sweep's tolerance (the bf16 outputs within
     a rounding, the sums within fp32's)."""
-    sys.path.insert(0, str(BENCHMARKS / "site"))
-    try:
-        import boundary_sweep
-    finally:
-        sys.path.remove(str(BENCHMARKS / "site"))
+    boundary_sweep = _benchmark_module("site", "boundary_sweep")
     out = tmp_path / "boundary.json"
     names = ["forward_cuda", "dots_cuda", "backward_cuda"]
     args = ["--boundaries", ",".join(names), "--shapes", "96x40,512x200", "--json", str(out)]
@@ -572,11 +564,7 @@ def test_order_sweep_variants_compute_what_todays_order_does():
     if torch.cuda.is_available():
         pytest.skip("the CPU check of the order sweep (the GPU runs the script itself)")
     pytest.importorskip("triton")
-    sys.path.insert(0, str(BENCHMARKS / "site"))
-    try:
-        import order_sweep
-    finally:
-        sys.path.remove(str(BENCHMARKS / "site"))
+    order_sweep = _benchmark_module("site", "order_sweep")
     order_sweep.REVERSED = order_sweep.reversed_kernels()
     site = order_sweep.Site(32, 96, torch.device("cpu"))
     outputs = ("x", "u", "zr", "h", "R", "dx", "work", "dy", "g_h", "g_res")
@@ -604,11 +592,7 @@ def test_order_sweep_variants_compute_what_todays_order_does():
 def test_host_gap_times_both_steps_of_both_models(capsys):
     """benchmarks/step/host_gap.py on tiny CPU models: the loop's step and the one without a host read, for the
     residual and the mHC model, and the gap the sync exposes for each (the figures themselves come from the GPU)."""
-    sys.path.insert(0, str(BENCHMARKS / "step"))
-    try:
-        import host_gap
-    finally:
-        sys.path.remove(str(BENCHMARKS / "step"))
+    host_gap = _benchmark_module("step", "host_gap")
     host_gap.main(
         ["--device", "cpu", "--tiny", "--mode", "eager", "--rounds", "1", "--steps", "1", "--warmup", "0"]
     )
