@@ -12,6 +12,8 @@ forward's kernels arrive. A model with more parameter tensors (mHC adds five a s
 Two steps per model, on the same (compiled) model and optimizer, timed in interleaved rounds in one process:
 
 * ``loop``: ``mhc.train.loop``'s body as ``bench_training.py`` runs it (``training_models.make_step``);
+* ``optimizer first`` (CUDA): the loop's step with the optimizer launched before the host read, a non-finite
+  step skipped on the device (the fused AdamW's ``found_inf``), so the optimizer's Python overlaps the backward;
 * ``no sync``: the same forward, backward, clipping, optimizer and scheduler calls with nothing read on the
   host, so the host runs ahead of the GPU (what a loop that checks the values a step late would do).
 
@@ -55,6 +57,36 @@ def unsynced_step(model, run, ids, device, cfg, loop_step):
     return step
 
 
+def optimizer_first_step(model, run, ids, device, cfg, loop_step):
+    """The loop's step with the optimizer launched before the host read: a non-finite step is skipped on the device.
+
+    The fused AdamW takes ``found_inf`` as ``GradScaler`` sets it (a 1.0 leaves parameters, moments and step
+    count alone), so the same steps are skipped as in the loop; the loss and norm are read after the launch.
+    """
+    from mhc.train.loop import lm_loss
+
+    optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
+    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    batch = ids.cpu()
+    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(run, batch.to(device, non_blocking=True), autocast)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.found_inf = (~(torch.isfinite(gnorm) & torch.isfinite(loss))).float()
+        optimizer.grad_scale = None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+        scheduler.step()
+        float(gnorm), float(loss)  # the host read, now behind the optimizer's launch
+
+    return step
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="small_gpu", choices=("small_gpu", "134m", "1b"))
@@ -87,6 +119,9 @@ def main(argv=None) -> None:
         steps[f"{kind} loop"] = loop
         steps[f"{kind} no sync"] = unsynced_step(model, run, ids, device, cfg, loop)
         steps[f"{kind} no sync"]()
+        if device.type == "cuda":  # the fused AdamW (CUDA) takes found_inf
+            steps[f"{kind} optimizer first"] = optimizer_first_step(model, run, ids, device, cfg, loop)
+            steps[f"{kind} optimizer first"]()
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -118,7 +153,9 @@ def main(argv=None) -> None:
         f"\n{args.shape} autocast {args.mode}, {name}: best of {args.rounds} interleaved rounds of {args.steps} steps (wall time)"
     )
     print("| step | residual ms | mHC ms | mHC / residual |\n|---|---|---|---|")
-    for variant in ("loop", "no sync"):
+    for variant in ("loop", "optimizer first", "no sync"):
+        if f"mhc {variant}" not in best:
+            continue
         r, m = best[f"residual {variant}"], best[f"mhc {variant}"]
         print(f"| {variant} | {r:.2f} | {m:.2f} | {m / r:.3f}× |")
     print("rounds: " + "; ".join(f"{k} " + " / ".join(f"{v:.2f}" for v in r) for k, r in rounds.items()))
