@@ -344,3 +344,22 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_refused_naming_it(tmp_path, fi
     )
     with pytest.raises(T.CheckpointError, match="trainer_state.json could not be read"):
         T.train(tiny_cfg(tmp_path, "bad_json"), resume=True)
+
+
+def test_a_resumed_optimizer_runs_this_machines_implementation():
+    """A checkpoint's param groups carry the implementation of the machine that wrote it (``fused``,
+    ``foreach``); restore_optimizer puts back the resuming optimizer's own, so a CPU run resumed on CUDA gets
+    the fused AdamW the trainer builds there, not the checkpoint's unfused one (it did, silently)."""
+    from mhc.train.model import build_optimizer, param_groups, restore_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    cfg = T.TrainConfig(max_steps=10, warmup_steps=0)
+    written, written_sched = build_optimizer(model, cfg, 10, torch.device("cpu"))  # fused=None, as on the CPU
+    model(torch.randn(2, 4)).sum().backward()
+    written.step()
+    resuming = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=True)  # as on CUDA
+    scheduler = torch.optim.lr_scheduler.LambdaLR(resuming, lambda s: 1.0)
+    assert [g["fused"] for g in written.state_dict()["param_groups"]] == [None, None]
+    restore_optimizer(resuming, scheduler, written.state_dict(), written_sched.state_dict(), cfg, 10)
+    assert [(g["fused"], g["foreach"]) for g in resuming.param_groups] == [(True, None)] * 2
+    resuming.step()  # the fused step runs with the restored moments

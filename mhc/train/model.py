@@ -138,6 +138,8 @@ def restore_optimizer(
     scheduler.load_state_dict(scheduler_state)
     for group in optimizer.param_groups:
         group["betas"], group["eps"], group["initial_lr"] = (cfg.beta1, cfg.beta2), cfg.eps, cfg.lr
+        # the implementation is this machine's (a checkpoint written on the CPU has no fused groups)
+        group["fused"], group["foreach"] = optimizer.defaults.get("fused"), optimizer.defaults.get("foreach")
     optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # the decayed group (param_groups)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     lrs = [
