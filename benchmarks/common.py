@@ -140,14 +140,40 @@ class Measurement:
     times: list[list[float]] = field(default_factory=list)  # every timed call, per round
 
 
+def time_run(fn: Callable[[], Any], steps: int, warmup: int = 0) -> float:
+    """Milliseconds per call over ``steps`` calls in a row, synchronised once at the end, after ``warmup`` calls.
+
+    Unlike :func:`time_calls`, the host may run ahead of the device from one call to the next, as a
+    training loop that reads nothing on the host between steps lets it.
+    """
+
+    def sync():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def interleaved(
-    variants: dict[str, Callable[[], Any]], rounds: int = 2, steps: int = 10, warmup: int = 3
+    variants: dict[str, Callable[[], Any]],
+    rounds: int = 2,
+    steps: int = 10,
+    warmup: int = 3,
+    runs: bool = False,
 ) -> dict[str, Measurement]:
     """Time several variants in interleaved rounds, keeping for each the best of its round medians.
 
     Each round runs every variant in turn: ``warmup`` untimed calls, then
-    ``steps`` calls timed one by one (:func:`time_calls`). The host's speed can
-    drift over seconds; interleaving gives each variant a share of every
+    ``steps`` calls timed one by one (:func:`time_calls`), or with ``runs`` as one
+    run (:func:`time_run`, its mean standing for the round's median). The host's
+    speed can drift over seconds; interleaving gives each variant a share of every
     stretch, and the best median of ``rounds`` leaves out a round that fell in
     a slow one.
     """
@@ -156,7 +182,7 @@ def interleaved(
     out = {name: Measurement(ms=float("inf")) for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            times = time_calls(fn, steps, warmup)
+            times = [time_run(fn, steps, warmup)] if runs else time_calls(fn, steps, warmup)
             m = out[name]
             m.times.append(times)
             m.round_medians.append(statistics.median(times))

@@ -177,6 +177,32 @@ def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch
         common.interleaved({"a": lambda: None}, rounds=0)
 
 
+def test_common_times_runs_of_calls_with_one_synchronisation():
+    """common.time_run: the mean of ``steps`` calls in a row after ``warmup`` untimed ones (real sleeps on the
+    CPU); common.interleaved with runs=True takes one run a round and keeps the best."""
+    import time
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.01)
+
+    ms = common.time_run(slow, steps=4, warmup=2)
+    assert len(calls) == 6 and 9.0 <= ms < 60.0, ms
+    result = common.interleaved({"slow": slow, "fast": lambda: None}, rounds=2, steps=3, warmup=1, runs=True)
+    assert len(calls) == 6 + 2 * 4
+    assert [len(t) for t in result["slow"].times] == [1, 1] and result["slow"].ms == min(
+        result["slow"].round_medians
+    )
+    assert result["slow"].ms >= 9.0 and result["fast"].ms < result["slow"].ms
+
+
 def test_common_step_peak_memory_adds_the_model_resident_bytes_to_the_step_peak(monkeypatch):
     """common.step_peak_memory: parameters + optimizer state, plus the step's peak above what was allocated before."""
     sys.path.insert(0, str(BENCHMARKS))

@@ -171,6 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     ap.add_argument(
+        "--runs",
+        action="store_true",
+        help="time each round's steps as one run, synchronised once at its end (common.time_run), instead of "
+        "step by step: for a loop that reads nothing on the host between steps",
+    )
+    ap.add_argument(
         "--warmup", type=int, default=3, help="untimed steps before each round's timed ones (default 3)"
     )
     ap.add_argument(
@@ -376,7 +382,9 @@ def run_group(
 
     log(f"  timing: {args.rounds} interleaved rounds of {args.warmup} + {args.steps} steps each")
     graphs_before = counters["stats"]["unique_graphs"]
-    results = common.interleaved(steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    results = common.interleaved(
+        steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runs=args.runs
+    )
     recompiled = counters["stats"]["unique_graphs"] - graphs_before
     for kind in kinds:
         m = results[kind]
@@ -555,6 +563,7 @@ def header(args, argv: list[str]) -> dict:
             "rounds": args.rounds,
             "steps": args.steps,
             "warmup": args.warmup,
+            "timing": "runs of steps, one synchronisation each" if args.runs else "step by step",
             "n_streams": N_STREAMS,
             "init": args.init,
             "compile": f"torch.compile(model) (mhc.train.distributed.wrap_model), backend "
@@ -635,8 +644,8 @@ def main(argv: list[str] | None = None) -> None:
             common.write_json(args.json, report)
     report["complete"] = True
     log(
-        f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved medians of "
-        f"{args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}"
+        f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved "
+        f"{'runs' if args.runs else 'medians'} of {args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}"
     )
     log(table(report["groups"]))
     for g in report["groups"]:

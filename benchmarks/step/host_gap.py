@@ -126,28 +126,11 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
         print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    # Wall time over a run of steps with one synchronisation at its end, so that a step that reads nothing
-    # on the host can run ahead of the GPU; the loop's own read still waits inside each of its steps.
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def run_ms(fn) -> float:
-        for _ in range(args.warmup):
-            fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) * 1e3 / args.steps
-
-    best = {k: float("inf") for k in steps}
-    rounds = {k: [] for k in steps}
-    for _ in range(args.rounds):  # interleaved; the best round kept
-        for k, fn in steps.items():
-            rounds[k].append(run_ms(fn))
-            best[k] = min(best[k], rounds[k][-1])
+    # Wall time over a run of steps with one synchronisation at its end (common.time_run), so that a step that
+    # reads nothing on the host can run ahead of the GPU; the loop's own read still waits inside each step.
+    results = common.interleaved(steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runs=True)
+    best = {k: m.ms for k, m in results.items()}
+    rounds = {k: m.round_medians for k, m in results.items()}
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
         f"\n{args.shape} autocast {args.mode}, {name}: best of {args.rounds} interleaved rounds of {args.steps} steps (wall time)"
