@@ -9,7 +9,7 @@ step whose loss or gradient is not finite). That read waits for the GPU, and the
 runs the optimizer's Python, ``zero_grad``, the batch's copy and the compiled model's guards, until the next
 forward's kernels arrive. A model with more parameter tensors (mHC adds five a site) pays more of that host time.
 
-Two steps per model, on the same (compiled) model and optimizer, timed in interleaved rounds in one process:
+The steps of each model, on the same (compiled) model and optimizer, timed in interleaved rounds in one process:
 
 * ``loop``: ``mhc.train.loop``'s body as ``bench_training.py`` runs it (``training_models.make_step``);
 * ``optimizer first`` (CUDA): the loop's step with the optimizer launched before the host read, a non-finite
@@ -17,7 +17,7 @@ Two steps per model, on the same (compiled) model and optimizer, timed in interl
 * ``no sync``: the same forward, backward, clipping, optimizer and scheduler calls with nothing read on the
   host, so the host runs ahead of the GPU (what a loop that checks the values a step late would do).
 
-The gap between the two is the host time the sync exposes; the ``no sync`` ratio of mHC over residual is what
+The gap between ``loop`` and ``no sync`` is the host time the sync exposes; the ``no sync`` ratio of mHC over residual is what
 the ratio would be without it. A measurement for issue #49, not a path of the library.
 """
 
@@ -37,8 +37,13 @@ import torch  # noqa: E402
 import training_models as tm  # noqa: E402
 
 
-def unsynced_step(model, run, ids, device, cfg, loop_step):
-    """The loop's calls with no host read: loss, backward, clipping, optimizer and scheduler steps."""
+def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
+    """The loop's calls (loss, backward, clipping, optimizer and scheduler steps) on ``loop_step``'s optimizer.
+
+    Without ``skip_on_device`` nothing is read on the host (``no sync``). With it (``optimizer first``) the
+    fused AdamW gets ``found_inf`` as ``GradScaler`` sets it (a 1.0 leaves parameters, moments and step count
+    alone), so the same steps are skipped as in the loop, and the loss and norm are read after the launch.
+    """
     from mhc.train.loop import lm_loss
 
     optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
@@ -50,39 +55,19 @@ def unsynced_step(model, run, ids, device, cfg, loop_step):
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(run, batch.to(device, non_blocking=True), autocast)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        scheduler.step()
-
-    return step
-
-
-def optimizer_first_step(model, run, ids, device, cfg, loop_step):
-    """The loop's step with the optimizer launched before the host read: a non-finite step is skipped on the device.
-
-    The fused AdamW takes ``found_inf`` as ``GradScaler`` sets it (a 1.0 leaves parameters, moments and step
-    count alone), so the same steps are skipped as in the loop; the loss and norm are read after the launch.
-    """
-    from mhc.train.loop import lm_loss
-
-    optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
-    autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    batch = ids.cpu()
-    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(run, batch.to(device, non_blocking=True), autocast)
-        loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.found_inf = (~(torch.isfinite(gnorm) & torch.isfinite(loss))).float()
-        optimizer.grad_scale = None
-        try:
+        if not skip_on_device:
             optimizer.step()
-        finally:
-            del optimizer.found_inf, optimizer.grad_scale
+        else:
+            optimizer.found_inf = (~(torch.isfinite(gnorm) & torch.isfinite(loss))).float()
+            optimizer.grad_scale = None
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale
         scheduler.step()
-        float(gnorm), float(loss)  # the host read, now behind the optimizer's launch
+        if skip_on_device:
+            float(gnorm), float(loss)  # the host read, now behind the optimizer's launch
 
     return step
 
@@ -117,12 +102,13 @@ def main(argv=None) -> None:
         loop()  # compiles
         loop()
         steps[f"{kind} loop"] = loop
-        steps[f"{kind} no sync"] = unsynced_step(model, run, ids, device, cfg, loop)
+        steps[f"{kind} no sync"] = direct_step(model, run, ids, device, cfg, loop, skip_on_device=False)
         steps[f"{kind} no sync"]()
         if device.type == "cuda":  # the fused AdamW (CUDA) takes found_inf
-            steps[f"{kind} optimizer first"] = optimizer_first_step(model, run, ids, device, cfg, loop)
+            steps[f"{kind} optimizer first"] = direct_step(
+                model, run, ids, device, cfg, loop, skip_on_device=True
+            )
             steps[f"{kind} optimizer first"]()
-        if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
 
