@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "boundary_dots.cuh"
+#include "boundary_pipe.cuh"
 #include "boundary_torch.h"
 
 namespace {
@@ -71,6 +72,61 @@ void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres,
   }
 }
 
+// part [splits, T, 32] = the dots of x with φ = phi2[0] + phi2[1] and the square sums, as dots() without the
+// post-mix, the streams staged through shared memory by cp.async (boundary_pipe.cuh): chunk_cols columns of
+// every stream a pipeline step, `stages` steps in the ring.
+void dots_pipe(torch::Tensor x, torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y,
+               int64_t warps, int64_t chunk_cols, int64_t stages) {
+  using namespace boundary_proto;
+  check(x, "x", at::kBFloat16);
+  check(phi2, "phi2", at::kBFloat16);
+  check(part, "part", at::kFloat);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == kStreams, "x must be [T, 4, C]");
+  const int64_t T = x.size(0), C = x.size(2);
+  TORCH_CHECK(chunk_cols == 16 || chunk_cols == 32, "chunk_cols must be 16 or 32");
+  TORCH_CHECK(cols_per_split > 0 && C % chunk_cols == 0 && cols_per_split % chunk_cols == 0,
+              "C and cols_per_split must be multiples of chunk_cols");
+  TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8");
+  TORCH_CHECK(stages >= 2 && stages <= 4, "stages must be 2, 3 or 4");
+  const int64_t splits = (C + cols_per_split - 1) / cols_per_split;
+  TORCH_CHECK(phi2.dim() == 3 && phi2.size(0) == 2 && phi2.size(1) == kZ && phi2.size(2) == kStreams * C,
+              "phi2 must be [2, 24, 4C]");
+  TORCH_CHECK(part.dim() == 3 && part.size(0) == splits && part.size(1) == T && part.size(2) == kZP,
+              "part must be [splits, T, 32]");
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int smem = pipe_shared_bytes(static_cast<int>(cols_per_split), static_cast<int>(warps),
+                                     static_cast<int>(chunk_cols), static_cast<int>(stages));
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(std::max<int64_t>(1, grid_y)));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel, int kernel_warps) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
+    kernel<<<grid, dim3(kernel_warps * 32), smem, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(phi2.data_ptr()), part.data_ptr<float>(), static_cast<int>(T),
+        static_cast<int>(C), static_cast<int>(cols_per_split));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  // (warps, chunk_cols, stages): one instantiation each
+  const int key = (warps == 8 ? 100 : 0) + (chunk_cols == 32 ? 10 : 0) + static_cast<int>(stages);
+  switch (key) {
+    case 2: launch(dots_pipe_kernel<4, 16, 2>, 4); break;
+    case 3: launch(dots_pipe_kernel<4, 16, 3>, 4); break;
+    case 4: launch(dots_pipe_kernel<4, 16, 4>, 4); break;
+    case 12: launch(dots_pipe_kernel<4, 32, 2>, 4); break;
+    case 13: launch(dots_pipe_kernel<4, 32, 3>, 4); break;
+    case 14: launch(dots_pipe_kernel<4, 32, 4>, 4); break;
+    case 102: launch(dots_pipe_kernel<8, 16, 2>, 8); break;
+    case 103: launch(dots_pipe_kernel<8, 16, 3>, 8); break;
+    case 104: launch(dots_pipe_kernel<8, 16, 4>, 8); break;
+    case 112: launch(dots_pipe_kernel<8, 32, 2>, 8); break;
+    case 113: launch(dots_pipe_kernel<8, 32, 3>, 8); break;
+    default: launch(dots_pipe_kernel<8, 32, 4>, 8); break;
+  }
+}
+
 }  // namespace
 
 // boundary_grad.cu (its own translation unit, compiled in parallel with this one)
@@ -81,5 +137,6 @@ void grad(torch::Tensor dout, torch::Tensor du, torch::Tensor x, torch::Tensor w
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dots", &dots, "the next site's dot products (with the post-mix first if postmix); a prototype");
+  m.def("dots_pipe", &dots_pipe, "the dots without the post-mix, the streams staged by cp.async; a prototype");
   m.def("grad", &grad, "site k+1's stream gradient and site k's post-mix backward on it; a prototype");
 }

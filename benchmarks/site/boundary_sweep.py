@@ -22,7 +22,9 @@ here on first use). A CTA holds one split of the columns of every stream and φ'
 loops over tiles of tokens, and runs the products with φ on ``mma.sync`` from registers loaded in the fragments'
 layout. ``forward_cuda`` forms and stores ``x'`` first (against the forward pair above); ``dots_cuda`` takes the
 streams as they are (against ``coeff_partial`` alone, the kernel it could replace with no ops linked across
-sites); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the (r·dz)φ product in tf32).
+sites), and ``dots_pipe_cuda`` the same with the streams staged through shared memory by ``cp.async``
+(``boundary_pipe.cuh``); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the
+(r·dz)φ product in tf32).
 The Triton kernels above lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward
 1.07-1.13x, the backward 1.11-1.14x.
 
@@ -521,6 +523,51 @@ class DotsCuda:
         return cuda_merged(inp, params, postmix=False)
 
 
+class DotsPipeCuda(DotsCuda):
+    """``coeff_partial`` alone against the prototype's ``dots_pipe_kernel`` (``boundary_pipe.cuh``): the dots of
+    :class:`DotsCuda` with the streams staged through shared memory by ``cp.async`` in a ring of ``stages``
+    steps of ``chunk_cols`` columns of every stream, so that a CTA keeps enough bytes in flight (``dots_cuda``'s
+    register loads reached 0.45-0.50x a copy on the H100). Whether CUDA dots can run at a copy's speed decides
+    whether a boundary kernel built on them can beat its pair."""
+
+    name = "dots_pipe_cuda"
+    grid = dict(
+        cols_per_split=(64, 128, 256),
+        chunk_cols=(16, 32),
+        stages=(2, 3, 4),
+        warps=(4, 8),
+        ctas_per_sm=(1, 2, 4),
+    )
+
+    @staticmethod
+    def valid(v: dict, C: int) -> bool:
+        stage = 16 * v["warps"] * (4 * v["chunk_cols"] + 16) * 2
+        smem = 2 * 24 * (4 * v["cols_per_split"] + 16) * 2 + v["stages"] * stage
+        return (
+            v["cols_per_split"] <= C
+            and C % v["chunk_cols"] == 0
+            and v["cols_per_split"] % v["chunk_cols"] == 0
+            and v["ctas_per_sm"] * smem <= 227 * 1024
+        )
+
+    @staticmethod
+    def merged(inp: dict, params: dict):
+        x = inp["x"]
+        T, n, C = x.shape
+        splits, grid_y = cuda_launch_shape(C, T, params)
+        phi2 = phi_parts(inp["phi"])
+        part = x.new_empty((splits, T, 32), dtype=torch.float32)
+        ext, p = cuda_prototype(), params
+
+        def run():
+            ext.dots_pipe(
+                x, phi2, part, p["cols_per_split"], grid_y, p["warps"], p["chunk_cols"], p["stages"]
+            )
+
+        run()
+        return run, (part.sum(0),)
+
+
 class BackwardCuda(Backward):
     """:class:`Backward`'s pair against the CUDA prototype's ``grad_boundary_kernel``: φ's fp32 slice in shared
     memory in B-fragment order, (r·dz)φ on tf32 ``mma.sync``, then site k's post-mix backward on the stored tile;
@@ -554,7 +601,7 @@ class BackwardCuda(Backward):
         return run, (dx, dy, total[:, : n * n].view(T, n, n), total[:, n * n :])
 
 
-BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda, BackwardCuda)}
+BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda, DotsPipeCuda, BackwardCuda)}
 
 
 def errors(got, want) -> list[float]:
