@@ -548,7 +548,7 @@ def test_cuda_boundary_prototype_matches_the_kernels_it_would_replace(tmp_path):
     a rounding, the sums within fp32's)."""
     boundary_sweep = _benchmark_module("site", "boundary_sweep")
     out = tmp_path / "boundary.json"
-    names = ["forward_cuda", "dots_cuda", "dots_pipe_cuda", "backward_cuda"]
+    names = ["forward_cuda", "dots_cuda", "forward_pipe_cuda", "dots_pipe_cuda", "backward_cuda"]
     args = ["--boundaries", ",".join(names), "--shapes", "96x40,512x200", "--json", str(out)]
     assert boundary_sweep.main([*args, "--rep", "5", "--tol", "1e-2"]) == 0
     rows = json.loads(out.read_text())["rows"]

@@ -72,10 +72,11 @@ void dots(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres,
   }
 }
 
-// part [splits, T, 32] = the dots of x with φ = phi2[0] + phi2[1] and the square sums, as dots() without the
-// post-mix, the streams staged through shared memory by cp.async (boundary_pipe.cuh): chunk_cols columns of
-// every stream a pipeline step, `stages` steps in the ring.
-void dots_pipe(torch::Tensor x, torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y,
+// part [splits, T, 32] = the dots and square sums of dots(), with or without the post-mix, the streams (and y)
+// staged through shared memory by cp.async (boundary_pipe.cuh): chunk_cols columns of every stream a pipeline
+// step, `stages` steps in the ring.
+void dots_pipe(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor hres, torch::Tensor out,
+               torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y, bool postmix,
                int64_t warps, int64_t chunk_cols, int64_t stages) {
   using namespace boundary_proto;
   check(x, "x", at::kBFloat16);
@@ -93,10 +94,19 @@ void dots_pipe(torch::Tensor x, torch::Tensor phi2, torch::Tensor part, int64_t 
               "phi2 must be [2, 24, 4C]");
   TORCH_CHECK(part.dim() == 3 && part.size(0) == splits && part.size(1) == T && part.size(2) == kZP,
               "part must be [splits, T, 32]");
+  if (postmix) {
+    check(y, "y", at::kBFloat16);
+    check(h, "h", at::kFloat);
+    check(hres, "hres", at::kFloat);
+    check(out, "out", at::kBFloat16);
+    TORCH_CHECK(y.numel() == T * C && h.numel() == T * 2 * kStreams && hres.numel() == T * kStreams * kStreams &&
+                    out.sizes() == x.sizes(),
+                "y [T, C], h [T, 8], hres [T, 4, 4] and out [T, 4, C] must match x");
+  }
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = pipe_shared_bytes(static_cast<int>(cols_per_split), static_cast<int>(warps),
-                                     static_cast<int>(chunk_cols), static_cast<int>(stages));
+                                     static_cast<int>(chunk_cols), static_cast<int>(stages), postmix);
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(std::max<int64_t>(1, grid_y)));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, int kernel_warps) {
@@ -105,25 +115,30 @@ void dots_pipe(torch::Tensor x, torch::Tensor phi2, torch::Tensor part, int64_t 
     }
     kernel<<<grid, dim3(kernel_warps * 32), smem, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+        postmix ? reinterpret_cast<const __nv_bfloat16*>(y.data_ptr()) : nullptr,
+        postmix ? h.data_ptr<float>() : nullptr, postmix ? hres.data_ptr<float>() : nullptr,
+        postmix ? reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) : nullptr,
         reinterpret_cast<const __nv_bfloat16*>(phi2.data_ptr()), part.data_ptr<float>(), static_cast<int>(T),
         static_cast<int>(C), static_cast<int>(cols_per_split));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  // (warps, chunk_cols, stages): one instantiation each
-  const int key = (warps == 8 ? 100 : 0) + (chunk_cols == 32 ? 10 : 0) + static_cast<int>(stages);
+  // (postmix, warps, chunk_cols, stages): one instantiation each
+  const int key = (postmix ? 1000 : 0) + (warps == 8 ? 100 : 0) + (chunk_cols == 32 ? 10 : 0) + static_cast<int>(stages);
   switch (key) {
-    case 2: launch(dots_pipe_kernel<4, 16, 2>, 4); break;
-    case 3: launch(dots_pipe_kernel<4, 16, 3>, 4); break;
-    case 4: launch(dots_pipe_kernel<4, 16, 4>, 4); break;
-    case 12: launch(dots_pipe_kernel<4, 32, 2>, 4); break;
-    case 13: launch(dots_pipe_kernel<4, 32, 3>, 4); break;
-    case 14: launch(dots_pipe_kernel<4, 32, 4>, 4); break;
-    case 102: launch(dots_pipe_kernel<8, 16, 2>, 8); break;
-    case 103: launch(dots_pipe_kernel<8, 16, 3>, 8); break;
-    case 104: launch(dots_pipe_kernel<8, 16, 4>, 8); break;
-    case 112: launch(dots_pipe_kernel<8, 32, 2>, 8); break;
-    case 113: launch(dots_pipe_kernel<8, 32, 3>, 8); break;
-    default: launch(dots_pipe_kernel<8, 32, 4>, 8); break;
+#define MHC_PIPE_CASE(P, W, CW, S) \
+  case (P ? 1000 : 0) + (W == 8 ? 100 : 0) + (CW == 32 ? 10 : 0) + S: launch(dots_pipe_kernel<P, W, CW, S>, W); break;
+#define MHC_PIPE_CASES(P, W, CW) MHC_PIPE_CASE(P, W, CW, 2) MHC_PIPE_CASE(P, W, CW, 3) MHC_PIPE_CASE(P, W, CW, 4)
+    MHC_PIPE_CASES(false, 4, 16)
+    MHC_PIPE_CASES(false, 4, 32)
+    MHC_PIPE_CASES(false, 8, 16)
+    MHC_PIPE_CASES(false, 8, 32)
+    MHC_PIPE_CASES(true, 4, 16)
+    MHC_PIPE_CASES(true, 4, 32)
+    MHC_PIPE_CASES(true, 8, 16)
+    MHC_PIPE_CASES(true, 8, 32)
+#undef MHC_PIPE_CASES
+#undef MHC_PIPE_CASE
+    default: TORCH_CHECK(false, "no dots_pipe instantiation for key ", key);
   }
 }
 
@@ -137,6 +152,6 @@ void grad(torch::Tensor dout, torch::Tensor du, torch::Tensor x, torch::Tensor w
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dots", &dots, "the next site's dot products (with the post-mix first if postmix); a prototype");
-  m.def("dots_pipe", &dots_pipe, "the dots without the post-mix, the streams staged by cp.async; a prototype");
+  m.def("dots_pipe", &dots_pipe, "dots() with the streams staged through shared memory by cp.async; a prototype");
   m.def("grad", &grad, "site k+1's stream gradient and site k's post-mix backward on it; a prototype");
 }

@@ -1,7 +1,7 @@
 // A measurement prototype (benchmarks/site/boundary_sweep.py), not a path of the library: coeff_partial's dot
-// products x φᵀ and square sums Σ x², as boundary_dots_kernel computes them without the post-mix, but with the
-// streams staged through shared memory by cp.async in a STAGES-deep ring instead of loaded straight into
-// registers.
+// products x φᵀ and square sums Σ x², as boundary_dots_kernel computes them (with the previous site's post-mix
+// first, or without), but with the streams staged through shared memory by cp.async in a STAGES-deep ring
+// instead of loaded straight into registers.
 //
 // Why: boundary_dots_kernel (8-byte loads into the fragments' layout, one chunk ahead at most) kept too few bytes
 // in flight and reached 0.45-0.50x a device copy (notes/training_cost.md, eleventh session). Here each thread
@@ -22,18 +22,23 @@
 
 namespace boundary_proto {
 
-// bf16 elements after each token's row of a stage: with rows 4·CW + 16 elements apart, rows g and g + 4 start
-// 8 banks apart mod 32, so the 8-byte loads of a half warp (rows g .. g+3, lanes t) hit 32 distinct banks.
-constexpr int kTilePad = 16;
+// A token's row of a stage: CW columns of each of the 4 streams (and, with the post-mix, of y), then padding so
+// that consecutive rows start 8 banks apart mod 32 (row length ≡ 16 elements mod 64): the 8-byte loads of a half
+// warp (rows g .. g+3, lanes t) then hit 32 distinct banks. The padding is a multiple of 8 elements, so every
+// row stays 16-byte aligned for cp.async.
+__host__ __device__ constexpr int pipe_row_elements(int chunk_cols, bool postmix) {
+  const int cols = (kStreams + (postmix ? 1 : 0)) * chunk_cols;
+  return cols + ((16 - cols) % 64 + 64) % 64;
+}
 
-inline int pipe_stage_elements(int warps, int chunk_cols) {
-  return warps * kTokensPerWarp * (kStreams * chunk_cols + kTilePad);
+inline int pipe_stage_elements(int warps, int chunk_cols, bool postmix) {
+  return warps * kTokensPerWarp * pipe_row_elements(chunk_cols, postmix);
 }
 
 // Shared memory bytes of one CTA: φ's slice (as boundary_dots_kernel's), then the STAGES tiles.
-inline int pipe_shared_bytes(int cols_per_split, int warps, int chunk_cols, int stages) {
+inline int pipe_shared_bytes(int cols_per_split, int warps, int chunk_cols, int stages, bool postmix) {
   return shared_bytes(cols_per_split) +
-         stages * pipe_stage_elements(warps, chunk_cols) * static_cast<int>(sizeof(__nv_bfloat16));
+         stages * pipe_stage_elements(warps, chunk_cols, postmix) * static_cast<int>(sizeof(__nv_bfloat16));
 }
 
 // 16 bytes global -> shared, bypassing L1; with ok false the 16 bytes are zero-filled and nothing is read.
@@ -51,19 +56,22 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // x [T, 4, C] bf16; phi2 [2, Z, 4C] bf16 (φ's hi and lo parts); part [splits, T, ZP] fp32. C and cols_per_split
-// are multiples of CW (so every split's width is).
-template <int WARPS, int CW, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(const __nv_bfloat16* __restrict__ x,
-                                                               const __nv_bfloat16* __restrict__ phi2,
-                                                               float* __restrict__ part, int T, int C,
-                                                               int cols_per_split) {
+// are multiples of CW (so every split's width is). POSTMIX: x is site k's streams, and the dots are taken of
+// x' = H_res x + H_post ⊗ y (y [T, C] bf16, h [T, 8] fp32 with H_post = 2 h[:, 4:], hres [T, 4, 4] fp32), formed
+// in registers around stream 0 as postmix_fwd does, stored to out [T, 4, C] and multiplied as stored (rounded).
+template <bool POSTMIX, int WARPS, int CW, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ y, const float* __restrict__ h,
+    const float* __restrict__ hres, __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ phi2,
+    float* __restrict__ part, int T, int C, int cols_per_split) {
   static_assert(CW % 16 == 0 && STAGES >= 2, "CW: a multiple of 16 columns; at least two stages");
   constexpr int kThreads = WARPS * 32;
-  constexpr int kTokens = WARPS * kTokensPerWarp;    // a tile
-  constexpr int kRow = kStreams * CW + kTilePad;     // a token's row in a stage, elements
-  constexpr int kStage = kTokens * kRow;             // a stage, elements
-  constexpr int kPiecesPerSegment = CW / 8;          // 16-byte pieces of one stream's CW columns
-  constexpr int kPieces = kTokens * kStreams * kPiecesPerSegment;
+  constexpr int kTokens = WARPS * kTokensPerWarp;              // a tile
+  constexpr int kSegments = kStreams + (POSTMIX ? 1 : 0);      // the streams' CW columns, then y's
+  constexpr int kRow = pipe_row_elements(CW, POSTMIX);        // a token's row in a stage, elements
+  constexpr int kStage = kTokens * kRow;                       // a stage, elements
+  constexpr int kPiecesPerSegment = CW / 8;                    // 16-byte pieces of one segment
+  constexpr int kPieces = kTokens * kSegments * kPiecesPerSegment;
   static_assert(kPieces % kThreads == 0, "whole pieces a thread");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -91,11 +99,12 @@ __global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(const __nv_bfloat
       for (int k = 0; k < kPieces / kThreads; ++k) {
         const int p = threadIdx.x + k * kThreads;  // consecutive threads, consecutive 16 bytes of a stream
         const int q = p % kPiecesPerSegment;
-        const int i = (p / kPiecesPerSegment) % kStreams;
-        const int tok = p / (kPiecesPerSegment * kStreams);
+        const int i = (p / kPiecesPerSegment) % kSegments;  // kStreams: y
+        const int tok = p / (kPiecesPerSegment * kSegments);
         const int row = tile * kTokens + tok;
         const bool ok = row < T;
-        const __nv_bfloat16* src = ok ? x + (size_t)row * K + i * C + c0 + q * 8 : x;
+        const __nv_bfloat16* src = x;
+        if (ok) src = i < kStreams ? x + (size_t)row * K + i * C + c0 + q * 8 : y + (size_t)row * C + c0 + q * 8;
         cp_async16(dst + tok * kRow + i * CW + q * 8, src, ok);
       }
     }
@@ -125,23 +134,79 @@ __global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(const __nv_bfloat
   for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+  float hr[2][kStreams][kStreams - 1];  // POSTMIX: this lane's two tokens' H_res[i, 1..3] and H_post[i]
+  float hp[2][kStreams];
 
   for (int it = 0; it < total; ++it) {
+    const int chunk = it % chunks;
+    const int row0 = (blockIdx.y + (it / chunks) * gridDim.y) * kTokens + warp * kTokensPerWarp + g;
+    if constexpr (POSTMIX) {
+      if (chunk == 0) {  // a new tile: its tokens' coefficients, read while the tile's loads are in flight
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          const bool ok = row < T;
+#pragma unroll
+          for (int i = 0; i < kStreams; ++i) {
+            hp[r][i] = ok ? 2.f * h[(size_t)row * (2 * kStreams) + kStreams + i] : 0.f;
+#pragma unroll
+            for (int j = 1; j < kStreams; ++j)
+              hr[r][i][j - 1] = ok ? hres[((size_t)row * kStreams + i) * kStreams + j] : 0.f;
+          }
+        }
+      }
+    }
     cp_async_wait<STAGES - 2>();
     // Step it's tile is in every thread's view, and every warp is done with step it - 1's stage, which the
     // next issue overwrites (the first pass through here also publishes φ's slice).
     __syncthreads();
     issue(it + STAGES - 1);
 
-    const int chunk = it % chunks;
     const __nv_bfloat16* rows_s = stages_s + (it % STAGES) * kStage + (warp * kTokensPerWarp + g) * kRow;
 #pragma unroll
-    for (int i = 0; i < kStreams; ++i) {
+    for (int ks = 0; ks < CW / 16; ++ks) {
+      // this lane's 4 columns of rows g and g + 8 (8 bytes each) of every stream: the streams' values, or with
+      // the post-mix x' formed from the streams and y, stored, and kept as stored
+      uint2 v[2][kStreams];
 #pragma unroll
-      for (int ks = 0; ks < CW / 16; ++ks) {
-        const int col = i * CW + ks * 16 + 4 * t;
-        const uint2 r0 = *reinterpret_cast<const uint2*>(rows_s + col);             // row g
-        const uint2 r1 = *reinterpret_cast<const uint2*>(rows_s + 8 * kRow + col);  // row g + 8
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int i = 0; i < kStreams; ++i)
+          v[r][i] = *reinterpret_cast<const uint2*>(rows_s + r * 8 * kRow + i * CW + ks * 16 + 4 * t);
+      if constexpr (POSTMIX) {
+        const int col = c_begin + chunk * CW + ks * 16 + 4 * t;  // in the [T, 4, C] streams
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x0[4], d[kStreams - 1][4], yf[4];
+          unpack4(v[r][0], x0);
+          unpack4(*reinterpret_cast<const uint2*>(rows_s + r * 8 * kRow + kStreams * CW + ks * 16 + 4 * t), yf);
+#pragma unroll
+          for (int j = 1; j < kStreams; ++j) {
+            float xj[4];
+            unpack4(v[r][j], xj);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
+          }
+          const int row = row0 + 8 * r;
+#pragma unroll
+          for (int i = 0; i < kStreams; ++i) {
+            float o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              // Newton's rows sum to one: Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)
+              float mix = hr[r][i][0] * d[0][e];
+              mix = fmaf(hr[r][i][1], d[1][e], mix);
+              mix = fmaf(hr[r][i][2], d[2][e], mix);
+              o[e] = fmaf(hp[r][i], yf[e], x0[e] + mix);
+            }
+            v[r][i] = pack4(o);
+            if (row < T) *reinterpret_cast<uint2*>(out + (size_t)row * K + i * C + col) = v[r][i];
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kStreams; ++i) {
+        const uint2 r0 = v[0][i], r1 = v[1][i];  // rows g and g + 8
         const uint32_t a[4] = {r0.x, r1.x, r0.y, r1.y};
         float f[4];
         unpack4(r0, f);
@@ -162,8 +227,6 @@ __global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(const __nv_bfloat
     }
 
     if (chunk == chunks - 1) {  // the tile's last chunk: its rows of part, then a fresh start for the next tile
-      const int tile = blockIdx.y + (it / chunks) * gridDim.y;
-      const int row0 = tile * kTokens + warp * kTokensPerWarp + g;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {  // Σ x² over the row's four lanes (every lane takes part)
         sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);

@@ -22,8 +22,8 @@ here on first use). A CTA holds one split of the columns of every stream and φ'
 loops over tiles of tokens, and runs the products with φ on ``mma.sync`` from registers loaded in the fragments'
 layout. ``forward_cuda`` forms and stores ``x'`` first (against the forward pair above); ``dots_cuda`` takes the
 streams as they are (against ``coeff_partial`` alone, the kernel it could replace with no ops linked across
-sites), and ``dots_pipe_cuda`` the same with the streams staged through shared memory by ``cp.async``
-(``boundary_pipe.cuh``); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the
+sites); ``forward_pipe_cuda`` and ``dots_pipe_cuda`` are the same two with the streams staged through shared
+memory by ``cp.async`` (``boundary_pipe.cuh``); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the
 (r·dz)φ product in tf32).
 The Triton kernels above lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward
 1.07-1.13x, the backward 1.11-1.14x.
@@ -523,6 +523,52 @@ class DotsCuda:
         return cuda_merged(inp, params, postmix=False)
 
 
+def pipe_shared_bytes(v: dict, postmix: bool) -> int:
+    """Shared memory of one CTA of ``dots_pipe_kernel`` (``boundary_pipe.cuh``'s ``pipe_shared_bytes``)."""
+    cols = (4 + postmix) * v["chunk_cols"]
+    row = cols + (16 - cols) % 64
+    return 2 * 24 * (4 * v["cols_per_split"] + 16) * 2 + v["stages"] * 16 * v["warps"] * row * 2
+
+
+def cuda_pipe_merged(inp: dict, params: dict, postmix: bool):
+    """:func:`cuda_merged` for ``dots_pipe_kernel``: the streams (and y) staged by ``cp.async``."""
+    x = inp["x"]
+    T, n, C = x.shape
+    splits, grid_y = cuda_launch_shape(C, T, params)
+    phi2 = phi_parts(inp["phi"])
+    part = x.new_empty((splits, T, 32), dtype=torch.float32)
+    if postmix:
+        out = torch.empty_like(x)
+        args = (x, inp["y"], inp["h"], inp["H_res"], out, phi2, part)
+    else:
+        none = x.new_empty(0)
+        args = (x, none, none, none, none, phi2, part)
+    ext, p = cuda_prototype(), params
+
+    def run():
+        ext.dots_pipe(*args, p["cols_per_split"], grid_y, postmix, p["warps"], p["chunk_cols"], p["stages"])
+
+    run()
+    return run, ((out, part.sum(0)) if postmix else (part.sum(0),))
+
+
+PIPE_GRID = dict(
+    cols_per_split=(64, 128, 256), chunk_cols=(16, 32), stages=(2, 3, 4), warps=(4, 8), ctas_per_sm=(1, 2, 4)
+)
+
+
+def pipe_valid(postmix: bool):
+    def valid(v: dict, C: int) -> bool:
+        return (
+            v["cols_per_split"] <= C
+            and C % v["chunk_cols"] == 0
+            and v["cols_per_split"] % v["chunk_cols"] == 0
+            and pipe_shared_bytes(v, postmix) <= 227 * 1024
+        )
+
+    return staticmethod(valid)
+
+
 class DotsPipeCuda(DotsCuda):
     """``coeff_partial`` alone against the prototype's ``dots_pipe_kernel`` (``boundary_pipe.cuh``): the dots of
     :class:`DotsCuda` with the streams staged through shared memory by ``cp.async`` in a ring of ``stages``
@@ -531,41 +577,25 @@ class DotsPipeCuda(DotsCuda):
     whether a boundary kernel built on them can beat its pair."""
 
     name = "dots_pipe_cuda"
-    grid = dict(
-        cols_per_split=(64, 128, 256),
-        chunk_cols=(16, 32),
-        stages=(2, 3, 4),
-        warps=(4, 8),
-        ctas_per_sm=(1, 2, 4),
-    )
-
-    @staticmethod
-    def valid(v: dict, C: int) -> bool:
-        stage = 16 * v["warps"] * (4 * v["chunk_cols"] + 16) * 2
-        smem = 2 * 24 * (4 * v["cols_per_split"] + 16) * 2 + v["stages"] * stage
-        return (
-            v["cols_per_split"] <= C
-            and C % v["chunk_cols"] == 0
-            and v["cols_per_split"] % v["chunk_cols"] == 0
-            and v["ctas_per_sm"] * smem <= 227 * 1024
-        )
+    grid = PIPE_GRID
+    valid = pipe_valid(postmix=False)
 
     @staticmethod
     def merged(inp: dict, params: dict):
-        x = inp["x"]
-        T, n, C = x.shape
-        splits, grid_y = cuda_launch_shape(C, T, params)
-        phi2 = phi_parts(inp["phi"])
-        part = x.new_empty((splits, T, 32), dtype=torch.float32)
-        ext, p = cuda_prototype(), params
+        return cuda_pipe_merged(inp, params, postmix=False)
 
-        def run():
-            ext.dots_pipe(
-                x, phi2, part, p["cols_per_split"], grid_y, p["warps"], p["chunk_cols"], p["stages"]
-            )
 
-        run()
-        return run, (part.sum(0),)
+class ForwardPipeCuda(ForwardCuda):
+    """:class:`Forward`'s pair against ``dots_pipe_kernel`` with the post-mix: the streams and y staged by
+    ``cp.async``, ``x'`` formed in registers, stored, and multiplied with φ as stored."""
+
+    name = "forward_pipe_cuda"
+    grid = PIPE_GRID
+    valid = pipe_valid(postmix=True)
+
+    @staticmethod
+    def merged(inp: dict, params: dict):
+        return cuda_pipe_merged(inp, params, postmix=True)
 
 
 class BackwardCuda(Backward):
@@ -601,7 +631,9 @@ class BackwardCuda(Backward):
         return run, (dx, dy, total[:, : n * n].view(T, n, n), total[:, n * n :])
 
 
-BOUNDARIES = {b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda, DotsPipeCuda, BackwardCuda)}
+BOUNDARIES = {
+    b.name: b for b in (Forward, Backward, ForwardCuda, DotsCuda, ForwardPipeCuda, DotsPipeCuda, BackwardCuda)
+}
 
 
 def errors(got, want) -> list[float]:
