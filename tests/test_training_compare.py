@@ -80,7 +80,8 @@ def test_calib_steps_too_few_to_time_are_refused_and_the_least_gives_a_budget(
 ):
     """Tokens/s is timed after Throughput.WARMUP_STEPS steps: fewer calibration steps gave None, then a TypeError."""
     monkeypatch.setattr(train_compare, "run_all", _Runner())
-    args = ["--variants", "residual,mhc", "--target-s", "0.01", *_sets(tmp_path)]
+    # a target far below one step's time (a tiny CPU step can take under 5 ms): a budget of one step
+    args = ["--variants", "residual,mhc", "--target-s", "1e-6", *_sets(tmp_path)]
     with pytest.raises(SystemExit) as stop:
         compare.main([*args, "--calib-steps", "3", "--out", str(tmp_path / "few")])
     line = _error_line(capsys)
@@ -104,7 +105,7 @@ def test_a_variant_failing_in_calibration_is_reported_and_the_others_go_on(
     runner = _Runner(fail={"hc"})
     monkeypatch.setattr(train_compare, "run_all", runner)
     out = tmp_path / "cmp"
-    code = compare.main(["--variants", "residual,hc", "--target-s", "0.01", "--calib-steps", "4",
+    code = compare.main(["--variants", "residual,hc", "--target-s", "1e-6", "--calib-steps", "4",
                          "--out", str(out), *_sets(tmp_path)])  # fmt: skip
     err = capsys.readouterr().err
     log = out / "calibration" / "hc.log"
