@@ -427,7 +427,9 @@ def cuda_prototype():
         here = Path(__file__).resolve().parent
         _CUDA_PROTOTYPE = load(
             name="mhc_boundary_dots_prototype",
-            sources=[str(here / "boundary_dots.cu"), str(here / "boundary_grad.cu")],
+            sources=[
+                str(here / name) for name in ("boundary_dots.cu", "boundary_pipe.cu", "boundary_grad.cu")
+            ],
             extra_include_paths=[str(here)],
             extra_cuda_cflags=["-O3", "-std=c++17"],
         )
