@@ -270,10 +270,14 @@ def test_logit_scale_is_none_without_a_projection_and_reads_sigma_for_iid_logits
     report = report_from_sites(records)
     assert report.logit_scale_mean == [None, None] and report.logit_scale_max == [None, None]
     assert report_from_h_res([torch.eye(3)]).logit_scale_max == [None]
-    sigma = 7.0
-    scale = logit_scale(sigma * torch.randn(20000, 16))
+    # The population standard deviation of r i.i.d. N(0, σ²) draws has mean σ·sqrt((r-1)/r)·c4(r), 0.968·0.984·σ
+    # at r = 16 (6.67 for σ = 7); the mean over 20000 tokens is within 0.05 of it (its own spread is 0.009), and
+    # the Bessel-corrected deviation (6.88) or the variance would be far off.
+    sigma, r = 7.0, 16
+    c4 = math.sqrt(2 / (r - 1)) * math.exp(math.lgamma(r / 2) - math.lgamma((r - 1) / 2))
+    scale = logit_scale(sigma * torch.randn(20000, r))
     assert scale.dtype == torch.float64 and scale.shape == (20000,)
-    assert scale.mean().item() == pytest.approx(sigma, rel=0.05)
+    assert scale.mean().item() == pytest.approx(sigma * math.sqrt((r - 1) / r) * c4, abs=0.05)
     assert logit_scale(torch.full((3, 16), 2.5)).abs().max().item() == 0.0  # a constant shift has no spread
 
 

@@ -57,6 +57,36 @@ __device__ __forceinline__ uint2 pack4(const float (&f)[4]) {
   return v;
 }
 
+// x' of 4 columns of one token, around stream 0 as postmix_fwd forms it (Newton's rows sum to one, so
+// Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)): xs the streams' 8-byte groups, yv y's, hr H_res[i, 1..3],
+// hp H_post[i]; each stream's result rounded to bf16 and packed into xp[i] (xp may be xs: it is read first).
+__device__ __forceinline__ void postmix4(const uint2 (&xs)[kStreams], uint2 yv,
+                                         const float (&hr)[kStreams][kStreams - 1], const float (&hp)[kStreams],
+                                         uint2 (&xp)[kStreams]) {
+  float x0[4], d[kStreams - 1][4], yf[4];
+  unpack4(xs[0], x0);
+  unpack4(yv, yf);
+#pragma unroll
+  for (int j = 1; j < kStreams; ++j) {
+    float xj[4];
+    unpack4(xs[j], xj);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
+  }
+#pragma unroll
+  for (int i = 0; i < kStreams; ++i) {
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float mix = hr[i][0] * d[0][e];
+      mix = fmaf(hr[i][1], d[1][e], mix);
+      mix = fmaf(hr[i][2], d[2][e], mix);
+      o[e] = fmaf(hp[i], yf[e], x0[e] + mix);
+    }
+    xp[i] = pack4(o);
+  }
+}
+
 __device__ __forceinline__ uint2 load8(const __nv_bfloat16* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
 }
@@ -173,28 +203,13 @@ __global__ void __launch_bounds__(WARPS * 32) boundary_dots_kernel(
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (POSTMIX) {
-        float x0[4], d[kStreams - 1][4], yf[4];
-        unpack4(cur[r][0], x0);
-        unpack4(cur[r][kStreams], yf);
+        uint2 xs[kStreams], xp[kStreams];
 #pragma unroll
-        for (int j = 1; j < kStreams; ++j) {
-          float xj[4];
-          unpack4(cur[r][j], xj);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
-        }
+        for (int i = 0; i < kStreams; ++i) xs[i] = cur[r][i];
+        postmix4(xs, cur[r][kStreams], hr[r], hp[r], xp);
 #pragma unroll
         for (int i = 0; i < kStreams; ++i) {
-          float o[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            // Newton's rows sum to one: Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)
-            float mix = hr[r][i][0] * d[0][e];
-            mix = fmaf(hr[r][i][1], d[1][e], mix);
-            mix = fmaf(hr[r][i][2], d[2][e], mix);
-            o[e] = fmaf(hp[r][i], yf[e], x0[e] + mix);
-          }
-          const uint2 v = pack4(o);
+          const uint2 v = xp[i];
           if (ok[r]) *reinterpret_cast<uint2*>(out + (size_t)rows[r] * K + i * C + col) = v;
           a[i][r] = v.x;      // columns 4t, 4t+1 (k 2t, 2t+1)
           a[i][r + 2] = v.y;  // columns 4t+2, 4t+3 (k 2t+8, 2t+9)

@@ -17,48 +17,23 @@ void dots_pipe(torch::Tensor x, torch::Tensor y, torch::Tensor h, torch::Tensor 
                torch::Tensor phi2, torch::Tensor part, int64_t cols_per_split, int64_t grid_y, bool postmix,
                int64_t warps, int64_t chunk_cols, int64_t stages) {
   using namespace boundary_proto;
-  check(x, "x", at::kBFloat16);
-  check(phi2, "phi2", at::kBFloat16);
-  check(part, "part", at::kFloat);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == kStreams, "x must be [T, 4, C]");
+  TORCH_CHECK(x.dim() == 3, "x must be [T, 4, C]");
   const int64_t T = x.size(0), C = x.size(2);
   TORCH_CHECK(chunk_cols == 16 || chunk_cols == 32, "chunk_cols must be 16 or 32");
   TORCH_CHECK(cols_per_split > 0 && C % chunk_cols == 0 && cols_per_split % chunk_cols == 0,
               "C and cols_per_split must be multiples of chunk_cols");
+  const int64_t splits = (C + cols_per_split - 1) / cols_per_split;
+  check_dots_args(x, y, h, hres, out, phi2, part, splits, postmix);
   TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8");
   TORCH_CHECK(stages >= 2 && stages <= 4, "stages must be 2, 3 or 4");
-  const int64_t splits = (C + cols_per_split - 1) / cols_per_split;
-  TORCH_CHECK(phi2.dim() == 3 && phi2.size(0) == 2 && phi2.size(1) == kZ && phi2.size(2) == kStreams * C,
-              "phi2 must be [2, 24, 4C]");
-  TORCH_CHECK(part.dim() == 3 && part.size(0) == splits && part.size(1) == T && part.size(2) == kZP,
-              "part must be [splits, T, 32]");
-  if (postmix) {
-    check(y, "y", at::kBFloat16);
-    check(h, "h", at::kFloat);
-    check(hres, "hres", at::kFloat);
-    check(out, "out", at::kBFloat16);
-    TORCH_CHECK(y.numel() == T * C && h.numel() == T * 2 * kStreams && hres.numel() == T * kStreams * kStreams &&
-                    out.sizes() == x.sizes(),
-                "y [T, C], h [T, 8], hres [T, 4, 4] and out [T, 4, C] must match x");
-  }
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = pipe_shared_bytes(static_cast<int>(cols_per_split), static_cast<int>(warps),
                                      static_cast<int>(chunk_cols), static_cast<int>(stages), postmix);
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(std::max<int64_t>(1, grid_y)));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, int kernel_warps) {
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
-    kernel<<<grid, dim3(kernel_warps * 32), smem, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
-        postmix ? reinterpret_cast<const __nv_bfloat16*>(y.data_ptr()) : nullptr,
-        postmix ? h.data_ptr<float>() : nullptr, postmix ? hres.data_ptr<float>() : nullptr,
-        postmix ? reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) : nullptr,
-        reinterpret_cast<const __nv_bfloat16*>(phi2.data_ptr()), part.data_ptr<float>(), static_cast<int>(T),
-        static_cast<int>(C), static_cast<int>(cols_per_split));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dots(kernel, grid, kernel_warps, smem, x, y, h, hres, out, phi2, part, postmix,
+                static_cast<int>(cols_per_split));
   };
   // (postmix, warps, chunk_cols, stages): one instantiation each
   const int key = (postmix ? 1000 : 0) + (warps == 8 ? 100 : 0) + (chunk_cols == 32 ? 10 : 0) + static_cast<int>(stages);

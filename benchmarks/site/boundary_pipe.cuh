@@ -177,30 +177,12 @@ __global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(
         const int col = c_begin + chunk * CW + ks * 16 + 4 * t;  // in the [T, 4, C] streams
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float x0[4], d[kStreams - 1][4], yf[4];
-          unpack4(v[r][0], x0);
-          unpack4(*reinterpret_cast<const uint2*>(rows_s + r * 8 * kRow + kStreams * CW + ks * 16 + 4 * t), yf);
-#pragma unroll
-          for (int j = 1; j < kStreams; ++j) {
-            float xj[4];
-            unpack4(v[r][j], xj);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) d[j - 1][e] = xj[e] - x0[e];
-          }
+          const uint2 yv = *reinterpret_cast<const uint2*>(rows_s + r * 8 * kRow + kStreams * CW + ks * 16 + 4 * t);
+          postmix4(v[r], yv, hr[r], hp[r], v[r]);
           const int row = row0 + 8 * r;
+          if (row < T) {
 #pragma unroll
-          for (int i = 0; i < kStreams; ++i) {
-            float o[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              // Newton's rows sum to one: Σ_j H[i, j] x_j = x_0 + Σ_j H[i, j] (x_j − x_0)
-              float mix = hr[r][i][0] * d[0][e];
-              mix = fmaf(hr[r][i][1], d[1][e], mix);
-              mix = fmaf(hr[r][i][2], d[2][e], mix);
-              o[e] = fmaf(hp[r][i], yf[e], x0[e] + mix);
-            }
-            v[r][i] = pack4(o);
-            if (row < T) *reinterpret_cast<uint2*>(out + (size_t)row * K + i * C + col) = v[r][i];
+            for (int i = 0; i < kStreams; ++i) *reinterpret_cast<uint2*>(out + (size_t)row * K + i * C + col) = v[r][i];
           }
         }
       }

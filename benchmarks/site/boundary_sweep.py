@@ -451,9 +451,10 @@ def cuda_launch_shape(C: int, T: int, params: dict) -> tuple[int, int]:
     return splits, max(1, min(tiles, triton.cdiv(sms * params["ctas_per_sm"], splits)))
 
 
-def cuda_merged(inp: dict, params: dict, postmix: bool):
+def cuda_merged(inp: dict, params: dict, postmix: bool, pipe: bool = False):
     """``(fn, outputs)``: one launch of the prototype with ``params`` on ``inp``, with the post-mix (outputs
-    ``(x', part)``) or without (``(part,)``); the splits' partial rows summed for the check only."""
+    ``(x', part)``) or without (``(part,)``); the splits' partial rows summed for the check only. ``pipe``:
+    ``dots_pipe_kernel`` (the loads staged by ``cp.async``), else ``boundary_dots_kernel``."""
     x = inp["x"]
     T, n, C = x.shape
     splits, grid_y = cuda_launch_shape(C, T, params)
@@ -466,9 +467,16 @@ def cuda_merged(inp: dict, params: dict, postmix: bool):
         none = x.new_empty(0)
         args = (x, none, none, none, none, phi2, part)
     ext, p = cuda_prototype(), params
+    if pipe:
 
-    def run():
-        ext.dots(*args, p["cols_per_split"], grid_y, postmix, p["prefetch"], p["warps"])
+        def run():
+            ext.dots_pipe(
+                *args, p["cols_per_split"], grid_y, postmix, p["warps"], p["chunk_cols"], p["stages"]
+            )
+    else:
+
+        def run():
+            ext.dots(*args, p["cols_per_split"], grid_y, postmix, p["prefetch"], p["warps"])
 
     run()
     return run, ((out, part.sum(0)) if postmix else (part.sum(0),))
@@ -532,28 +540,6 @@ def pipe_shared_bytes(v: dict, postmix: bool) -> int:
     return 2 * 24 * (4 * v["cols_per_split"] + 16) * 2 + v["stages"] * 16 * v["warps"] * row * 2
 
 
-def cuda_pipe_merged(inp: dict, params: dict, postmix: bool):
-    """:func:`cuda_merged` for ``dots_pipe_kernel``: the streams (and y) staged by ``cp.async``."""
-    x = inp["x"]
-    T, n, C = x.shape
-    splits, grid_y = cuda_launch_shape(C, T, params)
-    phi2 = phi_parts(inp["phi"])
-    part = x.new_empty((splits, T, 32), dtype=torch.float32)
-    if postmix:
-        out = torch.empty_like(x)
-        args = (x, inp["y"], inp["h"], inp["H_res"], out, phi2, part)
-    else:
-        none = x.new_empty(0)
-        args = (x, none, none, none, none, phi2, part)
-    ext, p = cuda_prototype(), params
-
-    def run():
-        ext.dots_pipe(*args, p["cols_per_split"], grid_y, postmix, p["warps"], p["chunk_cols"], p["stages"])
-
-    run()
-    return run, ((out, part.sum(0)) if postmix else (part.sum(0),))
-
-
 PIPE_GRID = dict(
     cols_per_split=(64, 128, 256), chunk_cols=(16, 32), stages=(2, 3, 4), warps=(4, 8), ctas_per_sm=(1, 2, 4)
 )
@@ -584,7 +570,7 @@ class DotsPipeCuda(DotsCuda):
 
     @staticmethod
     def merged(inp: dict, params: dict):
-        return cuda_pipe_merged(inp, params, postmix=False)
+        return cuda_merged(inp, params, postmix=False, pipe=True)
 
 
 class ForwardPipeCuda(ForwardCuda):
@@ -597,7 +583,7 @@ class ForwardPipeCuda(ForwardCuda):
 
     @staticmethod
     def merged(inp: dict, params: dict):
-        return cuda_pipe_merged(inp, params, postmix=True)
+        return cuda_merged(inp, params, postmix=True, pipe=True)
 
 
 class BackwardCuda(Backward):
