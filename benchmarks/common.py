@@ -167,6 +167,7 @@ def interleaved(
     steps: int = 10,
     warmup: int = 3,
     runs: bool = False,
+    rotate: bool = False,
 ) -> dict[str, Measurement]:
     """Time several variants in interleaved rounds, keeping for each the best of its round medians.
 
@@ -175,13 +176,18 @@ def interleaved(
     run (:func:`time_run`, its mean standing for the round's median). The host's
     speed can drift over seconds; interleaving gives each variant a share of every
     stretch, and the best median of ``rounds`` leaves out a round that fell in
-    a slow one.
+    a slow one. With ``rotate`` round ``r`` starts at the ``r``-th variant (in a
+    circle), so that no variant always runs at the same place in a round, after the
+    same neighbour.
     """
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
     out = {name: Measurement(ms=float("inf")) for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    names = list(variants)
+    for r in range(rounds):
+        first = r % len(names) if rotate and names else 0
+        for name in names[first:] + names[:first]:
+            fn = variants[name]
             times = [time_run(fn, steps, warmup)] if runs else time_calls(fn, steps, warmup)
             m = out[name]
             m.times.append(times)

@@ -175,6 +175,11 @@ def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch
     assert result["b"].round_medians == [4.0, 6.0] and result["b"].ms == 4.0
     with pytest.raises(ValueError, match="rounds"):
         common.interleaved({"a": lambda: None}, rounds=0)
+    # rotate: round r starts at the r-th variant, so no variant always runs first or after the same one
+    order.clear()
+    fake = iter([[1.0]] * 9)
+    common.interleaved({k: (lambda k=k: order.append(k)) for k in "abc"}, rounds=3, steps=1, rotate=True)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
 def test_common_times_runs_of_calls_with_one_synchronisation():

@@ -113,8 +113,12 @@ def main(argv=None) -> None:
         print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
 
     # Wall time over a run of steps with one synchronisation at its end (common.time_run), so that a step that
-    # reads nothing on the host can run ahead of the GPU; the loop's own read still waits inside each step.
-    results = common.interleaved(steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runs=True)
+    # reads nothing on the host can run ahead of the GPU; the loop's own read still waits inside each step. The
+    # rounds rotate the variants' order, so that no variant always runs late in a round (at small_gpu on an
+    # H100, 2026-12-07, the residual's four steps were slower the later they came in each round).
+    results = common.interleaved(
+        steps, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runs=True, rotate=True
+    )
     best = {k: m.ms for k, m in results.items()}
     rounds = {k: m.round_medians for k, m in results.items()}
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
