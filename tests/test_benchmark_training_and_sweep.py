@@ -542,10 +542,9 @@ def test_boundary_kernels_match_the_pairs_they_would_replace(tmp_path):
 def test_cuda_boundary_prototype_matches_the_kernels_it_would_replace(tmp_path):
     """boundary_sweep.py's CUDA prototype (benchmarks/site/boundary_dots.cuh, boundary_pipe.cuh): the dots with
     and without the post-mix, and staged by cp.async, against the plan's postmix_fwd + coeff_partial and
-    coeff_partial alone, and the backward boundary
-    against stream_grad + postmix_bwd, on masked shapes: C = 96 (a last split of 32 columns under 64-column
-    splits), T = 40 (a partial token tile); every variant within the sweep's tolerance (the bf16 outputs within
-    a rounding, the sums within fp32's)."""
+    coeff_partial alone, and the backward boundary against stream_grad + postmix_bwd, on masked shapes: C = 96
+    (a last split of 32 columns under 64-column splits), T = 40 (a partial token tile); every variant within the
+    sweep's tolerance (the bf16 outputs within a rounding, the sums within fp32's)."""
     boundary_sweep = _benchmark_module("site", "boundary_sweep")
     out = tmp_path / "boundary.json"
     names = ["forward_cuda", "dots_cuda", "forward_pipe_cuda", "dots_pipe_cuda", "backward_cuda"]

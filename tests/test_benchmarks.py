@@ -158,13 +158,19 @@ def test_step_ab_prints_its_usage_and_refuses_unknown_runs_before_running(tmp_pa
     assert proc.stdout == ""  # nothing ran
 
 
-def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch):
-    """common.interleaved on fake timings: rounds run every variant in turn; the best round median is kept."""
+def _common():
+    """``benchmarks/common.py``, imported with its folder on ``sys.path`` while it imports."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import common
     finally:
         sys.path.remove(str(BENCHMARKS))
+    return common
+
+
+def test_common_times_interleaved_variants_and_keeps_the_best_median(monkeypatch):
+    """common.interleaved on fake timings: rounds run every variant in turn; the best round median is kept."""
+    common = _common()
     order, fake = [], iter([[5.0, 1.0, 9.0], [4.0, 4.0, 4.0], [2.0, 3.0, 7.0], [6.0, 6.0, 6.0]])
     monkeypatch.setattr(common, "time_calls", lambda fn, steps, warmup: (fn(), next(fake))[1])
     result = common.interleaved(
@@ -187,11 +193,7 @@ def test_common_times_runs_of_calls_with_one_synchronisation():
     CPU); common.interleaved with runs=True takes one run a round and keeps the best."""
     import time
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    common = _common()
     calls = []
 
     def slow():
@@ -210,11 +212,7 @@ def test_common_times_runs_of_calls_with_one_synchronisation():
 
 def test_common_step_peak_memory_adds_the_model_resident_bytes_to_the_step_peak(monkeypatch):
     """common.step_peak_memory: parameters + optimizer state, plus the step's peak above what was allocated before."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    common = _common()
     model = torch.nn.Linear(10, 10)  # 110 float32 parameters
     opt = torch.optim.AdamW(model.parameters())
 
@@ -360,11 +358,7 @@ def test_site_kernel_bandwidth_rows_from_profiler_averages():
     """common.site_kernel_bytes and kernel_bandwidth_rows (profile_step's per-kernel table) on fake averages."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    common = _common()
     T, n, C = 16384, 4, 768
     nbytes = common.site_kernel_bytes(T, n, C)
     assert set(nbytes) == {

@@ -87,6 +87,23 @@ __device__ __forceinline__ void postmix4(const uint2 (&xs)[kStreams], uint2 yv,
   }
 }
 
+// φ's slice of one split, both parts, into shared memory by the whole CTA (no barrier):
+// phi_s[(p·Z + z)·row_len + i·cols_per_split + c − c_begin] for the split's `width` columns c of every stream i,
+// row_len = 4·cols_per_split + kRowPad; 8 bytes at a time.
+__device__ __forceinline__ void load_phi_slice(const __nv_bfloat16* __restrict__ phi2, __nv_bfloat16* phi_s, int C,
+                                               int c_begin, int width, int cols_per_split) {
+  const int K = kStreams * C, row_len = kStreams * cols_per_split + kRowPad;
+  const int quads = width / 4;  // 8-byte groups per stream and row
+  const int total = 2 * kZ * kStreams * quads;
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    const int q = e % quads;
+    const int i = (e / quads) % kStreams;
+    const int pz = e / (quads * kStreams);  // p * Z + z
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(phi2 + (size_t)pz * K + i * C + c_begin + 4 * q));
+    *reinterpret_cast<uint2*>(phi_s + pz * row_len + i * cols_per_split + 4 * q) = v;
+  }
+}
+
 __device__ __forceinline__ uint2 load8(const __nv_bfloat16* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
 }
@@ -124,18 +141,7 @@ __global__ void __launch_bounds__(WARPS * 32) boundary_dots_kernel(
   const int width = c_end - c_begin;  // a multiple of 16
   const int row_len = kStreams * cols_per_split + kRowPad;
 
-  // φ's slice for this split, both parts: phi_s[p][z][i * cols_per_split + c - c_begin], 8 bytes at a time.
-  {
-    const int quads = width / 4;  // 8-byte groups per stream and row
-    const int total = 2 * kZ * kStreams * quads;
-    for (int e = threadIdx.x; e < total; e += blockDim.x) {
-      const int q = e % quads;
-      const int i = (e / quads) % kStreams;
-      const int pz = e / (quads * kStreams);  // p * Z + z
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(phi2 + (size_t)pz * K + i * C + c_begin + 4 * q));
-      *reinterpret_cast<uint2*>(phi_s + pz * row_len + i * cols_per_split + 4 * q) = v;
-    }
-  }
+  load_phi_slice(phi2, phi_s, C, c_begin, width, cols_per_split);
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

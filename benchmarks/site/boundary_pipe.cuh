@@ -114,17 +114,7 @@ __global__ void __launch_bounds__(WARPS * 32) dots_pipe_kernel(
   // The first STAGES - 1 steps in flight while φ's slice is loaded.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  {
-    const int quads = width / 4;
-    const int n_quads = 2 * kZ * kStreams * quads;
-    for (int e = threadIdx.x; e < n_quads; e += kThreads) {
-      const int q = e % quads;
-      const int i = (e / quads) % kStreams;
-      const int pz = e / (quads * kStreams);  // p * Z + z
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(phi2 + (size_t)pz * K + i * C + c_begin + 4 * q));
-      *reinterpret_cast<uint2*>(phi_s + pz * row_len + i * cols_per_split + 4 * q) = v;
-    }
-  }
+  load_phi_slice(phi2, phi_s, C, c_begin, width, cols_per_split);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;

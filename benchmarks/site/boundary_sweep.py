@@ -23,8 +23,8 @@ loops over tiles of tokens, and runs the products with φ on ``mma.sync`` from r
 layout. ``forward_cuda`` forms and stores ``x'`` first (against the forward pair above); ``dots_cuda`` takes the
 streams as they are (against ``coeff_partial`` alone, the kernel it could replace with no ops linked across
 sites); ``forward_pipe_cuda`` and ``dots_pipe_cuda`` are the same two with the streams staged through shared
-memory by ``cp.async`` (``boundary_pipe.cuh``); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's fp32 slice, the
-(r·dz)φ product in tf32).
+memory by ``cp.async`` (``boundary_pipe.cuh``); ``backward_cuda`` is ``grad_boundary`` on the same terms (φ's
+fp32 slice, the (r·dz)φ product in tf32).
 The Triton kernels above lost to their pairs on the H100 (2026-12-06, notes/training_cost.md): the forward
 1.07-1.13x, the backward 1.11-1.14x.
 
@@ -468,15 +468,12 @@ def cuda_merged(inp: dict, params: dict, postmix: bool, pipe: bool = False):
         args = (x, none, none, none, none, phi2, part)
     ext, p = cuda_prototype(), params
     if pipe:
-
-        def run():
-            ext.dots_pipe(
-                *args, p["cols_per_split"], grid_y, postmix, p["warps"], p["chunk_cols"], p["stages"]
-            )
+        launch, tail = ext.dots_pipe, (p["warps"], p["chunk_cols"], p["stages"])
     else:
+        launch, tail = ext.dots, (p["prefetch"], p["warps"])
 
-        def run():
-            ext.dots(*args, p["cols_per_split"], grid_y, postmix, p["prefetch"], p["warps"])
+    def run():
+        launch(*args, p["cols_per_split"], grid_y, postmix, *tail)
 
     run()
     return run, ((out, part.sum(0)) if postmix else (part.sum(0),))
