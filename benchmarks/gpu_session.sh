@@ -17,6 +17,9 @@
 #   training benchmarks/step/bench_training.py --kernels --commit $COMMIT --json $OUT/training.json $TRAINING_ARGS:
 #            the training-cost table (residual and mHC; small_gpu, 134m and 1b; bf16 and autocast; eager and
 #            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own
+#   hostgap  benchmarks/step/host_gap.py --shape S --rounds HOSTGAP_ROUNDS (4) for each S of HOSTGAP_SHAPES
+#            ("small_gpu"): the trainer's step against the same calls with no host read, both models in one
+#            process, compiled, autocast; $OUT/host_gap_<S>.log
 #   profile  benchmarks/step/profile_step.py $PROFILE_ARGS (default: the compiled small_gpu step in the autocast recipe,
 #            with its host table): both models' kernel tables and the site kernels against a copy; $OUT/profile.log
 #   sweep    benchmarks/site/sweep_site_kernels.py (launch configurations of the site kernels; SWEEP_ARGS)
@@ -37,13 +40,13 @@
 #            path) with TRAINING_AB_ARGS (default "--recipes autocast --modes eager"); logs in $OUT/training_ab.tgz
 # Usage: COMMIT=<sha> benchmarks/gpu_session.sh setup tests peers ...   (from the repository root)
 # Environment: OUT, COMMIT; GPU_TEST_FILES, TESTS_JOBS, TESTS_TIMEOUT, TESTS_MARK (tests),
-# DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
+# HOSTGAP_SHAPES, HOSTGAP_ROUNDS (hostgap), DECODE_ARGS (default --profile --step-times), COMPILE_VARIANTS (bench_compile.py --variants), TRAINING_ARGS
 # (bench_training.py options added after the stage's), PROFILE_ARGS (profile_step.py's, in place of the default),
 # SWEEP_ARGS / SWEEP32_ARGS / BOUNDARY_ARGS (likewise added), OLD_TREE (ab, trainab), TRAINING_AB_ARGS and TRAINING_AB_RUNS (trainab).
-USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training profile sweep boundary sweep32 ab trainab)"
+USAGE="Usage: benchmarks/gpu_session.sh STAGE... (setup tests peers decode sitehost projhost compile compile1b training hostgap profile sweep boundary sweep32 ab trainab)"
 [ $# -eq 0 ] && { echo "$USAGE" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|profile|sweep|boundary|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
+  case "$stage" in setup|tests|peers|decode|sitehost|projhost|compile|compile1b|training|hostgap|profile|sweep|boundary|sweep32|ab|trainab) ;; *) echo "unknown stage '$stage'; $USAGE" >&2; exit 2 ;; esac
 done
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
@@ -95,6 +98,11 @@ for stage in "$@"; do
       timeout 500 python3 benchmarks/step/bench_compile.py --size 1b --batch 4 --variants "${COMPILE_VARIANTS-residual eager,residual compiled,mhc eager,mhc compiled}" 2>&1 | tee "$OUT/compile1b.log" ;;
     training)
       timeout 560 python3 benchmarks/step/bench_training.py --kernels --commit "$COMMIT" --json "$OUT/training.json" ${TRAINING_ARGS-} 2>&1 | tee "$OUT/training.log" ;;
+    hostgap)
+      for shape in ${HOSTGAP_SHAPES-small_gpu}; do
+        timeout 280 python3 benchmarks/step/host_gap.py --shape "$shape" --rounds "${HOSTGAP_ROUNDS:-4}" 2>&1 \
+          | tee "$OUT/host_gap_$shape.log" | tail -n 16
+      done ;;
     profile)
       # shellcheck disable=SC2086  # the arguments are a list
       timeout 400 python3 benchmarks/step/profile_step.py ${PROFILE_ARGS---recipe autocast --shape small_gpu --compile --host-table} \
