@@ -352,12 +352,11 @@ class PackedData:
 def batch_to_device(batch: Tensor, device: torch.device | str) -> Tensor:
     """``batch`` (a CPU tensor, e.g. ``[B, S]`` int64 token ids) on ``device``, without the host waiting for the GPU.
 
-    A copy to CUDA from pageable memory may wait until every kernel already queued on the stream has
-    run (CUDA's documentation lets the driver synchronise with the stream to stage pageable memory
-    through a pinned buffer of its own), and a training loop that copied each batch that way would
-    wait for the previous step at every step while the GPU idles until the host launches the next one.
-    From pinned memory the copy is queued behind the GPU's work like a kernel; PyTorch's pinned-memory
-    allocator keeps the buffer until the copy has run. Other devices get a plain copy.
+    A copy to CUDA from pageable memory first waits until every kernel already queued on the stream has
+    run (the driver stages it through a pinned buffer of its own), so a training loop that copies each
+    batch that way waits for the previous step at every step, and the GPU idles while the host launches
+    the next one. From pinned memory the copy is queued behind the GPU's work like a kernel; PyTorch's
+    pinned-memory allocator keeps the buffer until the copy has run. Other devices get a plain copy.
     """
     if torch.device(device).type != "cuda":
         return batch.to(device)
