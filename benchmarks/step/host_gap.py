@@ -44,7 +44,6 @@ def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
     fused AdamW gets ``found_inf`` as ``GradScaler`` sets it (a 1.0 leaves parameters, moments and step count
     alone), so the same steps are skipped as in the loop, and the loss and norm are read after the launch.
     """
-    from mhc.train.data import batch_to_device
     from mhc.train.loop import lm_loss
 
     optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
@@ -54,7 +53,7 @@ def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(run, batch_to_device(batch, device), autocast)
+        loss = lm_loss(run, batch.to(device, non_blocking=True), autocast)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if not skip_on_device:

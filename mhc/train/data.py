@@ -45,7 +45,6 @@ __all__ = [
     "load_corpus",
     "split_corpus",
     "PackedData",
-    "batch_to_device",
     "pack_runs",
     "prepare_data",
     "unigram_entropy",
@@ -347,20 +346,6 @@ class PackedData:
             raise DataError(f"the validation split holds fewer than seq_len={L} tokens")
         idx = np.unique(np.linspace(0, n - 1, num=min(count, n)).round().astype(np.int64))
         return torch.from_numpy(np.stack([self.val[i * L : (i + 1) * L] for i in idx]).astype(np.int64))
-
-
-def batch_to_device(batch: Tensor, device: torch.device | str) -> Tensor:
-    """``batch`` (a CPU tensor, e.g. ``[B, S]`` int64 token ids) on ``device``, without the host waiting for the GPU.
-
-    A copy to CUDA from pageable memory first waits until every kernel already queued on the stream has
-    run (the driver stages it through a pinned buffer of its own), so a training loop that copies each
-    batch that way waits for the previous step at every step, and the GPU idles while the host launches
-    the next one. From pinned memory the copy is queued behind the GPU's work like a kernel; PyTorch's
-    pinned-memory allocator keeps the buffer until the copy has run. Other devices get a plain copy.
-    """
-    if torch.device(device).type != "cuda":
-        return batch.to(device)
-    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def pack_runs(tok: ByteTokenizer | HFTokenizer, runs: list[list[str]]) -> np.ndarray:

@@ -32,7 +32,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig, config_yaml
-from .data import PackedData, batch_to_device, prepare_data, unigram_entropy
+from .data import PackedData, prepare_data, unigram_entropy
 from .distributed import (
     DistInfo,
     all_reduce_mean,
@@ -474,7 +474,7 @@ def forward_backward(
     loss_sum = 0.0
     for micro in range(cfg.grad_accum):
         start = step * global_per_step + (micro * info.world + info.rank) * per_rank
-        ids = batch_to_device(data.train_batch(start, per_rank), device)
+        ids = data.train_batch(start, per_rank).to(device, non_blocking=True)
         # DDP all-reduces gradients at every backward; only the last micro-batch's needs to.
         sync = train_model.no_sync() if ddp and micro < cfg.grad_accum - 1 else contextlib.nullcontext()
         with sync:
