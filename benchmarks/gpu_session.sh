@@ -55,7 +55,8 @@ OUT=${OUT:-$PWD/gpu_out}
 DEFAULT_GPU_TEST_FILES="tests/test_projection_cuda.py tests/test_projection_zeros.py tests/test_fused_block.py
   tests/test_fused_tokens.py tests/test_fused_launches.py tests/test_fused_norm.py tests/test_keep_streams.py
   tests/test_nonfinite.py tests/test_compile.py tests/test_generate.py tests/test_block.py tests/test_stream_dtype.py
-  tests/test_training_config.py tests/test_benchmark_training_and_sweep.py"
+  tests/test_training_config.py tests/test_benchmark_training_and_sweep.py
+  tests/test_training_late_values.py"
 COMMIT=${COMMIT:-unknown}
 mkdir -p "$OUT"
 status=0  # 1 once a test file failed (stage tests); the exit status

@@ -11,9 +11,11 @@ forward's kernels arrive. A model with more parameter tensors (mHC adds five a s
 
 The steps of each model, on the same (compiled) model and optimizer, timed in interleaved rounds in one process:
 
-* ``loop``: ``mhc.train.loop``'s body as ``bench_training.py`` runs it (``training_models.make_step``);
+* ``loop``: ``mhc.train.loop``'s body with the immediate read (``training_models.make_step(late=False)``);
 * ``optimizer first`` (CUDA): the loop's step with the optimizer launched before the host read, a non-finite
   step skipped on the device (the fused AdamW's ``found_inf``), so the optimizer's Python overlaps the backward;
+* ``late read`` (CUDA): ``mhc.train``'s late read (``mhc.train.loop.LateValues``): the values read a step later,
+  after the next step's forward and backward are launched;
 * ``no sync``: the same forward, backward, clipping, optimizer and scheduler calls with nothing read on the
   host, so the host runs ahead of the GPU (what a loop that checks the values a step late would do).
 
@@ -98,7 +100,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         model = tm.build(args.shape, kind, "autocast", device, args)
         run = tm.compile_model(model, args.compile_backend, device, cfg) if args.mode == "compiled" else model
-        loop = tm.make_step(model, "autocast", run, ids, device, cfg)
+        loop = tm.make_step(model, "autocast", run, ids, device, cfg, late=False)
         loop()  # compiles
         loop()
         steps[f"{kind} loop"] = loop
@@ -109,6 +111,9 @@ def main(argv=None) -> None:
                 model, run, ids, device, cfg, loop, skip_on_device=True
             )
             steps[f"{kind} optimizer first"]()
+            # the trainer's late read (LateValues), on its own optimizer
+            steps[f"{kind} late read"] = tm.make_step(model, "autocast", run, ids, device, cfg, late=True)
+            steps[f"{kind} late read"]()
             torch.cuda.synchronize()
         print(f"  {kind}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -126,7 +131,7 @@ def main(argv=None) -> None:
         f"\n{args.shape} autocast {args.mode}, {name}: best of {args.rounds} interleaved rounds of {args.steps} steps (wall time)"
     )
     print("| step | residual ms | mHC ms | mHC / residual |\n|---|---|---|---|")
-    for variant in ("loop", "optimizer first", "no sync"):
+    for variant in ("loop", "optimizer first", "late read", "no sync"):
         if f"mhc {variant}" not in best:
             continue
         r, m = best[f"residual {variant}"], best[f"mhc {variant}"]

@@ -164,11 +164,17 @@ def compile_model(model: torch.nn.Module, backend: str, device: torch.device, cf
     return wrap_model(model, cfg, DistInfo(), device)
 
 
-def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg):
+def make_step(
+    model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg, late=None
+):
     """One training step of ``model`` (called through ``run``: itself or its compiled module) in ``recipe``.
 
-    The returned callable has ``.optimizer`` (for ``common.step_peak_memory``) and ``.counts``
-    (``steps``, ``skipped``: steps whose loss or gradient was not finite, which ``mhc.train`` does not apply).
+    The autocast step is ``mhc.train.loop.train``'s loop body: where ``LateValues.usable`` says so (one CUDA
+    device, the fused AdamW) it reads a step's loss and norm a step late and lets the optimizer skip a
+    non-finite step on the device, as the trainer does; ``late=False`` / ``True`` forces the immediate or
+    the late read. The returned callable has ``.optimizer``, ``.scheduler`` (for ``common.step_peak_memory``
+    and ``host_gap.py``) and ``.counts`` (``steps``, ``skipped``: steps whose loss or gradient was not
+    finite, which ``mhc.train`` does not apply; with the late read, counted a step later).
     """
     if recipe == "bf16":  # bench_compile.py's step
         step = common.training_step(run, ids.to(device))
@@ -176,7 +182,7 @@ def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, devic
         return step
 
     from mhc.train.distributed import DistInfo
-    from mhc.train.loop import forward_backward
+    from mhc.train.loop import LateValues, forward_backward, forward_backward_tensors
     from mhc.train.model import build_optimizer
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
@@ -184,14 +190,27 @@ def make_step(model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, devic
     optimizer, scheduler = build_optimizer(model, cfg, max_steps, device)
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     info, data, counts = DistInfo(), FixedBatches(ids.cpu()), {"steps": 0, "skipped": 0}
+    late = LateValues.usable(optimizer, info, device) if late is None else late
+    pending = []  # the step whose values are still to be read (late read)
 
     def step() -> None:  # the body of mhc.train.loop.train's step loop, less its logging
         optimizer.zero_grad(set_to_none=True)
-        loss, gnorm = forward_backward(run, model, data, counts["steps"], cfg, info, device, autocast)
-        if math.isfinite(gnorm) and math.isfinite(loss):
-            optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        if late:
+            loss_sum, gnorm = forward_backward_tensors(
+                run, model, data, counts["steps"], cfg, info, device, autocast
+            )
+            if pending:
+                _, _, loss, norm = pending.pop().read()
+                counts["skipped"] += not (math.isfinite(loss) and math.isfinite(norm))
+            pending.append(LateValues(counts["steps"] + 1, lr, loss_sum, gnorm, cfg.grad_accum))
+            pending[-1].step_optimizer(optimizer)
         else:
-            counts["skipped"] += 1
+            loss, gnorm = forward_backward(run, model, data, counts["steps"], cfg, info, device, autocast)
+            if math.isfinite(gnorm) and math.isfinite(loss):
+                optimizer.step()
+            else:
+                counts["skipped"] += 1
         scheduler.step()
         counts["steps"] += 1
 

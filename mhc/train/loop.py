@@ -263,14 +263,13 @@ def train(
                    mininterval=1.0, desc=cfg.variant, file=sys.stderr)  # fmt: skip
         train_model.train()
         with bar, ConvergenceWarningCounter(bar.write, show=info.is_main) as projection_warnings:
-            while counters.step < max_steps:
-                optimizer.zero_grad(set_to_none=True)
-                loss, gnorm = forward_backward(
-                    train_model, model, data, counters.step, cfg, info, device, autocast
-                )
+            # A step's loss and norm are read on the host a step late where the run allows it (LateValues).
+            late, pending = LateValues.usable(optimizer, info, device), None
+
+            def settle(step: int, lr: float, loss: float, gnorm: float) -> None:
+                # the bookkeeping of finished step `step`: skip counts, spikes, the log, and the stop on skips
                 finite = math.isfinite(gnorm) and math.isfinite(loss)
                 if finite:
-                    optimizer.step()
                     counters.max_grad_norm = max(counters.max_grad_norm, gnorm)
                     counters.skipped_in_a_row = 0
                 else:  # a NaN/Inf loss or gradient on some rank: no update from this batch, on any rank
@@ -278,18 +277,14 @@ def train(
                     counters.skipped_in_a_row += 1
                     if counters.skipped_steps == 1:
                         what = "loss" if not math.isfinite(loss) else "gradient"
-                        bar.write(f"step {counters.step + 1}: non-finite {what}; the update is skipped (every skipped "
+                        bar.write(f"step {step}: non-finite {what}; the update is skipped (every skipped "
                                   f"step is in metrics.jsonl, the count in summary.json)", file=sys.stderr)  # fmt: skip
-                lr = optimizer.param_groups[0]["lr"]
-                scheduler.step()
-                counters.step += 1
-                step, tokens = counters.step, counters.step * tokens_per_step
+                tokens = step * tokens_per_step
                 is_spike = spikes.update(step, loss)
                 now = time.perf_counter()
                 throughput.tick(step - start_step, now)
                 counters.elapsed_s = elapsed_before + now - t0
                 bar.update(1)
-                # log
                 if step % cfg.log_interval == 0 or step in (1, max_steps) or is_spike or not finite:
                     metrics.write(train_record(step, tokens, loss, lr, gnorm, spike=is_spike, skipped=not finite,
                                                time_s=counters.elapsed_s))  # fmt: skip
@@ -304,6 +299,40 @@ def train(
                     metrics.write({"kind": "stopped", "step": step, "tokens": tokens, "reason": reason})
                     metrics.close()
                     raise TrainingStoppedError(reason)
+
+            while counters.step < max_steps:
+                optimizer.zero_grad(set_to_none=True)
+                lr = optimizer.param_groups[0]["lr"]
+                if late:
+                    loss_sum, gnorm_t = forward_backward_tensors(
+                        train_model, model, data, counters.step, cfg, info, device, autocast
+                    )
+                    if pending is not None:  # the previous step's values, while this step runs on the GPU
+                        settle(*pending.read())
+                    pending = LateValues(counters.step + 1, lr, loss_sum, gnorm_t, cfg.grad_accum)
+                    pending.step_optimizer(optimizer)
+                else:
+                    loss, gnorm = forward_backward(
+                        train_model, model, data, counters.step, cfg, info, device, autocast
+                    )
+                    if math.isfinite(gnorm) and math.isfinite(loss):
+                        optimizer.step()
+                scheduler.step()
+                counters.step += 1
+                step, tokens = counters.step, counters.step * tokens_per_step
+                elapsed = elapsed_before + time.perf_counter() - t0
+                out_of_time = cfg.max_time_s > 0 and broadcast_flag(elapsed >= cfg.max_time_s, info, device)
+                if not late:
+                    settle(step, lr, loss, gnorm)
+                elif (
+                    step >= max_steps
+                    or (cfg.eval_interval and step % cfg.eval_interval == 0)
+                    or (cfg.ckpt_interval and step % cfg.ckpt_interval == 0)
+                    or (cfg.stop_at_step and step >= cfg.stop_at_step)
+                    or out_of_time
+                ):  # what comes next needs this step's bookkeeping done
+                    settle(*pending.read())
+                    pending = None
                 if step >= max_steps:
                     break  # the end below evaluates and checkpoints the last step
                 # evaluate
@@ -316,7 +345,7 @@ def train(
                 if cfg.stop_at_step and step >= cfg.stop_at_step:
                     interrupted = True
                     break
-                if cfg.max_time_s > 0 and broadcast_flag(counters.elapsed_s >= cfg.max_time_s, info, device):
+                if out_of_time:
                     stopped_early = True
                     log(
                         f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent"
@@ -451,6 +480,40 @@ def lm_loss(model: nn.Module, ids: Tensor, autocast) -> Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def forward_backward_tensors(
+    train_model: nn.Module,
+    model: nn.Module,
+    data: PackedData,
+    step: int,
+    cfg: TrainConfig,
+    info: DistInfo,
+    device,
+    autocast,
+) -> tuple[Tensor, Tensor]:
+    """:func:`forward_backward` with nothing read on the host: ``(loss_sum, gnorm)``, tensors on the device.
+
+    ``loss_sum`` is this rank's sum of the micro-batch losses (float32); ``gnorm`` the gradient norm
+    before clipping (a DTensor under FSDP2).
+    """
+    per_rank = cfg.batch_size
+    global_per_step = per_rank * cfg.grad_accum * info.world
+    ddp = info.enabled and cfg.dist != "fsdp"
+    loss_sum = None
+    for micro in range(cfg.grad_accum):
+        start = step * global_per_step + (micro * info.world + info.rank) * per_rank
+        ids = data.train_batch(start, per_rank).to(device, non_blocking=True)
+        # DDP all-reduces gradients at every backward; only the last micro-batch's needs to.
+        sync = train_model.no_sync() if ddp and micro < cfg.grad_accum - 1 else contextlib.nullcontext()
+        with sync:
+            loss = lm_loss(train_model, ids, autocast)
+            (loss / cfg.grad_accum).backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    gnorm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    )
+    return loss_sum, gnorm
+
+
 def forward_backward(
     train_model: nn.Module,
     model: nn.Module,
@@ -468,25 +531,51 @@ def forward_backward(
     micro-batches and ranks, and the gradient norm before clipping; both are the same on every
     rank, so all ranks skip a non-finite step together.
     """
-    per_rank = cfg.batch_size
-    global_per_step = per_rank * cfg.grad_accum * info.world
-    ddp = info.enabled and cfg.dist != "fsdp"
-    loss_sum = 0.0
-    for micro in range(cfg.grad_accum):
-        start = step * global_per_step + (micro * info.world + info.rank) * per_rank
-        ids = data.train_batch(start, per_rank).to(device, non_blocking=True)
-        # DDP all-reduces gradients at every backward; only the last micro-batch's needs to.
-        sync = train_model.no_sync() if ddp and micro < cfg.grad_accum - 1 else contextlib.nullcontext()
-        with sync:
-            loss = lm_loss(train_model, ids, autocast)
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach().float()
-    gnorm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    )
+    loss_sum, gnorm = forward_backward_tensors(train_model, model, data, step, cfg, info, device, autocast)
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)  # a DTensor under FSDP2
     loss = all_reduce_mean([float(loss_sum) / cfg.grad_accum], info, device)[0]
     return loss, gnorm
+
+
+class LateValues:
+    """A step's loss and gradient norm, copied to the host behind the GPU's work and read a step later.
+
+    Reading them at once (``float()``) waits for the step's backward, and the GPU then idles while the
+    host runs the optimizer's Python, ``zero_grad``, the compiled model's guards and the next batch's
+    copy. Single process, CUDA, with an optimizer that takes ``found_inf`` (the fused AdamW): the
+    optimizer step is launched with a device-side flag that leaves parameters, moments and step count
+    alone when the loss or norm is not finite (as ``GradScaler`` uses it), so the same steps are
+    skipped as when the host decides; the host reads the values after launching the next step's
+    forward and backward, when the GPU is long past them.
+    """
+
+    def __init__(self, step: int, lr: float, loss_sum: Tensor, gnorm: Tensor, accum: int):
+        values = torch.stack([loss_sum.float(), gnorm.float()])
+        self.step, self.lr, self.accum = step, lr, accum
+        self.host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        self.host.copy_(values, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+        self.nonfinite = (~torch.isfinite(values).all()).float()  # found_inf: 1.0 skips the update
+
+    @staticmethod
+    def usable(optimizer: torch.optim.Optimizer, info: DistInfo, device) -> bool:
+        """Whether this run can read its values late: one process on CUDA, a fused optimizer."""
+        return device.type == "cuda" and not info.enabled and bool(optimizer.defaults.get("fused"))
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``, a no-op on the device if this step's loss or norm is not finite."""
+        optimizer.grad_scale, optimizer.found_inf = None, self.nonfinite
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def read(self) -> tuple[int, float, float, float]:
+        """``(step, lr, loss, gnorm)``: the loss averaged over the micro-batches, as :func:`forward_backward`'s."""
+        self.done.synchronize()
+        loss_sum, gnorm = self.host.tolist()
+        return self.step, self.lr, loss_sum / self.accum, gnorm
 
 
 @torch.no_grad()
