@@ -165,14 +165,14 @@ def compile_model(model: torch.nn.Module, backend: str, device: torch.device, cf
 
 
 def make_step(
-    model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg, late=None
+    model, recipe: str, run: torch.nn.Module, ids: torch.Tensor, device: torch.device, cfg, late: bool = False
 ):
     """One training step of ``model`` (called through ``run``: itself or its compiled module) in ``recipe``.
 
-    The autocast step is ``mhc.train.loop.train``'s loop body: where ``LateValues.usable`` says so (one CUDA
-    device, the fused AdamW) it reads a step's loss and norm a step late and lets the optimizer skip a
-    non-finite step on the device, as the trainer does; ``late=False`` / ``True`` forces the immediate or
-    the late read. The returned callable has ``.optimizer``, ``.scheduler`` (for ``common.step_peak_memory``
+    The autocast step is ``mhc.train.loop.train``'s loop body with the immediate read of the loss and norm
+    (every step waits for the GPU, as ``common.time_calls`` times it), or with ``late=True`` the trainer's
+    late read on one CUDA device (``mhc.train.loop.LateValues``: the optimizer skips a non-finite step on
+    the device, the values are read a step later), which only a run of steps timed together shows. The returned callable has ``.optimizer``, ``.scheduler`` (for ``common.step_peak_memory``
     and ``host_gap.py``) and ``.counts`` (``steps``, ``skipped``: steps whose loss or gradient was not
     finite, which ``mhc.train`` does not apply; with the late read, counted a step later).
     """
@@ -190,7 +190,10 @@ def make_step(
     optimizer, scheduler = build_optimizer(model, cfg, max_steps, device)
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     info, data, counts = DistInfo(), FixedBatches(ids.cpu()), {"steps": 0, "skipped": 0}
-    late = LateValues.usable(optimizer, info, device) if late is None else late
+    if late and not LateValues.usable(optimizer, info):
+        raise ValueError(
+            "the late read needs a fused optimizer (the trainer's AdamW on CUDA) and one process"
+        )
     pending = []  # the step whose values are still to be read (late read)
 
     def step() -> None:  # the body of mhc.train.loop.train's step loop, less its logging

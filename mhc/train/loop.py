@@ -264,9 +264,9 @@ def train(
         train_model.train()
         with bar, ConvergenceWarningCounter(bar.write, show=info.is_main) as projection_warnings:
             # A step's loss and norm are read on the host a step late where the run allows it (LateValues).
-            late, pending = LateValues.usable(optimizer, info, device), None
+            late, pending = LateValues.usable(optimizer, info), None
 
-            def settle(step: int, lr: float, loss: float, gnorm: float) -> None:
+            def settle(step: int, lr: float, loss: float, gnorm: float, may_stop: bool = True) -> None:
                 # the bookkeeping of finished step `step`: skip counts, spikes, the log, and the stop on skips
                 finite = math.isfinite(gnorm) and math.isfinite(loss)
                 if finite:
@@ -292,7 +292,11 @@ def train(
                         loss=f"{loss:.3f}", val=f"{last_val:.3f}" if last_val else "-", refresh=False
                     )
                 # stop: no step is succeeding (every rank has the same counts, so all stop here together)
-                if cfg.max_skipped_in_a_row and counters.skipped_in_a_row >= cfg.max_skipped_in_a_row:
+                if (
+                    may_stop
+                    and cfg.max_skipped_in_a_row
+                    and counters.skipped_in_a_row >= cfg.max_skipped_in_a_row
+                ):
                     reason = _stop_message(
                         cfg, step, counters.skipped_in_a_row, full_state(model.state_dict()), run_dir
                     )
@@ -300,57 +304,73 @@ def train(
                     metrics.close()
                     raise TrainingStoppedError(reason)
 
-            while counters.step < max_steps:
-                optimizer.zero_grad(set_to_none=True)
-                lr = optimizer.param_groups[0]["lr"]
-                if late:
-                    loss_sum, gnorm_t = forward_backward_tensors(
-                        train_model, model, data, counters.step, cfg, info, device, autocast
+            try:
+                while counters.step < max_steps:
+                    optimizer.zero_grad(set_to_none=True)
+                    lr = optimizer.param_groups[0]["lr"]
+                    stop_next = (
+                        cfg.max_skipped_in_a_row and counters.skipped_in_a_row + 1 >= cfg.max_skipped_in_a_row
                     )
-                    if pending is not None:  # the previous step's values, while this step runs on the GPU
-                        settle(*pending.read())
-                    pending = LateValues(counters.step + 1, lr, loss_sum, gnorm_t, cfg.grad_accum)
-                    pending.step_optimizer(optimizer)
-                else:
-                    loss, gnorm = forward_backward(
-                        train_model, model, data, counters.step, cfg, info, device, autocast
+                    if late and pending is not None and stop_next:  # it may be the step that stops the run
+                        values, pending = pending.read(), None
+                        settle(*values)
+                    if late:
+                        loss_sum, gnorm_t = forward_backward_tensors(
+                            train_model, model, data, counters.step, cfg, info, device, autocast
+                        )
+                        if pending is not None:  # the previous step's values, while this step runs on the GPU
+                            values, pending = pending.read(), None
+                            settle(*values)
+                        pending = LateValues(counters.step + 1, lr, loss_sum, gnorm_t, cfg.grad_accum)
+                        pending.step_optimizer(optimizer)
+                    else:
+                        loss, gnorm = forward_backward(
+                            train_model, model, data, counters.step, cfg, info, device, autocast
+                        )
+                        if math.isfinite(gnorm) and math.isfinite(loss):
+                            optimizer.step()
+                    scheduler.step()
+                    counters.step += 1
+                    step, tokens = counters.step, counters.step * tokens_per_step
+                    elapsed = elapsed_before + time.perf_counter() - t0
+                    out_of_time = cfg.max_time_s > 0 and broadcast_flag(
+                        elapsed >= cfg.max_time_s, info, device
                     )
-                    if math.isfinite(gnorm) and math.isfinite(loss):
-                        optimizer.step()
-                scheduler.step()
-                counters.step += 1
-                step, tokens = counters.step, counters.step * tokens_per_step
-                elapsed = elapsed_before + time.perf_counter() - t0
-                out_of_time = cfg.max_time_s > 0 and broadcast_flag(elapsed >= cfg.max_time_s, info, device)
-                if not late:
-                    settle(step, lr, loss, gnorm)
-                elif (
-                    step >= max_steps
-                    or (cfg.eval_interval and step % cfg.eval_interval == 0)
-                    or (cfg.ckpt_interval and step % cfg.ckpt_interval == 0)
-                    or (cfg.stop_at_step and step >= cfg.stop_at_step)
-                    or out_of_time
-                ):  # what comes next needs this step's bookkeeping done
-                    settle(*pending.read())
-                    pending = None
-                if step >= max_steps:
-                    break  # the end below evaluates and checkpoints the last step
-                # evaluate
-                if cfg.eval_interval and step % cfg.eval_interval == 0:
-                    last_val = evaluate_and_record(step, tokens, counters.elapsed_s)[0]
-                # checkpoint
-                if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
-                    save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
-                # stop early: a simulated interruption, or the wall-clock budget (rank 0's clock decides)
-                if cfg.stop_at_step and step >= cfg.stop_at_step:
-                    interrupted = True
-                    break
-                if out_of_time:
-                    stopped_early = True
-                    log(
-                        f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent"
-                    )
-                    break
+                    if not late:
+                        settle(step, lr, loss, gnorm)
+                    elif (
+                        step >= max_steps
+                        or (cfg.eval_interval and step % cfg.eval_interval == 0)
+                        or (cfg.ckpt_interval and step % cfg.ckpt_interval == 0)
+                        or (cfg.stop_at_step and step >= cfg.stop_at_step)
+                        or out_of_time
+                    ):  # what comes next needs this step's bookkeeping done
+                        values, pending = pending.read(), None
+                        settle(*values)
+                    if step >= max_steps:
+                        break  # the end below evaluates and checkpoints the last step
+                    # evaluate
+                    if cfg.eval_interval and step % cfg.eval_interval == 0:
+                        last_val = evaluate_and_record(step, tokens, counters.elapsed_s)[0]
+                    # checkpoint
+                    if cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
+                        save_run_checkpoint(ckpt_root, cfg, info, device, **to_save)
+                    # stop early: a simulated interruption, or the wall-clock budget (rank 0's clock decides)
+                    if cfg.stop_at_step and step >= cfg.stop_at_step:
+                        interrupted = True
+                        break
+                    if out_of_time:
+                        stopped_early = True
+                        log(
+                            f"\nstopping at step {step}: the wall-clock budget of {cfg.max_time_s:.0f} s is spent"
+                        )
+                        break
+            except BaseException:
+                # a failed or interrupted step still writes the one before it (best effort; no stop here)
+                if pending is not None:
+                    with contextlib.suppress(Exception):
+                        settle(*pending.read(), may_stop=False)
+                raise
         counters.elapsed_s = elapsed_before + time.perf_counter() - t0
         tokens_per_s = throughput.tokens_per_s(tokens_per_step, time.perf_counter())
         step, tokens = counters.step, counters.step * tokens_per_step
@@ -542,26 +562,35 @@ class LateValues:
 
     Reading them at once (``float()``) waits for the step's backward, and the GPU then idles while the
     host runs the optimizer's Python, ``zero_grad``, the compiled model's guards and the next batch's
-    copy. Single process, CUDA, with an optimizer that takes ``found_inf`` (the fused AdamW): the
-    optimizer step is launched with a device-side flag that leaves parameters, moments and step count
-    alone when the loss or norm is not finite (as ``GradScaler`` uses it), so the same steps are
-    skipped as when the host decides; the host reads the values after launching the next step's
-    forward and backward, when the GPU is long past them.
+    copy. With one process and an optimizer that takes ``found_inf`` (the fused AdamW, which the
+    trainer builds on CUDA), the optimizer step is launched with a device-side flag that leaves
+    parameters, moments and step count alone when the loss or norm is not finite (as ``GradScaler``
+    uses it), so the same steps are skipped as when the host decides; the host reads the values after
+    launching the next step's forward and backward, when the GPU is long past them.
+
+    Two things differ from the immediate read, neither in the numbers: a skipped first step leaves the
+    optimizer's lazily made state (zero moments, step 0) in a checkpoint where the immediate read has
+    none, and a step's ``time_s`` and throughput are taken when it is read.
     """
 
     def __init__(self, step: int, lr: float, loss_sum: Tensor, gnorm: Tensor, accum: int):
         values = torch.stack([loss_sum.float(), gnorm.float()])
         self.step, self.lr, self.accum = step, lr, accum
-        self.host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        self.host.copy_(values, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
+        cuda = values.is_cuda
+        self.host = torch.empty(2, dtype=torch.float32, pin_memory=cuda)
+        self.host.copy_(values, non_blocking=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.done.record()
         self.nonfinite = (~torch.isfinite(values).all()).float()  # found_inf: 1.0 skips the update
 
     @staticmethod
-    def usable(optimizer: torch.optim.Optimizer, info: DistInfo, device) -> bool:
-        """Whether this run can read its values late: one process on CUDA, a fused optimizer."""
-        return device.type == "cuda" and not info.enabled and bool(optimizer.defaults.get("fused"))
+    def usable(optimizer: torch.optim.Optimizer, info: DistInfo) -> bool:
+        """Whether a run can read its values late: one process, and every parameter group fused.
+
+        (A group's own ``fused`` counts: a checkpoint's groups replace the optimizer's at resume.)
+        """
+        return not info.enabled and all(group.get("fused") for group in optimizer.param_groups)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``, a no-op on the device if this step's loss or norm is not finite."""
@@ -573,7 +602,8 @@ class LateValues:
 
     def read(self) -> tuple[int, float, float, float]:
         """``(step, lr, loss, gnorm)``: the loss averaged over the micro-batches, as :func:`forward_backward`'s."""
-        self.done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
         loss_sum, gnorm = self.host.tolist()
         return self.step, self.lr, loss_sum / self.accum, gnorm
 
