@@ -64,6 +64,7 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
     assert bt.model_kinds("bf16", ["autocast", "hidden"]) == {"residual": "hidden", "mhc": "autocast"}
     assert bt.model_kinds("bf16", ["hidden", "autocast"]) == {"residual": "hidden", "mhc": "hidden"}
     assert bt.parse_args(["--shapes", "1b,134m,1b", "--modes", "compiled"]).shapes == ["1b", "134m"]
+    assert bt.parse_args(["--runs", "--late"]).late and not args.late
     for bad in (
         ["--shapes", "2b"],
         ["--modes", ","],
@@ -72,6 +73,7 @@ def test_bench_training_options_shapes_report_and_json(tmp_path):
         ["--rounds", "0"],
         ["--device", "mps"],
         ["--stream-dtypes", "bf16"],
+        ["--late"],  # a late read timed step by step would gain nothing
     ):
         with pytest.raises(SystemExit):
             bt.parse_args(bad)

@@ -177,6 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "step by step: for a loop that reads nothing on the host between steps",
     )
     ap.add_argument(
+        "--late",
+        action="store_true",
+        help="the autocast step reads its loss and gradient norm a step late, as mhc.train's loop does on one "
+        "CUDA device with the fused AdamW (mhc.train.loop.LateValues); needs --runs, which alone shows the gain",
+    )
+    ap.add_argument(
         "--warmup", type=int, default=3, help="untimed steps before each round's timed ones (default 3)"
     )
     ap.add_argument(
@@ -215,6 +221,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.stream_dtypes = _choices(args.stream_dtypes, STREAM_DTYPES, "--stream-dtypes", ap)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.kernel_steps < 1:
         ap.error("need --rounds >= 1, --steps >= 1, --warmup >= 0, --kernel-steps >= 1")
+    if args.late and not args.runs:
+        ap.error(
+            "--late needs --runs: timed step by step, every step waits for the GPU and the late read gains nothing"
+        )
     if args.device not in ("cuda", "cpu"):
         ap.error(f"--device must be cuda or cpu, got {args.device!r}")
     if args.device == "cpu" and not args.tiny and not args.dry_run:
@@ -353,7 +363,7 @@ def run_group(
         t0 = time.perf_counter()
         model = build(shape, "residual" if kind == "residual" else "mhc", recipe, device, args, setting)
         run = compile_model(model, args.compile_backend, device, cfg) if mode == "compiled" else model
-        step = make_step(model, recipe, run, ids, device, cfg)
+        step = make_step(model, recipe, run, ids, device, cfg, late=args.late and recipe == "autocast")
         models[kind], steps[kind] = model, step
         synchronize(device)
         built_s = time.perf_counter() - t0
@@ -564,6 +574,7 @@ def header(args, argv: list[str]) -> dict:
             "steps": args.steps,
             "warmup": args.warmup,
             "timing": "runs of steps, one synchronisation each" if args.runs else "step by step",
+            "autocast_host_read": "a step late" if args.late else "every step, before the optimizer",
             "n_streams": N_STREAMS,
             "init": args.init,
             "compile": f"torch.compile(model) (mhc.train.distributed.wrap_model), backend "
@@ -645,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     report["complete"] = True
     log(
         f"\ntraining step (forward, loss, backward, optimizer), best of {args.rounds} interleaved "
-        f"{'runs' if args.runs else 'medians'} of {args.steps}; commit {report['commit']}, {report['date']}, {report['environment']['device']}"
+        f"{'runs' if args.runs else 'medians'} of {args.steps}{', late read' if args.late else ''}; commit {report['commit']}, {report['date']}, {report['environment']['device']}"
     )
     log(table(report["groups"]))
     for g in report["groups"]:
