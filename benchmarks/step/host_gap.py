@@ -20,7 +20,9 @@ The steps of each model, on the same (compiled) model and optimizer, timed in in
   host, so the host runs ahead of the GPU (what a loop that checks the values a step late would do).
 
 The gap between ``loop`` and ``no sync`` is the host time the sync exposes; the ``no sync`` ratio of mHC over residual is what
-the ratio would be without it. A measurement for issue #49, not a path of the library.
+the ratio would be without it. On CUDA it then times the host's own time of a ``no sync`` and a ``late read``
+step with the GPU kept busy (``host_only_ms``): where that exceeds the GPU's time a step, the step is
+host-bound, and no placement of the read helps. A measurement for issue #49, not a path of the library.
 """
 
 from __future__ import annotations
@@ -69,9 +71,28 @@ def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
                 del optimizer.found_inf, optimizer.grad_scale
         scheduler.step()
         if skip_on_device:
-            float(gnorm), float(loss)  # the host read, now behind the optimizer's launch
+            float(gnorm), float(loss.detach())  # the host read, now behind the optimizer's launch
 
     return step
+
+
+def host_only_ms(fn, reps: int = 5, sleep_cycles: int = 400_000_000) -> float:
+    """Milliseconds the host spends in one call of ``fn`` while the GPU is busy elsewhere (the median of ``reps``).
+
+    A long ``torch.cuda._sleep`` is queued first, so the call's launches queue behind it and nothing ``fn``
+    waits for on the device is pending: the time to return is the host's own (Python, dispatch, guards,
+    launches). Meaningful for steps that read nothing of their own on the host (``no sync``, ``late read``:
+    its read is of the step before the sleep); a figure near the sleep's length means the call waited anyway.
+    """
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> None:
@@ -140,6 +161,12 @@ def main(argv=None) -> None:
     for kind in ("residual", "mhc"):
         gap = best[f"{kind} loop"] - best[f"{kind} no sync"]
         print(f"{kind}: the sync exposes {gap:.2f} ms a step")
+    if (
+        device.type == "cuda"
+    ):  # is the step host-bound? the host's own time a step, the GPU kept busy meanwhile
+        for variant in ("no sync", "late read"):
+            r, m = (host_only_ms(steps[f"{kind} {variant}"]) for kind in ("residual", "mhc"))
+            print(f"host time of a {variant} step (GPU busy meanwhile): residual {r:.2f} ms, mHC {m:.2f} ms")
 
 
 if __name__ == "__main__":
