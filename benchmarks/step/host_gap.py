@@ -161,12 +161,22 @@ def main(argv=None) -> None:
     for kind in ("residual", "mhc"):
         gap = best[f"{kind} loop"] - best[f"{kind} no sync"]
         print(f"{kind}: the sync exposes {gap:.2f} ms a step")
-    if (
-        device.type == "cuda"
-    ):  # is the step host-bound? the host's own time a step, the GPU kept busy meanwhile
+    if device.type == "cuda":
+        # Is the step host-bound? The host's own time a step, the GPU kept busy meanwhile.
         for variant in ("no sync", "late read"):
             r, m = (host_only_ms(steps[f"{kind} {variant}"]) for kind in ("residual", "mhc"))
             print(f"host time of a {variant} step (GPU busy meanwhile): residual {r:.2f} ms, mHC {m:.2f} ms")
+        # Does a batch's copy wait for the queued work? (mhc.train.data.batch_to_device pins it so it does not.)
+        from mhc.train.data import batch_to_device
+
+        batch = ids.cpu()
+        busy = host_only_ms(torch.cuda.synchronize)
+        pageable = host_only_ms(lambda: batch.to(device, non_blocking=True))
+        pinned = host_only_ms(lambda: batch_to_device(batch, device))
+        print(
+            f"a batch's copy behind {busy:.1f} ms of queued GPU work: from pageable memory {pageable:.2f} ms, "
+            f"pinned first {pinned:.2f} ms"
+        )
 
 
 if __name__ == "__main__":
