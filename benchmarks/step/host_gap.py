@@ -21,8 +21,8 @@ The steps of each model, on the same (compiled) model and optimizer, timed in in
 
 The gap between ``loop`` and ``no sync`` is the host time the sync exposes; the ``no sync`` ratio of mHC over residual is what
 the ratio would be without it. On CUDA it then times the host's own time of a ``no sync`` and a ``late read``
-step with the GPU kept busy (``host_only_ms``): where that exceeds the GPU's time a step, the step is
-host-bound, and no placement of the read helps. A measurement for issue #49, not a path of the library.
+step with the GPU kept busy (``host_only_ms``; see there for when it cannot tell), and whether the loop's
+batch copy waits for queued work. A measurement for issue #49, not a path of the library.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def host_only_ms(fn, reps: int = 5, sleep_cycles: int = 400_000_000) -> float:
     waits for on the device is pending: the time to return is the host's own (Python, dispatch, guards,
     launches). Meaningful for steps that read nothing of their own on the host (``no sync``, ``late read``:
     its read is of the step before the sleep); a figure near the sleep's length means the call waited anyway.
+    It also reads as the sleep when a step queues more work than the driver lets wait behind it: on an H100
+    (2026-12-07) the compiled mHC steps (about 1,040 launches at small_gpu, against the residual's 750)
+    came to 211-215 ms behind a 200 ms sleep at small_gpu and 134M, while the same step under
+    ``torch.profiler`` took about 40 ms of host time and no op in it waited. Compare the ``no sync`` wall time
+    with the step's kernel time instead: above it, the step is host-bound.
     """
     times = []
     for _ in range(reps):
@@ -166,13 +171,11 @@ def main(argv=None) -> None:
         for variant in ("no sync", "late read"):
             r, m = (host_only_ms(steps[f"{kind} {variant}"]) for kind in ("residual", "mhc"))
             print(f"host time of a {variant} step (GPU busy meanwhile): residual {r:.2f} ms, mHC {m:.2f} ms")
-        # Does a batch's copy wait for the queued work? (mhc.train.data.batch_to_device pins it so it does not.)
-        from mhc.train.data import batch_to_device
-
+        # Does the loop's batch copy (from pageable memory) wait for queued work? (On an H100, 2026-12-07: no.)
         batch = ids.cpu()
         busy = host_only_ms(torch.cuda.synchronize)
         pageable = host_only_ms(lambda: batch.to(device, non_blocking=True))
-        pinned = host_only_ms(lambda: batch_to_device(batch, device))
+        pinned = host_only_ms(lambda: batch.pin_memory().to(device, non_blocking=True))
         print(
             f"a batch's copy behind {busy:.1f} ms of queued GPU work: from pageable memory {pageable:.2f} ms, "
             f"pinned first {pinned:.2f} ms"
