@@ -17,30 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_support import TINY as SHARED_TINY
 
 from mhc import train as T
 from mhc.train import loop
 from mhc.train.distributed import DistInfo
 
-TINY = dict(
-    hidden_size=32,
-    num_layers=2,
-    num_heads=2,
-    intermediate_size=64,
-    seq_len=32,
-    batch_size=4,
-    data="stdlib",
-    max_corpus_mb=0.3,
-    max_steps=6,
-    warmup_steps=0,
-    log_interval=1,
-    eval_interval=3,
-    eval_batches=1,
-    ckpt_interval=2,
-    progress=False,
-    plots=False,
-    threads=1,
-)
+# The shared tiny run, shorter, with an evaluation and checkpoints inside it and no plots.
+TINY = {
+    **SHARED_TINY,
+    "max_steps": 6,
+    "warmup_steps": 0,
+    "eval_interval": 3,
+    "eval_batches": 1,
+    "ckpt_interval": 2,
+    "plots": False,
+}
 
 DEVICES = [
     "cpu",
