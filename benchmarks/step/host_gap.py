@@ -45,10 +45,11 @@ def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
     """The loop's calls (loss, backward, clipping, optimizer and scheduler steps) on ``loop_step``'s optimizer.
 
     Without ``skip_on_device`` nothing is read on the host (``no sync``). With it (``optimizer first``) the
-    fused AdamW gets ``found_inf`` as ``GradScaler`` sets it (a 1.0 leaves parameters, moments and step count
-    alone), so the same steps are skipped as in the loop, and the loss and norm are read after the launch.
+    fused AdamW skips a non-finite step on the device, as the trainer's late read launches it
+    (``LateValues.step_optimizer``), so the same steps are skipped as in the loop, and the loss and norm are
+    read right after the launch.
     """
-    from mhc.train.loop import lm_loss
+    from mhc.train.loop import LateValues, lm_loss
 
     optimizer, scheduler = loop_step.optimizer, loop_step.scheduler
     autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
@@ -63,15 +64,11 @@ def direct_step(model, run, ids, device, cfg, loop_step, skip_on_device: bool):
         if not skip_on_device:
             optimizer.step()
         else:
-            optimizer.found_inf = (~(torch.isfinite(gnorm) & torch.isfinite(loss))).float()
-            optimizer.grad_scale = None
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.found_inf, optimizer.grad_scale
+            values = LateValues(0, 0.0, loss.detach(), gnorm, accum=1)
+            values.step_optimizer(optimizer)
         scheduler.step()
         if skip_on_device:
-            float(gnorm), float(loss.detach())  # the host read, now behind the optimizer's launch
+            values.read()  # the host read, now behind the optimizer's launch
 
     return step
 
