@@ -3,6 +3,7 @@
     python benchmarks/step/bench_training.py --json out.json --commit $(git rev-parse --short HEAD)
     python benchmarks/step/bench_training.py --shapes 1b --recipes autocast --modes compiled --kernels
     python benchmarks/step/bench_training.py --recipes autocast --stream-dtypes autocast,hidden   # fp32 streams too
+    python benchmarks/step/bench_training.py --base ab_base --shapes small_gpu --modes compiled  # A/B, ab_previous.py
     python benchmarks/step/bench_training.py --dry-run                    # the plan: groups, models, recipes
     python benchmarks/step/bench_training.py --device cpu --tiny --modes eager --json /tmp/t.json   # CPU check
 
@@ -129,13 +130,16 @@ RECIPES = ("bf16", "autocast")
 MODES = ("eager", "compiled")
 
 
-def model_kinds(recipe: str, stream_dtypes: list[str]) -> dict[str, str]:
+def model_kinds(recipe: str, stream_dtypes: list[str], base: bool = False) -> dict[str, str]:
     """The models of a group, name -> ``MHCConfig.stream_dtype``: the residual model, then one mHC model per
     ``--stream-dtypes`` entry, the first named ``mhc`` and the others ``mhc[<setting>]``. In the ``bf16`` recipe
-    (no autocast) every setting keeps the hidden state's dtype, so only the first is run."""
+    (no autocast) every setting keeps the hidden state's dtype, so only the first is run. With ``base``
+    (``--base``), last ``mhc[base]``: the first setting's model built by the earlier commit's package."""
     kinds = {"residual": "hidden"}
     for setting in stream_dtypes[:1] if recipe == "bf16" else stream_dtypes:
         kinds["mhc" if len(kinds) == 1 else f"mhc[{setting}]"] = setting
+    if base:
+        kinds["mhc[base]"] = stream_dtypes[0]
     return kinds
 
 
@@ -195,6 +199,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"timed in the same rounds (default {DEFAULT_STREAM_DTYPE}, the library's default)",
     )
     ap.add_argument(
+        "--base",
+        type=Path,
+        metavar="DIR",
+        help="also an mHC model built by an earlier commit's package, DIR/mhc_base (made by "
+        "benchmarks/step/ab_previous.py --make-base COMMIT DIR), timed in the same rounds as mhc[base]: the "
+        "A/B of a change in one process. The two commits' CUDA extension sources must agree",
+    )
+    ap.add_argument(
         "--kernels", action="store_true", help="also the fused site kernels' time and bandwidth (CUDA)"
     )
     ap.add_argument("--kernel-steps", type=int, default=3, help="steps profiled for --kernels (default 3)")
@@ -225,6 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(
             "--late needs --runs: timed step by step, every step waits for the GPU and the late read gains nothing"
         )
+    if args.base is not None and not (args.base / "mhc_base").is_dir():
+        ap.error(f"--base: {args.base} holds no mhc_base; make it with ab_previous.py --make-base COMMIT DIR")
     if args.device not in ("cuda", "cpu"):
         ap.error(f"--device must be cuda or cpu, got {args.device!r}")
     if args.device == "cpu" and not args.tiny and not args.dry_run:
@@ -357,11 +371,14 @@ def run_group(
     )  # the autocast step's optimizer settings
     from torch._dynamo.utils import counters
 
-    kinds = model_kinds(recipe, args.stream_dtypes)
+    kinds = model_kinds(recipe, args.stream_dtypes, args.base is not None)
     models, steps, figures = {}, {}, {}
     for kind, setting in kinds.items():
         t0 = time.perf_counter()
-        model = build(shape, "residual" if kind == "residual" else "mhc", recipe, device, args, setting)
+        package = "mhc_base" if kind == "mhc[base]" else "mhc"
+        model = build(
+            shape, "residual" if kind == "residual" else "mhc", recipe, device, args, setting, package
+        )
         run = compile_model(model, args.compile_backend, device, cfg) if mode == "compiled" else model
         step = make_step(model, recipe, run, ids, device, cfg, late=args.late and recipe == "autocast")
         models[kind], steps[kind] = model, step
@@ -380,6 +397,7 @@ def run_group(
             "first_step_s": first_s,
             "stream_setting": setting,
             "stream_dtype": str(streams_dtype(model, recipe, device)),
+            "package": package,
         }
         if mode == "compiled":
             figures[kind]["compile_s"] = first_s
@@ -462,7 +480,8 @@ def _streams(figures: dict) -> str:
     """``float32`` / ``bfloat16 (autocast)``: the streams' dtype, and the setting when it is not ``hidden``."""
     dtype = figures.get("stream_dtype", "?").replace("torch.", "")
     setting = figures.get("stream_setting", "hidden")
-    return dtype if setting == "hidden" else f"{dtype} ({setting})"
+    text = dtype if setting == "hidden" else f"{dtype} ({setting})"
+    return f"{text}, base" if figures.get("package") == "mhc_base" else text
 
 
 def table(groups: list[dict]) -> str:
@@ -619,6 +638,11 @@ def main(argv: list[str] | None = None) -> None:
     else:  # host timers instead of CUDA events, for the CPU check
         common.time_calls = _host_time_calls
     device = torch.device(args.device)
+    if args.base is not None:  # mhc_base shares this tree's build of the extension (ab_previous.py)
+        import os
+
+        os.environ["MHC_CSRC_DIR"] = str(REPO / "mhc" / "csrc")
+        sys.path.insert(0, str(args.base.resolve()))
     # Every group compiles its two models afresh (dynamo is reset between groups); keep dynamo from falling back to
     # eager on a code object it has compiled often.
     for name in ("recompile_limit", "cache_size_limit"):

@@ -6,6 +6,7 @@ from it, compiled as ``mhc.train`` compiles them, and the step of each recipe (`
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import common
@@ -33,14 +34,16 @@ def preset_config(
     init: str = "paper",
     tiny: bool = False,
     stream_dtype: str | None = None,
+    package: str = "mhc",
 ):
-    """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it.
+    """The small_gpu preset's ``TrainConfig`` for ``kind`` (residual or mhc), as ``scripts/train_lm.py --config`` loads it
+    (with ``package``'s ``train.load_config``: ``mhc``, or an earlier commit's ``mhc_base``).
 
     The mHC one gets ``mhc_options.init = init`` (and ``mhc_options.stream_dtype`` unless ``None``, the
     library's default); ``batch``/``seq`` replace the preset's (the Llama shapes' optimizer settings are the preset's too);
     ``tiny`` shrinks the model.
     """
-    from mhc.train import load_config
+    load_config = importlib.import_module(f"{package}.train").load_config
 
     overrides: dict = {}
     if kind == "mhc":
@@ -112,18 +115,24 @@ def shape_plan(shape: str, tiny: bool, init: str = "paper") -> dict:
 
 
 def build(
-    shape: str, kind: str, recipe: str, device: torch.device, args, stream_dtype: str | None = None
+    shape: str,
+    kind: str,
+    recipe: str,
+    device: torch.device,
+    args,
+    stream_dtype: str | None = None,
+    package: str = "mhc",
 ) -> torch.nn.Module:
     """The ``kind`` (residual or mhc) model of ``shape`` on ``device``: float32 (autocast) or wholly bf16, in train mode;
     the mHC one keeps its streams in ``stream_dtype`` (``MHCConfig.stream_dtype``; ``None``: the library's default).
     The residual one is the base model: a Llama, or the preset's ``mode="residual"``, which keeps its stream in the
-    hidden state's dtype whatever ``stream_dtype`` says."""
+    hidden state's dtype whatever ``stream_dtype`` says. ``package``: the package that builds it (``mhc``, or an
+    earlier commit's copy, ``mhc_base``, for an A/B in one process)."""
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     torch.manual_seed(0)
     if shape == "small_gpu":  # as mhc.train.loop.train: seed, build_model on the CPU, model.to(device)
-        from mhc.train.model import build_model
-
-        cfg = preset_config(kind, init=args.init, tiny=args.tiny, stream_dtype=stream_dtype)
+        build_model = importlib.import_module(f"{package}.train.model").build_model
+        cfg = preset_config(kind, init=args.init, tiny=args.tiny, stream_dtype=stream_dtype, package=package)
         vocab = (
             TINY["vocab"] if args.tiny else cfg.bpe_vocab_size
         )  # the preset's BPE has bpe_vocab_size tokens
@@ -136,10 +145,9 @@ def build(
             model = LlamaForCausalLM(llama_config(shape, plan["seq"], args.tiny))
         model = model.to(dtype)
         if kind == "mhc":
-            import mhc
-
             options = {} if stream_dtype is None else {"stream_dtype": stream_dtype}
-            model = mhc.convert_to_mhc(model, n_streams=N_STREAMS, init=args.init, **options)
+            convert = importlib.import_module(package).convert_to_mhc
+            model = convert(model, n_streams=N_STREAMS, init=args.init, **options)
     return model.train()
 
 
