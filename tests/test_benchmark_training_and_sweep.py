@@ -286,6 +286,30 @@ def test_bench_training_runs_every_path_on_tiny_models_on_the_cpu(tmp_path):
             assert res["steps_run"] == mhc["steps_run"] == 4, g
 
 
+@pytest.mark.slow
+def test_bench_training_times_an_earlier_commits_model_in_the_same_rounds(tmp_path):
+    """--base DIR (ab_previous.py --make-base): a third model, mhc[base], built by the earlier package (mhc_base,
+    imported from DIR), timed in the same rounds and reported beside mhc; a DIR without mhc_base is refused."""
+    base = tmp_path / "base"
+    made = run_in_repo(
+        sys.executable, str(BENCHMARKS / "step" / "ab_previous.py"), "--make-base", "HEAD", str(base)
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    out = tmp_path / "training.json"
+    args = ["--device", "cpu", "--tiny", "--shapes", "small_gpu", "--recipes", "autocast", "--modes", "eager"]
+    args += ["--rounds", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    script = str(BENCHMARKS / "step" / "bench_training.py")
+    proc = run_in_repo(sys.executable, script, *args, "--base", str(base))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (group,) = json.loads(out.read_text())["groups"]
+    assert list(group["models"]) == ["residual", "mhc", "mhc[base]"], group
+    new, old = group["models"]["mhc"], group["models"]["mhc[base]"]
+    assert (new["package"], old["package"]) == ("mhc", "mhc_base")
+    assert old["ms"] > 0 and old["params"] == new["params"] and "bfloat16 (autocast), base" in proc.stdout
+    refused = run_in_repo(sys.executable, script, *args, "--base", str(tmp_path))
+    assert refused.returncode == 2 and "holds no mhc_base" in refused.stderr, refused.stderr
+
+
 def test_site_bytes_count_u_and_y_in_their_own_dtypes():
     """Under autocast with float32 weights the site's streams are bf16, u (and du) float32, y (and dy) bf16:
     common.site_kernel_bytes counts each array at its own size, and site_element_sizes reads them off the model."""
