@@ -16,7 +16,10 @@
 #   compile1b  the same for the 1.1B model (batch 4)
 #   training benchmarks/step/bench_training.py --kernels --commit $COMMIT --json $OUT/training.json $TRAINING_ARGS:
 #            the training-cost table (residual and mHC; small_gpu, 134m and 1b; bf16 and autocast; eager and
-#            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own
+#            compiled), one process under timeout 560; TRAINING_ARGS="--shapes 1b" runs a shape in a call of its own;
+#            TRAINING_ARGS="--base ab_base ..." adds an earlier commit's mHC model to the same rounds (the A/B of a
+#            change in one process; ab_base made here first by `python benchmarks/step/ab_previous.py --make-base
+#            COMMIT ab_base`, untracked, so it travels with the tree)
 #   hostgap  benchmarks/step/host_gap.py --shape S --rounds HOSTGAP_ROUNDS (4) for each S of HOSTGAP_SHAPES
 #            ("small_gpu"): the trainer's step against the same calls with no host read, both models in one
 #            process, compiled, autocast; $OUT/host_gap_<S>.log
