@@ -25,6 +25,9 @@ autocast`` keeps the weights float32 and runs each step under
 ``torch.autocast("cuda", torch.bfloat16)`` (the streams are then float32, as
 in ``mhc.train``); ``--steps-only`` skips every bits check (for a comparison
 across a change that alters bits on purpose, e.g. a kernel's precision).
+The same base in ``benchmarks/step/bench_training.py --base DIR`` times the
+earlier model beside this tree's in the training benchmark's groups (every
+shape, recipe and mode, compiled and with the trainer's late read included).
 """
 
 from __future__ import annotations
