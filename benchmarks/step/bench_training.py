@@ -100,6 +100,7 @@ import argparse
 import datetime
 import functools
 import gc
+import os
 import subprocess
 import sys
 import time
@@ -639,8 +640,6 @@ def main(argv: list[str] | None = None) -> None:
         common.time_calls = _host_time_calls
     device = torch.device(args.device)
     if args.base is not None:  # mhc_base shares this tree's build of the extension (ab_previous.py)
-        import os
-
         os.environ["MHC_CSRC_DIR"] = str(REPO / "mhc" / "csrc")
         sys.path.insert(0, str(args.base.resolve()))
     # Every group compiles its two models afresh (dynamo is reset between groups); keep dynamo from falling back to

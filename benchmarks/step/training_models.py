@@ -206,8 +206,8 @@ def make_step(
 
     def step() -> None:  # the body of mhc.train.loop.train's step loop, less its logging
         optimizer.zero_grad(set_to_none=True)
-        lr = optimizer.param_groups[0]["lr"]
         if late:
+            lr = optimizer.param_groups[0]["lr"]
             loss_sum, gnorm = forward_backward_tensors(
                 run, model, data, counts["steps"], cfg, info, device, autocast
             )

@@ -304,6 +304,13 @@ def train(
                     metrics.close()
                     raise TrainingStoppedError(reason)
 
+            def settle_pending() -> None:
+                # the late read: the step still pending, read and booked now
+                nonlocal pending
+                if pending is not None:
+                    values, pending = pending.read(), None
+                    settle(*values)
+
             try:
                 while counters.step < max_steps:
                     optimizer.zero_grad(set_to_none=True)
@@ -311,16 +318,13 @@ def train(
                     stop_next = (
                         cfg.max_skipped_in_a_row and counters.skipped_in_a_row + 1 >= cfg.max_skipped_in_a_row
                     )
-                    if late and pending is not None and stop_next:  # it may be the step that stops the run
-                        values, pending = pending.read(), None
-                        settle(*values)
+                    if late and stop_next:  # the pending step may be the one that stops the run
+                        settle_pending()
                     if late:
                         loss_sum, gnorm_t = forward_backward_tensors(
                             train_model, model, data, counters.step, cfg, info, device, autocast
                         )
-                        if pending is not None:  # the previous step's values, while this step runs on the GPU
-                            values, pending = pending.read(), None
-                            settle(*values)
+                        settle_pending()  # the previous step's values, while this step runs on the GPU
                         pending = LateValues(counters.step + 1, lr, loss_sum, gnorm_t, cfg.grad_accum)
                         pending.step_optimizer(optimizer)
                     else:
@@ -345,8 +349,7 @@ def train(
                         or (cfg.stop_at_step and step >= cfg.stop_at_step)
                         or out_of_time
                     ):  # what comes next needs this step's bookkeeping done
-                        values, pending = pending.read(), None
-                        settle(*values)
+                        settle_pending()
                     if step >= max_steps:
                         break  # the end below evaluates and checkpoints the last step
                     # evaluate
