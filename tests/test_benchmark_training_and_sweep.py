@@ -302,6 +302,7 @@ def test_bench_training_times_an_earlier_commits_model_in_the_same_rounds(tmp_pa
     proc = run_in_repo(sys.executable, script, *args, "--base", str(base))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (group,) = json.loads(out.read_text())["groups"]
+    assert "error" not in group, group["traceback"]
     assert list(group["models"]) == ["residual", "mhc", "mhc[base]"], group
     new, old = group["models"]["mhc"], group["models"]["mhc[base]"]
     assert (new["package"], old["package"]) == ("mhc", "mhc_base")

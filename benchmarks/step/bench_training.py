@@ -616,7 +616,9 @@ def header(args, argv: list[str]) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the groups and print the table; the exit status is 1 when a group failed (its traceback is
+    printed and its row says why), else 0."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     log = functools.partial(print, flush=True)
@@ -633,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(groups)} groups (shape, recipe, mode): " + ", ".join(" ".join(g) for g in groups))
     if args.dry_run:
         log("dry run: nothing built or measured")
-        return
+        return 0
     if args.device == "cuda":
         common.require_cuda("bench_training.py")
     else:  # host timers instead of CUDA events, for the CPU check
@@ -688,7 +690,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         common.write_json(args.json, report)
         log(f"wrote {args.json}")
+    failed = [f"{g['shape']} {g['recipe']} {g['mode']}" for g in report["groups"] if "error" in g]
+    if failed:
+        log(f"failed groups: {', '.join(failed)} (their tracebacks are above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
