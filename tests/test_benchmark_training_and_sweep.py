@@ -31,6 +31,10 @@ def _bench_training():
     return _benchmark_module("step", "bench_training")
 
 
+def _ab_previous():
+    return _benchmark_module("step", "ab_previous")
+
+
 def test_bench_training_options_shapes_report_and_json(tmp_path):
     """benchmarks/step/bench_training.py's pieces without running a model: its options, the shapes (the small_gpu
     preset's model and batch), the compile call mhc.train makes, the kernel figures at the streams' element size,
@@ -295,6 +299,13 @@ def test_bench_training_times_an_earlier_commits_model_in_the_same_rounds(tmp_pa
         sys.executable, str(BENCHMARKS / "step" / "ab_previous.py"), "--make-base", "HEAD", str(base)
     )
     assert made.returncode == 0, made.stdout + made.stderr
+    # Only the CUDA extension's ops stay in mhc::, registered once by this tree; an op that both packages
+    # define would be replaced by the base's (and the replaced one's teardown can leave it with no schema).
+    named = set()
+    for path in (base / "mhc_base").rglob("*.py"):
+        named |= set(re.findall(r"(?:\bmhc::|\btorch\.ops\.mhc\.)(\{?\w+)", path.read_text()))
+    shared = set(_ab_previous().SHARED_OPS.split("|"))
+    assert named and named <= shared, named - shared
     out = tmp_path / "training.json"
     args = ["--device", "cpu", "--tiny", "--shapes", "small_gpu", "--recipes", "autocast", "--modes", "eager"]
     args += ["--rounds", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]

@@ -5,9 +5,9 @@
     TRITON_INTERPRET=1 python benchmarks/step/ab_previous.py --base ab_base --cpu   # CPU: site bits only
 
 ``--make-base COMMIT DIR`` writes COMMIT's package as ``DIR/mhc_base``: the
-same code under another name, with its ``torch.library`` custom ops in the
-``mhc_base`` namespace and the CUDA extension's operators left to this tree's
-registration, so that both packages import into one process and share one
+same code under another name, with every ``torch.library`` op its Python
+defines in the ``mhc_base`` namespace and the CUDA extension's operators
+(``SHARED_OPS``) left to this tree's registration, so that both packages import into one process and share one
 build of the kernels (``MHC_CSRC_DIR`` is set to this tree's ``mhc/csrc``;
 the comparison is of the Python around the kernels, so the two commits'
 kernel sources must agree).
@@ -42,6 +42,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The ``mhc::`` ops both packages share: the CUDA extension's and those that ``mhc.projection.cuda._register``
+#: adds beside them, registered once by this tree (the base's ``_register()`` is turned off).
+SHARED_OPS = "|".join(
+    [
+        "birkhoff_forward",
+        "birkhoff_forward_info",
+        "birkhoff_backward",
+        "birkhoff_unconverged",
+        "birkhoff_backward_graph",
+    ]
+)
 
 
 def make_base(commit: str, out: Path) -> None:
@@ -56,9 +67,14 @@ def make_base(commit: str, out: Path) -> None:
         if target.exists():
             raise SystemExit(f"{target} exists; remove it first")
         Path(tmp, "mhc").rename(target)
+    # Every op the Python code defines moves to mhc_base: two definitions of one name in one process
+    # replace each other (torch.library lets a custom op be redefined), so each package's calls could
+    # reach the other's kernels, and the replaced registration's teardown leaves an op with no schema.
+    own_ops = re.compile(rf"\bmhc::(?!(?:{SHARED_OPS})\b)")
+    own_calls = re.compile(rf"\btorch\.ops\.mhc\.(?!(?:{SHARED_OPS})\b)")
     for path in target.rglob("*.py"):
         text = path.read_text()
-        new = re.sub(r"\bmhc::fused_", "mhc_base::fused_", text)
+        new = own_calls.sub("torch.ops.mhc_base.", own_ops.sub("mhc_base::", text))
         new = re.sub(
             r"^(\s*)_register\(\)$",
             r"\1pass  # this process's newer mhc registers the extension's ops",
