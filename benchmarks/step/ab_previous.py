@@ -7,10 +7,11 @@
 ``--make-base COMMIT DIR`` writes COMMIT's package as ``DIR/mhc_base``: the
 same code under another name, with every ``torch.library`` op its Python
 defines in the ``mhc_base`` namespace and the CUDA extension's operators
-(``SHARED_OPS``) left to this tree's registration, so that both packages import into one process and share one
-build of the kernels (``MHC_CSRC_DIR`` is set to this tree's ``mhc/csrc``;
-the comparison is of the Python around the kernels, so the two commits'
-kernel sources must agree).
+(``SHARED_OPS``) left to this tree's registration, so that both packages
+import into one process and share one build of the kernels
+(:func:`use_base` sets ``MHC_CSRC_DIR`` to this tree's ``mhc/csrc``; the
+comparison is of the Python around the kernels, so the two commits' kernel
+sources must agree).
 
 Checks, each printed as ``bits <what>: identical`` or the largest difference:
 
@@ -44,14 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 #: The ``mhc::`` ops both packages share: the CUDA extension's and those that ``mhc.projection.cuda._register``
 #: adds beside them, registered once by this tree (the base's ``_register()`` is turned off).
-SHARED_OPS = "|".join(
-    [
-        "birkhoff_forward",
-        "birkhoff_forward_info",
-        "birkhoff_backward",
-        "birkhoff_unconverged",
-        "birkhoff_backward_graph",
-    ]
+SHARED_OPS = (
+    "birkhoff_forward",
+    "birkhoff_forward_info",
+    "birkhoff_backward",
+    "birkhoff_unconverged",
+    "birkhoff_backward_graph",
 )
 
 
@@ -70,8 +69,9 @@ def make_base(commit: str, out: Path) -> None:
     # Every op the Python code defines moves to mhc_base: two definitions of one name in one process
     # replace each other (torch.library lets a custom op be redefined), so each package's calls could
     # reach the other's kernels, and the replaced registration's teardown leaves an op with no schema.
-    own_ops = re.compile(rf"\bmhc::(?!(?:{SHARED_OPS})\b)")
-    own_calls = re.compile(rf"\btorch\.ops\.mhc\.(?!(?:{SHARED_OPS})\b)")
+    shared = "|".join(SHARED_OPS)
+    own_ops = re.compile(rf"\bmhc::(?!(?:{shared})\b)")
+    own_calls = re.compile(rf"\btorch\.ops\.mhc\.(?!(?:{shared})\b)")
     for path in target.rglob("*.py"):
         text = path.read_text()
         new = own_calls.sub("torch.ops.mhc_base.", own_ops.sub("mhc_base::", text))
@@ -85,6 +85,13 @@ def make_base(commit: str, out: Path) -> None:
         if new != text:
             path.write_text(new)
     print(f"wrote {target} ({commit})")
+
+
+def use_base(base: Path) -> None:
+    """Make ``base/mhc_base`` (from :func:`make_base`) importable beside this tree's ``mhc``, on this tree's
+    build of the CUDA extension."""
+    os.environ["MHC_CSRC_DIR"] = str(ROOT / "mhc" / "csrc")
+    sys.path.insert(0, str(base.resolve()))
 
 
 def block_pair(new_mhc, base_mhc, n: int, C: int, dtype, device: str, **options):
@@ -182,10 +189,9 @@ def main() -> None:
         return
     if args.base is None:
         raise SystemExit("give --base DIR (made by --make-base) or --make-base COMMIT DIR")
-    os.environ["MHC_CSRC_DIR"] = str(ROOT / "mhc" / "csrc")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the model's bits
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(args.base.resolve()))
+    use_base(args.base)
     import torch
 
     import mhc

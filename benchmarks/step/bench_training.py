@@ -100,7 +100,6 @@ import argparse
 import datetime
 import functools
 import gc
-import os
 import subprocess
 import sys
 import time
@@ -641,9 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     else:  # host timers instead of CUDA events, for the CPU check
         common.time_calls = _host_time_calls
     device = torch.device(args.device)
-    if args.base is not None:  # mhc_base shares this tree's build of the extension (ab_previous.py)
-        os.environ["MHC_CSRC_DIR"] = str(REPO / "mhc" / "csrc")
-        sys.path.insert(0, str(args.base.resolve()))
+    if args.base is not None:
+        from ab_previous import use_base  # (benchmarks/step/, this script's folder)
+
+        use_base(args.base)
     # Every group compiles its two models afresh (dynamo is reset between groups); keep dynamo from falling back to
     # eager on a code object it has compiled often.
     for name in ("recompile_limit", "cache_size_limit"):
